@@ -1,0 +1,3 @@
+"""LServe: long-context LLM serving with unified block-sparse attention."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,56 @@
+"""The attention backend interface: ``plan`` once per step, ``run`` once per layer.
+
+``plan(steps)`` is host-side work (index tables, selection schedule); ``run(layer, q, k, v,
+plan)`` writes the layer's new K/V into the two-way cache and returns attention output. The
+torch backend is the reference every other backend is tested against.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from lserve.cache.kv_cache import KVCache
+from lserve.config import ModelConfig, SparsityConfig
+from lserve.sparsity.plan import SeqStep, StepPlan, StepPlanner
+
+
+class AttentionBackend(ABC):
+    """Block-sparse attention over the two-way paged cache.
+
+    Parameters
+    ----------
+    model : ModelConfig
+    sparsity : SparsityConfig
+    cache : KVCache
+        Heads already permuted: per layer, KV heads ``[0, cache.n_dense[layer])`` are dense.
+    """
+
+    name = "base"
+
+    def __init__(self, model: ModelConfig, sparsity: SparsityConfig, cache: KVCache) -> None:
+        self.model, self.sp, self.cache = model, sparsity, cache
+        self.group = model.group_size
+        self.scale = model.head_dim ** -0.5
+        device = cache.dense[0].k.device
+        self.planner = StepPlanner(sparsity, cache, device)
+
+    def plan(self, steps: list[SeqStep]) -> StepPlan:
+        """Host-side metadata for one forward step."""
+        return self.planner.plan(steps)
+
+    def release(self, seq_id: int) -> None:
+        """Drop per-sequence state (selection reuse) of a finished/aborted/preempted sequence."""
+        self.planner.release(seq_id)
+
+    def layer_selects(self, layer: int) -> bool:
+        """Dynamic selection applies to this layer (not forced dense, has dense heads)."""
+        return layer >= self.sp.dense_layers and self.cache.n_dense[layer] > 0
+
+    @abstractmethod
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Attention of one layer.
+
+        q: [T, H_q, D], k, v: [T, H_kv, D] (RoPE applied) -> [T, H_q, D].
+        """

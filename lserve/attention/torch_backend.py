@@ -1,0 +1,163 @@
+"""Reference backend in plain torch (CPU or CUDA): exact semantics, no speed tricks.
+
+* Dense heads attend causally to every cached token, or at decode with dynamic selection
+  only to the pages in their index table (selected every C steps, reused in between; pages
+  appended since the last selection are always read).
+* Streaming heads attend to token t from query position p iff t < sink or p - t < local.
+* Softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lserve.attention.base import AttentionBackend
+from lserve.sparsity.plan import SeqPlan, StepPlan
+from lserve.sparsity.selector import page_scores, top_pages
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q: [H, G, Q, D]; k, v: [H, L, D]; mask: bool broadcastable to [H, G, Q, L] -> [H, G, Q, D]."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v.float().unsqueeze(1)).to(q.dtype)
+
+
+class TorchBackend(AttentionBackend):
+    """The oracle backend. Holds the reused page selections per (layer, sequence)."""
+
+    name = "torch"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # layer -> seq_id -> (page indices [H_sel, K-1] excluding the last, pages at selection)
+        self.selection: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(self.model.num_layers)]
+        self.last_selected_pages: list[int] = []  # pages read per dense head, for metrics
+
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        for sel in self.selection:
+            sel.pop(seq_id, None)
+
+    # -- writes -------------------------------------------------------------------------------
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, dense_w, stream_w) -> None:
+        nd = self.cache.n_dense[layer]
+        tok, pages, offs = dense_w
+        if tok.numel():
+            kd = k[tok, :nd]
+            self.cache.dense[layer].write(pages, offs, kd, v[tok, :nd])
+            self.cache.stats[layer].update(pages, offs, kd)
+        tok, pages, offs = stream_w
+        if tok.numel():
+            self.cache.stream[layer].write(pages, offs, k[tok, nd:], v[tok, nd:])
+
+    def run(self, layer, q, k, v, plan: StepPlan):
+        self._write(layer, k, v, plan.dense_write_decode, plan.stream_write_decode)
+        out = torch.empty_like(q)
+        for sp in plan.seqs:
+            sl = slice(sp.t0, sp.t1)
+            if sp.step.decode:
+                out[sp.t0] = self._decode(layer, sp, q[sp.t0])
+            else:
+                out[sl] = self._prefill(layer, sp, q[sl], k[sl], v[sl])
+        self._write(layer, k, v, plan.dense_write_prefill, plan.stream_write_prefill)
+        return out
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _dense_kv(self, layer: int, pages: torch.Tensor, length: int):
+        """Cached K/V of the dense heads for the first ``length`` tokens: two [H_d, L, D]."""
+        kp, vp = self.cache.dense[layer].read(pages)  # [n, Hd, N, D]
+        hd, d = kp.shape[1], kp.shape[3]
+        k = kp.permute(1, 0, 2, 3).reshape(hd, -1, d)[:, :length]
+        v = vp.permute(1, 0, 2, 3).reshape(hd, -1, d)[:, :length]
+        return k, v
+
+    def _ring_kv(self, layer: int, sp: SeqPlan):
+        """Cached K/V of the streaming heads and their positions: [H_s, R*N, D] x2, [R*N]."""
+        N = self.cache.page_size
+        kp, vp = self.cache.stream[layer].read(sp.ring_pages)  # [R, Hs, N, D]
+        hs, d = kp.shape[1], kp.shape[3]
+        pos = (sp.ring_first_pos[:, None] + torch.arange(N, device=kp.device)).reshape(-1)
+        return (kp.permute(1, 0, 2, 3).reshape(hs, -1, d), vp.permute(1, 0, 2, 3).reshape(hs, -1, d), pos)
+
+    def _lambda_mask(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        """Streaming (Λ) mask [Q, L]: causal and (sink or local)."""
+        rel = qpos[:, None] - kpos[None, :]
+        return (rel >= 0) & ((kpos[None, :] < self.sp.sink_tokens) | (rel < self.sp.local_tokens))
+
+    # -- decode -------------------------------------------------------------------------------
+    def _decode(self, layer: int, sp: SeqPlan, q: torch.Tensor) -> torch.Tensor:
+        """q: [H_q, D] (one token) -> [H_q, D]."""
+        G, nd = self.group, self.cache.n_dense[layer]
+        hq, d = q.shape
+        out = torch.empty_like(q)
+        if nd:
+            qd = q[: nd * G].view(nd, G, 1, d)
+            k, v = self._dense_kv(layer, sp.pages, sp.length)
+            mask = None
+            if sp.dynamic and self.layer_selects(layer):
+                page_mask = self._page_mask(layer, sp, q[: nd * G])  # [H_sel, n]
+                tok = page_mask.repeat_interleave(self.cache.page_size, dim=1)[:, : sp.length]
+                mask = tok.view(nd, -1, 1, sp.length)  # [Hd, 1|G, 1, L]
+            out[: nd * G] = _attend(qd, k, v, mask, self.scale).view(nd * G, d)
+        if nd < self.model.num_kv_heads:
+            hs = self.model.num_kv_heads - nd
+            k, v, pos = self._ring_kv(layer, sp)
+            keep = (pos < sp.length) & self._lambda_mask(torch.tensor([sp.length - 1], device=pos.device), pos)[0]
+            qs = q[nd * G:].view(hs, G, 1, d)
+            out[nd * G:] = _attend(qs, k[:, keep], v[:, keep], None, self.scale).view(hs * G, d)
+        return out
+
+    def _page_mask(self, layer: int, sp: SeqPlan, qd: torch.Tensor) -> torch.Tensor:
+        """Pages each selecting head reads: bool [H_sel, n]. Runs or reuses the selector."""
+        n = sp.pages.numel()
+        state = self.selection[layer].get(sp.step.seq_id)
+        if sp.select or state is None:
+            stats = self.cache.stats[layer]
+            scores = page_scores(qd, stats.kmax[sp.pages], stats.kmin[sp.pages], self.group, self.sp.select_mode)
+            idx = top_pages(scores, sp.budget_pages)
+            state = (idx[:, :-1], n)
+            self.selection[layer][sp.step.seq_id] = state
+        chosen, n_at_select = state
+        mask = torch.zeros(chosen.shape[0], n, dtype=torch.bool, device=qd.device)
+        mask.scatter_(1, chosen, True)
+        mask[:, n_at_select - 1:] = True  # the page that was last then, and every page since
+        return mask
+
+    # -- prefill ------------------------------------------------------------------------------
+    def _prefill(self, layer: int, sp: SeqPlan, q, k, v) -> torch.Tensor:
+        """q: [n, H_q, D]; k, v: [n, H_kv, D] fresh chunk -> [n, H_q, D]."""
+        G, nd = self.group, self.cache.n_dense[layer]
+        n, hq, d = q.shape
+        start = sp.step.start
+        dev = q.device
+        qpos = torch.arange(start, start + n, device=dev)
+        out = torch.empty_like(q)
+        if nd:
+            kc, vc = k[:, :nd].transpose(0, 1), v[:, :nd].transpose(0, 1)  # [Hd, n, D]
+            if start:
+                kp, vp = self._dense_kv(layer, sp.pages[: -(-start // self.cache.page_size)], start)
+                kc, vc = torch.cat((kp, kc), 1), torch.cat((vp, vc), 1)
+            qd = q[:, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
+            mask = None if start == 0 else (torch.arange(start + n, device=dev)[None, :] <= qpos[:, None])
+            o = F.scaled_dot_product_attention(
+                qd.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=mask,
+                is_causal=start == 0, scale=self.scale, enable_gqa=True)
+            out[:, : nd * G] = o[0].transpose(0, 1)
+        if nd < self.model.num_kv_heads:
+            kc, vc = k[:, nd:].transpose(0, 1), v[:, nd:].transpose(0, 1)
+            kpos = qpos
+            if start and sp.ring_pages.numel():
+                kr, vr, rpos = self._ring_kv(layer, sp)
+                old = rpos < start
+                kc, vc = torch.cat((kr[:, old], kc), 1), torch.cat((vr[:, old], vc), 1)
+                kpos = torch.cat((rpos[old], qpos))
+            qs = q[:, nd * G:].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=self._lambda_mask(qpos, kpos),
+                scale=self.scale, enable_gqa=True)
+            out[:, nd * G:] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,72 @@
+"""Storage of K/V for one group of heads of one layer, in physical pages.
+
+Shapes (P pages, H heads, N_P tokens per page, D head dim):
+
+* ``none``: ``k, v`` [P, H, N_P, D] in the model dtype.
+* ``int8``: ``k, v`` int8 [P, H, N_P, D]; ``k_scale, v_scale`` float32 [P, H, N_P].
+* ``int4``: ``k, v`` uint8 [P, H, N_P, D/2]; scales and zeros float32 [P, H, N_P].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lserve.cache import quant
+
+
+class PagedPool:
+    """K/V pages for ``num_heads`` KV heads, optionally quantized."""
+
+    def __init__(self, num_pages: int, num_heads: int, page_size: int, head_dim: int,
+                 kv_quant: str, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_heads, self.page_size, self.head_dim = num_heads, page_size, head_dim
+        self.kv_quant, self.dtype = kv_quant, dtype
+        shape = (num_pages, num_heads, page_size)
+        if kv_quant == "none":
+            store_d, store_t = head_dim, dtype
+        elif kv_quant == "int8":
+            store_d, store_t = head_dim, torch.int8
+        else:
+            store_d, store_t = head_dim // 2, torch.uint8
+        self.k = torch.zeros(*shape, store_d, dtype=store_t, device=device)
+        self.v = torch.zeros(*shape, store_d, dtype=store_t, device=device)
+        self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
+        if kv_quant != "none":
+            self.k_scale = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(shape, dtype=torch.float32, device=device)
+        if kv_quant == "int4":
+            self.k_zero = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.v_zero = torch.zeros(shape, dtype=torch.float32, device=device)
+
+    def nbytes(self) -> int:
+        """Bytes held by this pool (data + scales)."""
+        ts = [self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def write(self, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store tokens. pages, offsets: [T] long; k, v: [T, H, D]."""
+        if self.num_heads == 0 or pages.numel() == 0:
+            return
+        for data, scale, zero, x in ((self.k, self.k_scale, self.k_zero, k), (self.v, self.v_scale, self.v_zero, v)):
+            if self.kv_quant == "none":
+                data[pages, :, offsets] = x.to(self.dtype)
+            elif self.kv_quant == "int8":
+                q, s = quant.quantize_int8(x)
+                data[pages, :, offsets] = q
+                scale[pages, :, offsets] = s
+            else:
+                q, s, z = quant.quantize_int4(x)
+                data[pages, :, offsets] = q
+                scale[pages, :, offsets] = s
+                zero[pages, :, offsets] = z
+
+    def read(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V of whole pages. pages: [n] long -> two [n, H, N_P, D] tensors."""
+        return self._read(self.k, self.k_scale, self.k_zero, pages), self._read(self.v, self.v_scale, self.v_zero, pages)
+
+    def _read(self, data, scale, zero, pages):
+        if self.kv_quant == "none":
+            return data[pages]
+        if self.kv_quant == "int8":
+            return quant.dequantize_int8(data[pages], scale[pages], self.dtype)
+        return quant.dequantize_int4(data[pages], scale[pages], zero[pages], self.dtype)

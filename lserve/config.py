@@ -1,0 +1,216 @@
+"""Configuration dataclasses: one source of defaults, validated in one place.
+
+Every user-facing knob of the engine lives here. Each dataclass checks its own fields in
+``__post_init__`` and raises :class:`ConfigError` with a one-line message, which the CLI
+and the HTTP layer show as-is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KV_QUANT_CHOICES = ("none", "int8", "int4")
+SELECT_MODES = ("kv", "query")
+BACKENDS = ("torch", "cupy")
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message is meant for the user, one line."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    Parameters
+    ----------
+    rope_scaling : dict or None
+        Hugging Face style: ``{"rope_type": "linear"|"dynamic"|"llama3", "factor": ...}``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0 -> hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        _check(self.num_layers > 0 and self.hidden_size > 0, "model must have layers and a hidden size")
+        _check(self.num_heads % self.num_kv_heads == 0,
+               f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        _check(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            _check(kind in ("default", "linear", "dynamic", "llama3"),
+                   f"unsupported rope scaling type {kind!r} (supported: linear, dynamic, llama3)")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA ratio)."""
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass
+class SparsityConfig:
+    """Unified block-sparse attention settings (SPEC.md sections 2-4).
+
+    Parameters
+    ----------
+    pattern : str or None
+        Head pattern: a DuoAttention-format directory/TSV path, ``"random"``, or None for
+        no streaming heads.
+    static_sparsity : float
+        Fraction of KV heads that become streaming heads (quantile of the gate values).
+    sink_tokens, local_tokens : int
+        The Λ mask of streaming heads: first ``sink_tokens`` and last ``local_tokens``.
+    token_budget : int
+        Tokens each dense head attends to at decode (0 disables dynamic selection).
+    reuse_interval : int
+        Run the page selector every ``reuse_interval`` decode steps (C in the paper).
+    dynamic_threshold : int
+        Context length below which dynamic selection is off (dense heads read every page).
+    dense_layers : int
+        The first ``dense_layers`` layers keep every head dense and unselected.
+    select_mode : str
+        ``"kv"`` selects once per KV head (group scores max-reduced), ``"query"`` per query head.
+    """
+
+    pattern: str | None = None
+    static_sparsity: float = 0.5
+    sink_tokens: int = 128
+    local_tokens: int = 256
+    token_budget: int = 4096
+    reuse_interval: int = 4
+    dynamic_threshold: int = 0
+    dense_layers: int = 0
+    select_mode: str = "kv"
+    pattern_seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.static_sparsity <= 1.0,
+               f"static_sparsity must be in [0, 1], got {self.static_sparsity}")
+        _check(self.sink_tokens >= 0 and self.local_tokens >= 1,
+               f"sink_tokens must be >= 0 and local_tokens >= 1, got {self.sink_tokens}/{self.local_tokens}")
+        _check(self.token_budget >= 0, f"token_budget must be >= 0, got {self.token_budget}")
+        _check(self.reuse_interval >= 1, f"reuse_interval must be >= 1, got {self.reuse_interval}")
+        _check(self.dynamic_threshold >= 0, f"dynamic_threshold must be >= 0, got {self.dynamic_threshold}")
+        _check(self.dense_layers >= 0, f"dense_layers must be >= 0, got {self.dense_layers}")
+        _check(self.select_mode in SELECT_MODES,
+               f"select_mode must be one of {SELECT_MODES}, got {self.select_mode!r}")
+
+    @property
+    def dynamic(self) -> bool:
+        return self.token_budget > 0
+
+    def streaming_enabled(self) -> bool:
+        return self.pattern is not None and self.static_sparsity > 0
+
+
+@dataclass
+class CacheConfig:
+    """Two-way paged KV cache.
+
+    Parameters
+    ----------
+    page_size : int
+        Physical page N_P (tokens per page in memory).
+    logical_page_size : int
+        Logical page N_L for key statistics; ``page_size`` must be a multiple of it.
+    num_pages : int
+        Dense-pool pages; 0 sizes the pool from ``max_tokens``.
+    kv_quant : str
+        ``"none"``, ``"int8"`` or ``"int4"`` storage of K/V.
+    """
+
+    page_size: int = 64
+    logical_page_size: int = 16
+    num_pages: int = 0
+    max_tokens: int = 65536
+    kv_quant: str = "none"
+
+    def __post_init__(self) -> None:
+        _check(self.page_size > 0 and self.logical_page_size > 0, "page sizes must be positive")
+        _check(self.page_size % self.logical_page_size == 0,
+               f"page_size {self.page_size} must be a multiple of logical_page_size {self.logical_page_size}")
+        _check(self.kv_quant in KV_QUANT_CHOICES,
+               f"kv_quant must be one of {KV_QUANT_CHOICES}, got {self.kv_quant!r}")
+        _check(self.num_pages >= 0 and self.max_tokens > 0, "num_pages must be >= 0 and max_tokens > 0")
+        if self.num_pages == 0:
+            self.num_pages = -(-self.max_tokens // self.page_size)
+
+    @property
+    def pages_per_logical(self) -> int:
+        """g = N_P / N_L."""
+        return self.page_size // self.logical_page_size
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine needs; builds on the three configs above.
+
+    Parameters
+    ----------
+    model : str
+        ``"default"`` (bundled SmolLM2-135M-Instruct), a preset name, a ``.gguf`` file or a
+        Hugging Face directory.
+    max_num_seqs : int
+        Sequences running at once (decode batch).
+    max_batched_tokens : int
+        Tokens per step; longer prompts are prefilled in chunks of this size.
+    """
+
+    model: str = "default"
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    backend: str = "torch"
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_num_seqs: int = 16
+    max_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0 -> model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        _check(self.dtype in ("auto", "float32", "float16", "bfloat16"),
+               f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_batched_tokens >= 16, f"max_batched_tokens must be >= 16, got {self.max_batched_tokens}")
+        _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.backend == "cupy":
+            _check(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
+        sp, cc = self.sparsity, self.cache
+        _check(sp.sink_tokens % cc.page_size == 0 and sp.local_tokens % cc.page_size == 0,
+               f"sink_tokens ({sp.sink_tokens}) and local_tokens ({sp.local_tokens}) must be multiples "
+               f"of the page size ({cc.page_size})")
+        if sp.token_budget:
+            _check(sp.token_budget >= 2 * cc.page_size,
+                   f"token_budget ({sp.token_budget}) must be 0 (off) or at least two pages "
+                   f"({2 * cc.page_size} tokens)")
+
+    def torch_dtype(self):
+        """The activation/cache dtype: fp32 on CPU, bf16 on CUDA unless set."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)

@@ -1,0 +1,245 @@
+"""The synchronous engine: requests in, one batched forward per ``step()``, outputs out.
+
+Data flows ``add_request -> Scheduler.schedule -> StepPlanner/backend.plan -> LlamaModel.forward
+-> sample -> Sequence.append_token -> RequestOutput``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lserve.attention import make_backend
+from lserve.cache.kv_cache import KVCache
+from lserve.config import ConfigError, EngineConfig
+from lserve.engine.sampling import SamplingParams, sample
+from lserve.engine.scheduler import Scheduler
+from lserve.engine.sequence import RequestOutput, Sequence
+from lserve.models.llama import LlamaModel
+from lserve.models.loader import LoadedModel, load_model
+from lserve.sparsity.patterns import HeadLayout, load_pattern, random_pattern
+from lserve.sparsity.plan import SeqStep
+
+log = logging.getLogger("lserve")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (too long, bad parameters); message for the user."""
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges the serving layer exports."""
+
+    running: int
+    waiting: int
+    kv_usage: dict
+    dense_pages_used: int
+    num_preemptions: int
+    steps: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadLayout:
+    """The head layout from the sparsity config: all dense, a file pattern or a random one."""
+    sp = cfg.sparsity
+    if not sp.streaming_enabled():
+        return HeadLayout.all_dense(num_layers, num_kv_heads)
+    pattern = (random_pattern(num_layers, num_kv_heads, sp.pattern_seed) if sp.pattern == "random"
+               else load_pattern(sp.pattern))
+    return HeadLayout.from_pattern(pattern, num_layers, num_kv_heads, sp.static_sparsity, sp.dense_layers)
+
+
+class LLMEngine:
+    """Continuous-batching engine over the two-way paged cache.
+
+    Parameters
+    ----------
+    config : EngineConfig
+    loaded : LoadedModel, optional
+        Reuse weights already in memory (tests, several engines over one model).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        dtype = config.torch_dtype()
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but no CUDA GPU is available")
+        self.loaded = loaded or load_model(config.model, dtype=dtype, device=config.device, seed=config.seed)
+        mc = self.loaded.config
+        self.model_config = mc
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if mc.head_dim % 2 or (config.cache.kv_quant == "int4" and mc.head_dim % 2):
+            raise ConfigError("INT4 KV needs an even head_dim")
+        self.layout = build_layout(config, mc.num_layers, mc.num_kv_heads)
+        self.model = LlamaModel(mc, self.loaded.weights, self.layout, dtype, config.device)
+        sp = config.sparsity
+        self.cache = KVCache(mc, config.cache, self.layout.n_dense(), sp.sink_tokens, sp.local_tokens,
+                             config.max_num_seqs, dtype, config.device)
+        self.backend = make_backend(config.backend, mc, sp, self.cache)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batched_tokens, self.backend.release)
+        self.eos_ids = tuple(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids))
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.last_step_info: dict = {}
+
+    # -- requests -----------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
+        """Token ids of a text prompt, a token list, or chat messages (with the chat template)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.apply_chat_template(prompt)
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        if chat:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise :class:`RequestError` if the request can never be served."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                               f"request asks for {total} ({len(prompt_ids)} in the prompt + {params.max_tokens} "
+                               f"to generate)")
+        pages = self.cache.pages_for(total)
+        if pages > self.cache.dense_alloc.num_pages:
+            raise RequestError(f"the request needs {pages} KV pages ({total} tokens) but the cache has "
+                               f"{self.cache.dense_alloc.num_pages}")
+
+    def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
+                    request_id: str | None = None, chat: bool = False, arrival: float | None = None) -> str:
+        """Queue a request; returns its id. Raises :class:`RequestError` for unservable input."""
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt, chat)
+        self.check_request(ids, params)
+        seq_id = next(self._ids)
+        rid = request_id or f"req-{seq_id}"
+        if rid in self._seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seq = Sequence(seq_id, rid, ids, params, arrival)
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages now. Returns False if it is unknown or done."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.cache.usage(),
+                           self.cache.dense_alloc.num_used, self.scheduler.num_preemptions, self.steps,
+                           self.prompt_tokens, self.generation_tokens)
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward over the batch, sample; returns outputs of touched requests."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        steps, ids, pos, seq_lens, logit_rows, samplers = [], [], [], [], [], []
+        t = 0
+        for item in batch:
+            seq, n = item.seq, item.num_tokens
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            start = seq.num_computed
+            steps.append(SeqStep(seq.seq_id, start, n, item.decode, seq.dense_pages, seq.stream_pages,
+                                 seq.params.token_budget))
+            ids.extend(seq.tokens(start, start + n))
+            pos.extend(range(start, start + n))
+            seq_lens.extend([start + n] * n)
+            t += n
+            if start + n == seq.num_tokens:  # reached the end: this step yields a token
+                logit_rows.append(t - 1)
+                samplers.append(seq)
+        dev = self.config.device
+        plan = self.backend.plan(steps)
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+            plan, self.backend, torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            torch.tensor(seq_lens, dtype=torch.long, device=dev))
+        greedy = torch.argmax(logits, dim=-1).tolist() if samplers else []
+        logits_cpu = None
+        touched = []
+        for item in batch:
+            item.seq.num_computed += item.num_tokens
+            if item.decode:
+                self.generation_tokens += 0  # counted on sampling below
+            else:
+                self.prompt_tokens += item.num_tokens
+        for row, seq in enumerate(samplers):
+            if seq.params.greedy:
+                tok = greedy[row]
+            else:
+                if logits_cpu is None:
+                    logits_cpu = logits.cpu()
+                tok = sample(logits_cpu[row], seq.params, seq.generator)
+            seq.in_decode = True
+            seq.append_token(tok, self.tokenizer, self.eos_ids, self.max_model_len)
+            self.generation_tokens += 1
+            touched.append(seq)
+        outputs = []
+        for seq in touched:
+            if seq.finish_reason is not None:
+                self._seqs.pop(seq.request_id, None)
+                self.scheduler.finish(seq)
+            outputs.append(seq.snapshot())
+        self.steps += 1
+        self.last_step_info = {"seconds": time.perf_counter() - t0, "tokens": t,
+                               "decode": sum(1 for b in batch if b.decode),
+                               "prefill_tokens": sum(b.num_tokens for b in batch if not b.decode)}
+        return outputs
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 chat: bool = False, progress: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion (batched); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        rids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(rids), desc="requests", unit="req")
+        while len(final) < len(rids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [final[r] for r in rids]
+
+
+class LLM(LLMEngine):
+    """Convenience front door: ``LLM(model="default").generate(["..."], SamplingParams(...))``."""
+
+    def __init__(self, model: str = "default", loaded: LoadedModel | None = None, **kwargs) -> None:
+        super().__init__(EngineConfig(model=model, **kwargs), loaded)

@@ -1,0 +1,119 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step: every decoding sequence gets one token (taking a new page when it crosses a page
+boundary; when none is free, the most recently arrived running sequence is preempted: its
+pages are freed and it re-enters the queue to be recomputed later). The remaining token budget
+goes to prefill chunks, first of running sequences mid-prefill, then of waiting ones (FCFS).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from lserve.cache.kv_cache import KVCache
+from lserve.engine.sequence import Sequence, Status
+
+
+@dataclass
+class Scheduled:
+    """A sequence and the number of its tokens computed this step."""
+
+    seq: Sequence
+    num_tokens: int
+    decode: bool
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and all page allocation."""
+
+    def __init__(self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, on_release) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.on_release = on_release  # called with a seq_id whenever its pages are dropped
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- pages --------------------------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        if seq.dense_pages:
+            self.cache.dense_alloc.free(seq.dense_pages)
+        if seq.stream_pages:
+            self.cache.stream_alloc.free(seq.stream_pages)
+        seq.dense_pages, seq.stream_pages = [], []
+        self.on_release(seq.seq_id)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make ``seq`` hold ``num_tokens`` tokens; False (nothing taken) if pages are short."""
+        need = self.cache.pages_for(num_tokens) - len(seq.dense_pages)
+        ring = self.cache.stream_pages_per_seq if not seq.stream_pages else 0
+        if not self.cache.dense_alloc.can_allocate(need) or not self.cache.stream_alloc.can_allocate(ring):
+            return False
+        if need > 0:
+            seq.dense_pages += self.cache.dense_alloc.allocate(need)
+        if ring:
+            seq.stream_pages = self.cache.stream_alloc.allocate(ring)
+        return True
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished or aborted sequence at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.in_decode = False
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- the step -----------------------------------------------------------------------------
+    def schedule(self) -> list[Scheduled]:
+        out: list[Scheduled] = []
+        budget = self.max_batched_tokens
+        # 1) decodes, oldest first; preempt the newest when pages run out.
+        for seq in sorted((s for s in self.running if s.in_decode), key=lambda s: s.arrival):
+            if seq not in self.running:
+                continue  # preempted below for an older sequence
+            while not self._grow(seq, seq.num_tokens):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running and budget > 0:
+                out.append(Scheduled(seq, 1, True))
+                budget -= 1
+        # 2) prefill chunks: running sequences mid-prefill, then admit waiting ones.
+        for seq in [s for s in self.running if not s.in_decode]:
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if self._grow(seq, seq.num_computed + n):
+                out.append(Scheduled(seq, n, False))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(Scheduled(seq, n, False))
+            budget -= n
+        return out

@@ -1,0 +1,123 @@
+"""Our Llama-family forward over the paged two-way cache.
+
+RMSNorm, RoPE (scaled variants in :mod:`lserve.models.rope`), GQA, SwiGLU, tied embeddings.
+Weights arrive with Hugging Face names; q/k/v and gate/up projections are fused, and each
+layer's KV heads (with their query groups) are permuted so dense heads come first, which is
+the layout the two-way cache and the kernels expect.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lserve.attention.base import AttentionBackend
+from lserve.config import ModelConfig
+from lserve.models.rope import Rope
+from lserve.sparsity.patterns import HeadLayout
+from lserve.sparsity.plan import StepPlan
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] -> normalized, scaled by w; statistics in float32 as HF does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+class _Layer:
+    __slots__ = ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")
+
+
+class LlamaModel:
+    """Weights + forward. Not an ``nn.Module``: inference only, no autograd state.
+
+    Parameters
+    ----------
+    weights : dict
+        Hugging Face parameter names -> tensors (any dtype/device; converted here).
+    layout : HeadLayout
+        Dense/streaming KV heads per layer; the weights are permuted to match.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layout: HeadLayout,
+                 dtype: torch.dtype, device) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.layout = layout
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint is missing weight {name!r}")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else w("lm_head.weight")
+        D, G = cfg.head_dim, cfg.group_size
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            order = torch.tensor(layout.order(i), dtype=torch.long)
+            kv_rows = (order[:, None] * D + torch.arange(D)).reshape(-1)
+            q_heads = (order[:, None] * G + torch.arange(G)).reshape(-1)
+            q_rows = (q_heads[:, None] * D + torch.arange(D)).reshape(-1)
+            kv_rows, q_rows = kv_rows.to(self.device), q_rows.to(self.device)
+            L = _Layer()
+            L.ln1 = w(p + "input_layernorm.weight")
+            L.wqkv = torch.cat((w(p + "self_attn.q_proj.weight")[q_rows],
+                                w(p + "self_attn.k_proj.weight")[kv_rows],
+                                w(p + "self_attn.v_proj.weight")[kv_rows]))
+            L.wo = w(p + "self_attn.o_proj.weight")[:, q_rows].contiguous()
+            L.ln2 = w(p + "post_attention_layernorm.weight")
+            L.wgu = torch.cat((w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")))
+            L.wd = w(p + "mlp.down_proj.weight")
+            self.layers.append(L)
+        self.rope = Rope(cfg, self.device)
+
+    def nbytes(self) -> int:
+        """Bytes of weights (the floor of a decode step is reading them once)."""
+        ts = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for L in self.layers:
+            ts += [L.ln1, L.wqkv, L.wo, L.ln2, L.wgu, L.wd]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
+                backend: AttentionBackend, logits_index: torch.Tensor,
+                seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step.
+
+        Parameters
+        ----------
+        input_ids, positions : [T] long
+            Tokens of every sequence in the step, concatenated in plan order.
+        logits_index : [B] long
+            Token rows whose next-token logits are wanted (last token of each sequence).
+        seq_lens : [T] long, optional
+            Per token, its sequence's length after this step (dynamic RoPE only).
+
+        Returns
+        -------
+        torch.Tensor
+            float32 [B, vocab] logits.
+        """
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        hq, hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos, sin = self.rope.cos_sin(positions, seq_lens)
+        h = self.embed[input_ids]  # [T, H]
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L.ln1, cfg.rms_norm_eps)
+            qkv = F.linear(x, L.wqkv)  # [T, (Hq + 2 Hkv) D]
+            q = qkv[:, : hq * D].view(T, hq, D)
+            k = qkv[:, hq * D: (hq + hkv) * D].view(T, hkv, D)
+            v = qkv[:, (hq + hkv) * D:].view(T, hkv, D)
+            q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+            a = backend.run(i, q, k, v, plan)  # [T, Hq, D]
+            h = h + F.linear(a.reshape(T, hq * D), L.wo)
+            x = rms_norm(h, L.ln2, cfg.rms_norm_eps)
+            gate, up = F.linear(x, L.wgu).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, L.wd)
+        x = rms_norm(h[logits_index], self.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

