@@ -19,11 +19,13 @@ from lserve.sparsity.selector import page_scores, top_pages
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q: [H, G, Q, D]; k, v: [H, L, D]; mask: bool broadcastable to [H, G, Q, L] -> [H, G, Q, D]."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * scale
+    h, g, nq, d = q.shape
+    qf = q.reshape(h, g * nq, d).float()
+    s = torch.bmm(qf, k.float().transpose(1, 2)).mul_(scale)  # [H, G*Q, L]: one batched GEMM
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        s = s.view(h, g, nq, -1).masked_fill_(~mask, float("-inf")).view(h, g * nq, -1)
     p = torch.softmax(s, dim=-1)
-    return torch.matmul(p, v.float().unsqueeze(1)).to(q.dtype)
+    return torch.bmm(p, v.float()).view(h, g, nq, d).to(q.dtype)
 
 
 class TorchBackend(AttentionBackend):

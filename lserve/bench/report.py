@@ -1,0 +1,42 @@
+"""Benchmark reports: JSON with the command, device and date inside, plus a PNG."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+
+def device_name() -> str:
+    """GPU name when CUDA is present, else the CPU model and core count."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} ({os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads)"
+
+
+def header() -> dict:
+    """The fields every benchmark JSON starts with."""
+    return {"command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "device": device_name(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_json(path: str | Path, report: dict) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(report, indent=2) + "\n")
+    return p

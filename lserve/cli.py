@@ -1,0 +1,146 @@
+"""``lserve`` command line: generate | serve | bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+
+DEMO_PROMPT = "The three most important ideas in computer science are"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), a preset (llama3-8b, llama2-7b, minitron-4b, tiny), "
+                        "a .gguf file or a Hugging Face directory")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--backend", default="torch", choices=["torch", "cupy"], help="attention backend")
+    g.add_argument("--max-model-len", type=int, default=0, help="context limit (0: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
+    g.add_argument("--seed", type=int, default=0, help="seed for random-weight presets")
+    s = p.add_argument_group("sparsity")
+    s.add_argument("--pattern", default=None, help="head pattern dir/TSV (DuoAttention format) or 'random'")
+    s.add_argument("--static-sparsity", type=float, default=0.5, help="fraction of KV heads made streaming")
+    s.add_argument("--sink", type=int, default=128, help="streaming heads: sink tokens")
+    s.add_argument("--local", type=int, default=256, help="streaming heads: local window tokens")
+    s.add_argument("--token-budget", type=int, default=4096, help="dense heads' decode budget (0: off)")
+    s.add_argument("--reuse-interval", type=int, default=4, help="run the page selector every C steps")
+    s.add_argument("--dynamic-threshold", type=int, default=0, help="context below which selection is off")
+    s.add_argument("--dense-layers", type=int, default=0, help="first N layers stay fully dense")
+    s.add_argument("--select-mode", default="kv", choices=["kv", "query"])
+    c = p.add_argument_group("cache")
+    c.add_argument("--page-size", type=int, default=64, help="physical page N_P")
+    c.add_argument("--logical-page-size", type=int, default=16, help="logical page N_L")
+    c.add_argument("--kv-quant", default="none", choices=["none", "int8", "int4"])
+    c.add_argument("--max-cache-tokens", type=int, default=65536, help="dense-pool capacity in tokens")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """Build (and validate) an :class:`EngineConfig` from parsed flags."""
+    sp = SparsityConfig(pattern=a.pattern, static_sparsity=a.static_sparsity, sink_tokens=a.sink,
+                        local_tokens=a.local, token_budget=a.token_budget, reuse_interval=a.reuse_interval,
+                        dynamic_threshold=a.dynamic_threshold, dense_layers=a.dense_layers,
+                        select_mode=a.select_mode)
+    cc = CacheConfig(page_size=a.page_size, logical_page_size=a.logical_page_size, kv_quant=a.kv_quant,
+                     max_tokens=a.max_cache_tokens)
+    return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
+                        max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
+                        max_model_len=a.max_model_len, seed=a.seed)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from lserve.engine import LLMEngine, SamplingParams
+
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.sample_seed, stop=a.stop or [])
+    engine = LLMEngine(engine_config_from_args(a))
+    engine.add_request(a.prompt, params, chat=a.chat)
+    out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    if out is not None:
+        m = out.metrics
+        print(f"[{m['prompt_tokens']} prompt + {m['completion_tokens']} generated tokens, "
+              f"finish: {out.finish_reason}, ttft {m.get('ttft_s', 0):.2f}s]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    if a.what == "cpu":
+        from lserve.bench.cpu import run_cpu_bench
+
+        run_cpu_bench(a.out, prompt_lens=a.prompt_lens, decode_tokens=a.decode_tokens)
+    elif a.what == "kernels":
+        from lserve.bench.kernels import run_kernel_bench
+
+        run_kernel_bench(a.out)
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        from lserve.serve.app import serve_main
+    except ImportError as e:
+        raise ConfigError(f"serving needs the 'serve' extra (pip install -e '.[serve]'): {e}") from None
+    return serve_main(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lserve", description="Long-context LLM serving with block-sparse attention")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    g.add_argument("prompt", nargs="?", default=DEMO_PROMPT)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
+                   help="wrap the prompt in the model's chat template")
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks that write JSON + PNG under benchmarks/")
+    b.add_argument("what", choices=["cpu", "kernels"])
+    b.add_argument("--out", default="benchmarks")
+    b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096])
+    b.add_argument("--decode-tokens", type=int, default=32)
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--replicas", type=int, default=1)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lserve.engine.llm_engine import RequestError
+
+    logging.basicConfig(level=os.environ.get("LSERVE_LOG", "WARNING"))
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, RequestError, FileNotFoundError) as e:
+        print(f"lserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
