@@ -1,0 +1,181 @@
+"""The Ray Serve application: builder for ``serve run`` and :func:`serve_main` for ``lserve serve``.
+
+Two deployments: ``LServeEngine`` (replicas of :class:`~lserve.serve.replica.EngineReplica`, one
+engine each, routed by :class:`~lserve.serve.ray_router.PrefixAwareRequestRouter`) behind
+``LServeIngress`` (the OpenAI-compatible FastAPI app of :mod:`lserve.serve.ingress`).
+
+* ``serve run deploy/serve_config.yaml`` calls :func:`build_app` with the YAML's ``args``.
+* ``lserve serve`` calls :func:`serve_main`, which starts a local Ray, runs the app and blocks until
+  Ctrl-C (or SIGTERM), then shuts everything down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from lserve.config import ConfigError
+from lserve.serve.metrics import MULTIPROC_ENV, new_metrics_dir
+from lserve.serve.settings import API_KEY_ENV, ServeSettings
+
+log = logging.getLogger("lserve.serve")
+
+ENGINE_DEPLOYMENT = "LServeEngine"
+INGRESS_DEPLOYMENT = "LServeIngress"
+
+
+class OpenAIIngress:
+    """Ingress deployment: builds the FastAPI app around an :class:`OpenAIServer` at replica start.
+
+    Parameters
+    ----------
+    settings : dict
+        :meth:`ServeSettings.to_dict` output.
+    engine : DeploymentHandle
+        Handle of the engine deployment (Ray Serve passes it for the bound engine).
+    """
+
+    def __init__(self, settings: dict[str, Any], engine) -> None:
+        from lserve.serve.ingress import OpenAIServer
+        from lserve.serve.replica import _replica_id
+
+        self.server = OpenAIServer(ServeSettings.from_dict(settings), engine, replica=_replica_id())
+
+    def __serve_build_asgi_app__(self):
+        from lserve.serve.ingress import build_openai_app
+
+        return build_openai_app(self.server)
+
+
+def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = None):
+    """The Ray Serve :class:`~ray.serve.Application` for ``settings``.
+
+    Parameters
+    ----------
+    settings : ServeSettings
+    total_cpus : float, optional
+        CPUs of the Ray cluster, to share out among replicas when ``num_cpus`` is 0.
+    """
+    from ray import serve
+    from ray.serve.config import BackpressureConfig, RequestRouterConfig
+
+    from lserve.serve.ray_router import PrefixAwareRequestRouter
+    from lserve.serve.replica import EngineReplica
+
+    s = settings
+    if not s.metrics_dir:
+        s.metrics_dir = new_metrics_dir(s.app_name)
+    env = {MULTIPROC_ENV: s.metrics_dir}
+    ingress_env = dict(env)
+    if os.environ.get(API_KEY_ENV):
+        ingress_env[API_KEY_ENV] = os.environ[API_KEY_ENV]
+    router = RequestRouterConfig(
+        request_router_class=PrefixAwareRequestRouter,
+        request_router_kwargs={"min_prefix_blocks": s.min_prefix_blocks, "imbalance_tokens": s.imbalance_tokens,
+                               "imbalance_ratio": s.imbalance_ratio},
+        request_routing_stats_period_s=s.routing_stats_period_s,
+        request_routing_stats_timeout_s=max(5.0, 4 * s.routing_stats_period_s))
+    engine_opts: dict[str, Any] = {
+        "name": ENGINE_DEPLOYMENT,
+        "ray_actor_options": {"num_cpus": s.replica_num_cpus(total_cpus), "num_gpus": s.replica_num_gpus(),
+                              "runtime_env": {"env_vars": env}},
+        "max_ongoing_requests": s.replica_max_ongoing,
+        "max_queued_requests": s.max_queued_requests,
+        "backpressure_config": BackpressureConfig(status_code=s.overload_status_code, retry_after_s=s.retry_after_s),
+        "health_check_period_s": s.health_check_period_s,
+        "health_check_timeout_s": s.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": 5.0,
+        "max_constructor_retry_count": 2,
+        "request_router_config": router,
+    }
+    if s.autoscaling:
+        engine_opts["autoscaling_config"] = {"min_replicas": s.min_replicas, "max_replicas": s.max_replicas,
+                                             "initial_replicas": s.replicas,
+                                             "target_ongoing_requests": s.target_ongoing_requests}
+    else:
+        engine_opts["num_replicas"] = s.replicas
+    engine = serve.deployment(EngineReplica).options(**engine_opts)
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
+        name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=s.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": s.ingress_num_cpus, "runtime_env": {"env_vars": ingress_env}},
+        max_constructor_retry_count=2)
+    conf = s.to_dict()
+    return ingress.bind(conf, engine.bind(conf))
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """Application builder for ``serve run`` (import path ``lserve.serve.app:build_app``).
+
+    Parameters
+    ----------
+    args : dict, optional
+        :class:`ServeSettings` fields (the YAML ``args`` block, or ``key=value`` pairs given to
+        ``serve run``); missing ones take their defaults.
+    """
+    return build_app_from_settings(ServeSettings.from_dict(args))
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """``lserve serve``: start Ray and the app, print where it listens, block until Ctrl-C.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed ``lserve serve`` flags (``--host``, ``--port``, ``--replicas`` and the engine flags).
+
+    Returns
+    -------
+    int
+        Process exit status.
+    """
+    settings = ServeSettings.from_args(args)
+    settings.check_model_available()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    cpus = os.cpu_count() or 1
+    gpus = 0
+    if settings.uses_gpu:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < settings.replicas:
+            raise ConfigError(f"{settings.replicas} GPU replicas asked for but {gpus} CUDA GPU(s) are visible")
+    quiet = os.environ.get("LSERVE_LOG", "WARNING").upper()
+    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, namespace="lserve",
+             logging_level=quiet, configure_logging=True)
+
+    def _terminate(signum, frame):  # SIGTERM shuts down like Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port,
+                                  "request_timeout_s": settings.request_timeout_s},
+                    logging_config={"log_level": quiet, "enable_access_log": quiet in ("DEBUG", "INFO")})
+        try:
+            serve.run(build_app_from_settings(settings, total_cpus=cpus), name=settings.app_name, route_prefix="/",
+                      logging_config={"log_level": quiet, "enable_access_log": quiet in ("DEBUG", "INFO")})
+        except RuntimeError as e:
+            print(f"lserve: error: the deployment failed to start: {e}", file=sys.stderr)
+            return 1
+        key = " (API key required)" if os.environ.get(API_KEY_ENV) else ""
+        print(f"lserve: serving {settings.model_name} at http://{settings.host}:{settings.port}/v1 with "
+              f"{settings.replicas} engine replica(s){key}; Ctrl-C to stop", flush=True)
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("lserve: shutting down", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

@@ -1,0 +1,523 @@
+"""The OpenAI-compatible HTTP front (FastAPI), independent of how it is deployed.
+
+:class:`OpenAIServer` turns OpenAI requests into engine requests, sends them to the engine
+deployment through a Ray Serve handle (routed by :mod:`lserve.serve.ray_router`), and turns the
+engine's event stream back into OpenAI responses or SSE chunks. :func:`build_openai_app` wraps it
+in a FastAPI app whose every error is OpenAI's JSON shape. The first event of every engine stream is
+read before the HTTP response starts, so overload (429/503 + ``Retry-After``) and bad input (400)
+are answered with a proper status instead of a broken 200 stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lserve.serve.metrics import get_http_metrics, render_metrics
+from lserve.serve.protocol import (
+    MAX_CHOICES,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    Usage,
+    bad_request,
+)
+from lserve.serve.ray_router import ROUTE_KWARG
+from lserve.serve.router import prefix_hashes, routing_text
+from lserve.serve.settings import API_KEY_ENV, ServeSettings
+
+log = logging.getLogger("lserve.serve")
+
+REPLICA_HEADER = "x-lserve-replica"
+_FINISH = {"stop": "stop", "length": "length"}
+
+
+# -- the engine-facing side -------------------------------------------------------------------
+class SubRequest:
+    """One engine request (one choice) of an HTTP request, with its open event stream."""
+
+    def __init__(self, index: int, stream, first: dict[str, Any]) -> None:
+        self.index, self.stream, self.first = index, stream, first
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.prompt_tokens = int(first.get("prompt_tokens", 0))
+        self.completion_tokens = 0
+
+    def cancel(self) -> None:
+        try:
+            self.stream.cancel()
+        except Exception:  # noqa: BLE001 - already finished or gone
+            pass
+
+
+class OpenAIServer:
+    """Request handling behind the OpenAI endpoints.
+
+    Parameters
+    ----------
+    settings : ServeSettings
+    engine : ray.serve.handle.DeploymentHandle
+        Handle of the engine deployment (:class:`lserve.serve.replica.EngineReplica`).
+    replica : str
+        This ingress replica's id (a metrics label).
+    """
+
+    def __init__(self, settings: ServeSettings, engine, replica: str = "ingress") -> None:
+        self.settings = settings
+        self.engine = engine
+        self.engine_stream = engine.options(stream=True)
+        self.model_name = settings.model_name
+        self.api_key = os.environ.get(API_KEY_ENV) or None
+        self.http_metrics = get_http_metrics(self.model_name, replica)
+        self.created = int(time.time())
+        self._max_model_len = settings.max_model_len or None
+
+    # -- checks -------------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        """401 unless the request carries the configured API key (``Authorization: Bearer``)."""
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())):
+            msg = "Incorrect API key provided." if auth else "Missing API key: send 'Authorization: Bearer <key>'."
+            raise OpenAIError(401, msg, "invalid_request_error", None, "invalid_api_key",
+                              {"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                              "invalid_request_error", "model", "model_not_found")
+
+    def sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> dict[str, Any]:
+        """Engine sampling fields from an OpenAI request (400 for unsupported or out-of-range values)."""
+        unsupported = [("presence_penalty", req.presence_penalty != 0), ("frequency_penalty", req.frequency_penalty != 0),
+                       ("logit_bias", bool(req.logit_bias)), ("logprobs", bool(req.logprobs))]
+        if isinstance(req, CompletionRequest):
+            unsupported += [("echo", req.echo), ("best_of", (req.best_of or 1) != 1), ("suffix", req.suffix is not None)]
+        else:
+            unsupported += [("top_logprobs", req.top_logprobs is not None)]
+        for name, bad in unsupported:
+            if bad:
+                raise bad_request(f"'{name}' is not supported by this server; leave it unset", name)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP:
+            raise bad_request(f"at most {MAX_STOP} stop strings are allowed, got {len(stop)}", "stop")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+            raise bad_request(f"stop strings must have 1 to {MAX_STOP_CHARS} characters", "stop")
+        token_budget = None
+        if req.lserve is not None:
+            if req.lserve.streaming is False:
+                raise bad_request("lserve.streaming=false is not supported on this deployment: streaming heads are "
+                                  "fixed when the engine starts and cannot be switched off per request",
+                                  "lserve.streaming")
+            token_budget = req.lserve.token_budget
+            if token_budget is not None:
+                page = self.settings.page_size
+                if 0 < token_budget < 2 * page:
+                    raise bad_request(f"lserve.token_budget must be 0 (selection off) or at least two KV pages "
+                                      f"({2 * page} tokens), got {token_budget}", "lserve.token_budget")
+                if self._max_model_len and token_budget > self._max_model_len:
+                    raise bad_request(f"lserve.token_budget ({token_budget}) exceeds the model's context length "
+                                      f"({self._max_model_len})", "lserve.token_budget")
+        return {"max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
+                "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": req.top_k or 0, "seed": req.seed,
+                "stop": stop, "ignore_eos": req.ignore_eos, "token_budget": token_budget}
+
+    # -- engine calls -------------------------------------------------------------------------
+    async def _open(self, index: int, payload: dict[str, Any]) -> SubRequest:
+        """Send one engine request and read its first event (raises :class:`OpenAIError`)."""
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+        text = routing_text(payload["prompt"])
+        route = {"prefix": prefix_hashes(text, self.settings.prefix_block_chars), "tokens": max(1, len(text) // 4)}
+        stream = self.engine_stream.generate.remote(payload, **{ROUTE_KWARG: route})
+        retry = {"Retry-After": str(max(1, round(self.settings.retry_after_s)))}
+        try:
+            first = await stream.__anext__()
+        except asyncio.CancelledError:  # the client went away while we waited
+            stream.cancel()
+            raise
+        except BackPressureError as e:
+            raise OpenAIError(self.settings.overload_status_code, f"The server is at capacity ({e}); retry later.",
+                              "server_overloaded", None, "server_overloaded", retry) from None
+        except DeploymentUnavailableError:
+            raise OpenAIError(503, "The engine deployment is unavailable; retry later.", "service_unavailable",
+                              None, "service_unavailable", retry) from None
+        except RayActorError:
+            raise OpenAIError(503, "The engine replica died while accepting the request; retry.", "service_unavailable",
+                              None, "service_unavailable", retry) from None
+        except StopAsyncIteration:
+            raise OpenAIError(503, "The engine closed the request without an answer; retry.", "service_unavailable",
+                              None, "service_unavailable", retry) from None
+        if first.get("type") == "error":
+            status = int(first.get("status", 500))
+            headers = retry if status in (429, 503) else None
+            etype = "invalid_request_error" if status == 400 else "service_unavailable"
+            raise OpenAIError(status, first.get("message", "engine error"), etype, first.get("param"),
+                              first.get("code"), headers)
+        return SubRequest(index, stream, first)
+
+    async def open_all(self, payloads: list[dict[str, Any]]) -> list[SubRequest]:
+        """Open every choice's engine stream; on any failure, cancel the others and raise."""
+        results = await asyncio.gather(*(self._open(i, p) for i, p in enumerate(payloads)), return_exceptions=True)
+        subs = [r for r in results if isinstance(r, SubRequest)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for s in subs:
+                s.cancel()
+            raise errors[0]
+        return subs
+
+    @staticmethod
+    async def events(subs: list[SubRequest]) -> AsyncIterator[tuple[SubRequest, dict[str, Any]]]:
+        """Events of all choices as they come (after each stream's first event)."""
+        if len(subs) == 1:
+            sub = subs[0]
+            async for ev in sub.stream:
+                yield sub, ev
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(sub: SubRequest) -> None:
+            try:
+                async for ev in sub.stream:
+                    q.put_nowait((sub, ev))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                q.put_nowait((sub, e))
+            finally:
+                q.put_nowait((sub, done))
+
+        tasks = [asyncio.ensure_future(pump(s)) for s in subs]
+        try:
+            remaining = len(subs)
+            while remaining:
+                sub, ev = await q.get()
+                if ev is done:
+                    remaining -= 1
+                elif isinstance(ev, BaseException):
+                    raise ev
+                else:
+                    yield sub, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    @staticmethod
+    def stream_error(e: BaseException) -> dict[str, Any]:
+        if isinstance(e, OpenAIError):
+            return e.body()
+        return {"error": {"message": "the engine failed while generating; retry", "type": "service_unavailable",
+                          "param": None, "code": "service_unavailable"}}
+
+    # -- endpoints ----------------------------------------------------------------------------
+    def _payloads(self, prompts: list, chat: bool, params: dict[str, Any], n: int, rid: str) -> list[dict[str, Any]]:
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request(f"n times the number of prompts must be at most {MAX_CHOICES}, got {len(prompts) * n}", "n")
+        out = []
+        for prompt in prompts:
+            for j in range(n):
+                p = dict(params)
+                if p["seed"] is not None and j:
+                    p["seed"] = (p["seed"] + j) % (2**63)
+                out.append({"request_id": f"{rid}-{len(out)}", "prompt": prompt, "chat": chat, "params": p})
+        return out
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        self.authorize(request)
+        self.check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise bad_request("the prompt is empty", "prompt")
+        params = self.sampling(req, req.max_tokens)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        subs = await self.open_all(self._payloads(prompts, False, params, req.n, rid))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse(subs, rid, "text_completion", include_usage, n=req.n)
+        await self._collect(subs)
+        choices = [CompletionChoice(index=s.index, text="".join(s.text), finish_reason=_FINISH.get(s.finish_reason))
+                   for s in subs]
+        body = CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self._usage(subs, req.n))
+        return JSONResponse(body.model_dump(), headers={REPLICA_HEADER: subs[0].first.get("replica", "")})
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        self.authorize(request)
+        self.check_model(req.model)
+        messages = []
+        for m in req.messages:
+            content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+            messages.append({"role": m.role, "content": content or ""})
+        params = self.sampling(req, req.max_completion_tokens or req.max_tokens)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        subs = await self.open_all(self._payloads([messages], True, params, req.n, rid))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse(subs, rid, "chat.completion.chunk", include_usage, n=req.n)
+        await self._collect(subs)
+        choices = [ChatChoice(index=s.index, message=AssistantMessage(content="".join(s.text)),
+                              finish_reason=_FINISH.get(s.finish_reason)) for s in subs]
+        body = ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self._usage(subs, req.n))
+        return JSONResponse(body.model_dump(), headers={REPLICA_HEADER: subs[0].first.get("replica", "")})
+
+    async def _collect(self, subs: list[SubRequest]) -> None:
+        try:
+            async for sub, ev in self.events(subs):
+                self._apply(sub, ev)
+        except OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a replica died mid-request
+            log.warning("engine stream failed: %r", e)
+            raise OpenAIError(503, "the engine failed while generating; retry", "service_unavailable", None,
+                              "service_unavailable", {"Retry-After": str(max(1, round(self.settings.retry_after_s)))}) from None
+        finally:
+            for s in subs:
+                s.cancel()
+
+    @staticmethod
+    def _apply(sub: SubRequest, ev: dict[str, Any]) -> str:
+        """Fold one event into its choice; returns the new text."""
+        if ev.get("type") == "error":
+            raise OpenAIError(int(ev.get("status", 503)), ev.get("message", "engine error"), "service_unavailable",
+                              None, ev.get("code"))
+        if ev.get("type") != "delta":
+            return ""
+        sub.text.append(ev["text"])
+        sub.completion_tokens = int(ev.get("completion_tokens", sub.completion_tokens))
+        sub.prompt_tokens = int(ev.get("prompt_tokens", sub.prompt_tokens))
+        if ev.get("finished"):
+            sub.finish_reason = ev.get("finish_reason")
+        return ev["text"]
+
+    @staticmethod
+    def _usage(subs: list[SubRequest], n: int) -> Usage:
+        prompt = sum(s.prompt_tokens for s in subs if s.index % n == 0)  # each prompt counted once
+        completion = sum(s.completion_tokens for s in subs)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _sse(self, subs: list[SubRequest], rid: str, obj: str, include_usage: bool, n: int) -> StreamingResponse:
+        created = int(time.time())
+        chat = obj == "chat.completion.chunk"
+
+        def chunk(choices: list[dict], usage: dict | None = None, with_usage: bool = include_usage) -> str:
+            body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                    "choices": choices}
+            if with_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def choice(sub: SubRequest, text: str | None, finish: str | None) -> dict:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return {"index": sub.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": sub.index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    for s in subs:
+                        yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                try:
+                    async for sub, ev in self.events(subs):
+                        text = self._apply(sub, ev)
+                        finish = _FINISH.get(sub.finish_reason) if ev.get("finished") else None
+                        if text or finish:
+                            yield chunk([choice(sub, text if text else None, finish)])
+                except Exception as e:  # noqa: BLE001 - reported in-band: the 200 has been sent
+                    log.warning("stream %s failed: %r", rid, e)
+                    yield f"data: {json.dumps(self.stream_error(e))}\n\n"
+                else:
+                    if include_usage:
+                        yield chunk([], self._usage(subs, n).model_dump())
+                yield "data: [DONE]\n\n"
+            finally:  # also on client disconnect: cancelling the engine streams aborts the requests
+                for s in subs:
+                    s.cancel()
+
+        headers = {REPLICA_HEADER: subs[0].first.get("replica", ""), "Cache-Control": "no-cache"}
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    async def max_model_len(self) -> int | None:
+        if self._max_model_len is None:
+            try:
+                info = await asyncio.wait_for(self.engine.info.remote(), timeout=10)
+                self._max_model_len = int(info["max_model_len"])
+            except Exception:  # noqa: BLE001 - unknown until a replica answers
+                return None
+        return self._max_model_len
+
+    async def models(self, request: Request) -> ModelList:
+        self.authorize(request)
+        card = ModelCard(id=self.model_name, created=self.created, max_model_len=await self.max_model_len())
+        return ModelList(data=[card])
+
+    async def engine_stats(self, timeout_s: float = 5.0) -> list[dict[str, Any] | str]:
+        """``engine_stats`` of every engine replica (an error string for one that did not answer)."""
+        results = await self.engine.broadcast("engine_stats").results_async(timeout_s=timeout_s,
+                                                                             return_exceptions=True)
+        return [r if isinstance(r, dict) else f"{type(r).__name__}: {r}" for r in results]
+
+
+# -- the HTTP app -----------------------------------------------------------------------------
+class _BodyTooLarge(StarletteHTTPException):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over ``max_bytes`` (declared or streamed)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes
+        message = f"The request body exceeds the limit of {limit} bytes."
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                response = JSONResponse(OpenAIError(413, message, code="request_too_large").body(), status_code=413)
+                await response(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge(413, message)
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+_STREAMING_200 = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def build_openai_app(server: OpenAIServer) -> FastAPI:
+    """The FastAPI app of the OpenAI endpoints, admin views, ``/health`` and ``/metrics``."""
+    app = FastAPI(title="LServe", version="0.1.0", description="OpenAI-compatible API of LServe.")
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server.settings.max_body_bytes)
+    hm = server.http_metrics
+
+    def error_response(e: OpenAIError, endpoint: str) -> JSONResponse:
+        hm.count(endpoint, e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return error_response(e, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            msg, param = "The request body is not valid JSON.", None
+        else:
+            msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+            if len(errs) > 1:
+                msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+        return error_response(bad_request(msg, param), request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
+        err = OpenAIError(e.status_code, str(e.detail), "invalid_request_error", None, kind, dict(e.headers or {}))
+        return error_response(err, request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(OpenAIError(500, "Internal server error.", "server_error", None, "internal_error"),
+                              request.url.path)
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**_ERRORS, 200: {"content": _STREAMING_200}})
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        resp = await server.completions(req, request)
+        hm.count("/v1/completions", resp.status_code)
+        return resp
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**_ERRORS, 200: {"content": _STREAMING_200}})
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        resp = await server.chat(req, request)
+        hm.count("/v1/chat/completions", resp.status_code)
+        return resp
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def models(request: Request) -> ModelList:
+        out = await server.models(request)
+        hm.count("/v1/models", 200)
+        return out
+
+    @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
+    async def health() -> HealthResponse:
+        stats = await server.engine_stats(timeout_s=5.0)
+        alive = sum(1 for s in stats if isinstance(s, dict) and s.get("alive"))
+        if not alive:
+            raise OpenAIError(503, "no healthy engine replica", "service_unavailable", None, "service_unavailable",
+                              {"Retry-After": str(max(1, round(server.settings.retry_after_s)))})
+        return HealthResponse(status="ok", replicas=alive)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def metrics() -> Response:
+        data, ctype = await asyncio.to_thread(render_metrics)
+        return Response(content=data, media_type=ctype)
+
+    @app.get("/admin/engines", responses={401: _ERRORS[401]})
+    async def admin_engines(request: Request) -> dict:
+        """Engine state of every replica: running/waiting requests, KV pages in use (needs the API key)."""
+        server.authorize(request)
+        return {"model": server.model_name, "replicas": await server.engine_stats()}
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)  # validation errors are 400 here
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app

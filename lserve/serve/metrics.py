@@ -1,0 +1,206 @@
+"""Prometheus metrics (``lserve:`` names, vLLM style), shared across Ray processes of one host.
+
+Engine replicas and the ingress are separate processes. Each one gets ``PROMETHEUS_MULTIPROC_DIR``
+(through its Ray ``runtime_env``) before ``prometheus_client`` is imported, so every process writes
+its samples to files there; the ingress's ``GET /metrics`` merges them (:func:`render_metrics`).
+Every series carries ``model`` and ``replica`` labels. Gauges use the ``livemostrecent`` mode, and
+files of processes that no longer exist are dropped when rendering, so a replaced replica's gauges
+disappear while its counters and histograms keep counting in the totals.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+import uuid
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+PREFIX = "lserve:"
+
+# Seconds. TTFT/e2e reach minutes for long prompts on a CPU; ITL/TPOT are per token.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 10.0)
+
+_METRICS: EngineMetrics | None = None
+_HTTP: HttpMetrics | None = None
+
+
+def new_metrics_dir(app_name: str) -> str:
+    """A fresh, empty folder for one deployment's multi-process metrics."""
+    root = os.path.join(tempfile.gettempdir(), "lserve-metrics")
+    path = os.path.join(root, f"{app_name}-{uuid.uuid4().hex[:12]}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def ensure_metrics_dir() -> str | None:
+    """Create this process's ``PROMETHEUS_MULTIPROC_DIR`` if it is set; returns it."""
+    path = os.environ.get(MULTIPROC_ENV)
+    if path:
+        os.makedirs(path, exist_ok=True)
+    return path
+
+
+class EngineMetrics:
+    """The engine replica's series, labelled with ``model`` and ``replica``.
+
+    Parameters
+    ----------
+    model : str
+        Served model name.
+    replica : str
+        Ray Serve replica id.
+    """
+
+    def __init__(self, model: str, replica: str) -> None:
+        ensure_metrics_dir()
+        from prometheus_client import Counter, Gauge, Histogram
+
+        labels = ("model", "replica")
+        self.labels = {"model": model, "replica": replica}
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets)
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels + extra, multiprocess_mode="livemostrecent")
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + extra)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from request arrival at the replica to its first token.",
+                         LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.",
+                        TOKEN_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Decode time of a request divided by its output tokens after the first.", TOKEN_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival at the replica to the last token.",
+                        LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time a request waited in the engine before it was scheduled.",
+                          LATENCY_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "Time from first scheduling to the first token.",
+                            LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "Time from the first token to the last.", LATENCY_BUCKETS)
+        self.running = gauge("num_requests_running", "Requests in the engine's running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting in the engine's queue.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache pages in use, per pool (dense/streaming).",
+                              ("pool",))
+        self.dense_pages = gauge("kv_cache_dense_pages_used", "Dense-pool KV pages in use.")
+        self.queued_prompt = gauge("num_queued_prompt_tokens", "Prompt tokens accepted but not yet prefilled.")
+        self.step_time = gauge("engine_step_seconds", "Duration of the engine's most recent step.")
+        self.token_budget = gauge("sparsity_token_budget", "Decode token budget of dense heads (0: selection off).")
+        self.streaming_heads = gauge("sparsity_streaming_heads_fraction", "Fraction of KV heads that are streaming heads.")
+        self.selected_pages = gauge("sparsity_selected_pages_per_step",
+                                    "KV pages the page selector kept per sequence and layer in the last step "
+                                    "(reported when the engine provides EngineStats.selected_pages_per_step).")
+        self.selector_time = gauge("sparsity_selector_seconds",
+                                   "Time the page selector took in the last step "
+                                   "(reported when the engine provides EngineStats.selector_seconds).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.finished = counter("request_success", "Requests finished, by finish reason (stop, length, abort, error).",
+                                ("finished_reason",))
+        self.preemptions = counter("num_preemptions", "Sequences preempted (pages freed, recomputed later).")
+        self.aborts = counter("num_aborted_requests", "Requests aborted in the engine (client gone or cancelled).")
+        self.steps = counter("engine_steps", "Engine steps run.")
+
+    def init_series(self) -> None:
+        """Create every series at zero, so counters and histograms are exported before the first event."""
+        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
+                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.aborts, self.steps):
+            self.of(metric)
+        for reason in ("stop", "length", "abort", "error"):
+            self.of(self.finished, finished_reason=reason)
+
+    def of(self, metric, **extra):
+        """``metric`` with this replica's labels (plus ``extra``)."""
+        return metric.labels(**self.labels, **extra)
+
+
+def get_engine_metrics(model: str, replica: str) -> EngineMetrics:
+    """The process-wide :class:`EngineMetrics` (created on first use)."""
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = EngineMetrics(model, replica)
+    return _METRICS
+
+
+class HttpMetrics:
+    """The ingress's series: HTTP responses by endpoint and status code."""
+
+    def __init__(self, model: str, replica: str) -> None:
+        ensure_metrics_dir()
+        from prometheus_client import Counter
+
+        self.labels = {"model": model, "replica": replica}
+        self.responses = Counter(PREFIX + "http_responses", "HTTP responses of the OpenAI ingress.",
+                                 ("model", "replica", "endpoint", "status"))
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.responses.labels(**self.labels, endpoint=endpoint, status=str(status)).inc()
+
+
+def get_http_metrics(model: str, replica: str) -> HttpMetrics:
+    """The process-wide :class:`HttpMetrics` (created on first use)."""
+    global _HTTP
+    if _HTTP is None:
+        _HTTP = HttpMetrics(model, replica)
+    return _HTTP
+
+
+_PID_FILE = re.compile(r"gauge_live\w+?_(\d+)\.db$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def drop_dead_processes(path: str) -> list[int]:
+    """Remove the live-gauge files of processes that no longer exist; returns their pids."""
+    from prometheus_client import multiprocess
+
+    dead = set()
+    for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        m = _PID_FILE.search(os.path.basename(f))
+        if m and not _pid_alive(int(m.group(1))):
+            dead.add(int(m.group(1)))
+    for pid in dead:
+        multiprocess.mark_process_dead(pid, path)
+    return sorted(dead)
+
+
+def render_metrics() -> tuple[bytes, str]:
+    """The ``lserve:`` series of every process sharing this process's metrics folder.
+
+    Returns
+    -------
+    (bytes, str)
+        The exposition text and its content type.
+    """
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
+
+    path = ensure_metrics_dir()
+    registry = CollectorRegistry()
+    if path:
+        drop_dead_processes(path)
+        collector = multiprocess.MultiProcessCollector(None, path=path)
+    else:  # single process (tests without Ray): the default registry
+        from prometheus_client import REGISTRY as collector
+
+    class _Only:
+        def collect(self):
+            for family in collector.collect():
+                if family.name.startswith(PREFIX):
+                    yield family
+
+    registry.register(_Only())
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,199 @@
+"""OpenAI-compatible request/response models and the error shape.
+
+Requests are validated strictly (wrong JSON types are rejected, not coerced) with OpenAI's bounds;
+parameters LServe does not implement are accepted only at their neutral values, so a client never
+gets silently different behaviour. The ``lserve`` object is LServe's per-request extension.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_CHOICES = 8  # n times the number of prompts, per request
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+class OpenAIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
+
+    Parameters
+    ----------
+    status : int
+    message : str
+        One line for the user (never a stack trace).
+    type : str
+        OpenAI's error type, e.g. ``invalid_request_error``.
+    param : str or None
+        The offending request field.
+    code : str or None
+        A machine-readable code, e.g. ``context_length_exceeded``.
+    headers : dict, optional
+        Extra response headers (``Retry-After``, ``WWW-Authenticate``).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """HTTP 400 ``invalid_request_error``."""
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+# -- requests ---------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class LServeOptions(BaseModel):
+    """Per-request sparsity settings (the ``lserve`` extension object)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    token_budget: int | None = Field(
+        None, ge=0, le=MAX_TOKENS_LIMIT,
+        description="Dense heads' decode token budget for this request: 0 turns page selection off, otherwise at "
+                    "least two KV pages and at most the model's context length.")
+    streaming: bool | None = Field(
+        None, description="Streaming heads on/off. Only true (or absent) is accepted: this deployment cannot switch "
+                          "streaming heads off per request.")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="Send a last chunk with token usage and no choices.")
+
+
+class _SamplingRequest(_Strict):
+    model: str | None = Field(None, description="The served model id (see GET /v1/models); default: that model.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT, description="0 or -1 disables.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP} stop strings.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Only 0 is supported.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Only 0 is supported.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported (null or empty only).")
+    user: str | None = None
+    lserve: LServeOptions | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="Text, token ids, or a batch of either (each prompt gets n choices).")
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    echo: bool = Field(False, description="Not supported (false only).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Not supported (null only).")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Only 1 (or null) is supported.")
+    suffix: str | None = Field(None, description="Not supported (null only).")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions`` (the model's chat template is applied)."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool | None = Field(None, description="Not supported (null or false only).")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported (null only).")
+
+
+# -- responses --------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "lserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+    replicas: int = Field(description="Engine replicas that answered healthy.")

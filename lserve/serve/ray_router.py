@@ -1,0 +1,102 @@
+"""Ray Serve request router that applies :class:`~lserve.serve.router.PrefixAffinityPolicy`.
+
+It runs inside each caller of the engine deployment (the ingress), sees every handle call, and:
+
+* for ``generate`` calls made with ``lserve_route={"prefix": [...], "tokens": n}``, ranks replicas
+  by prefix affinity and token load. Load is what each replica last reported through
+  ``record_routing_stats`` (``queued_prompt_tokens``, ``kv_tokens``, ``alive``, ``ts``) plus the
+  prompt tokens this router sent it since that report;
+* for calls made with ``lserve_target=<replica id>`` (admin and drill calls), picks that replica;
+* for anything else, ranks by load alone.
+
+A full first choice falls through to the next rank (Ray Serve's own queue-length check), and
+``should_backoff`` is set so an all-full deployment waits instead of spinning.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from lserve.serve.router import PrefixAffinityPolicy, ReplicaLoad, RouteDecision
+
+ROUTE_KWARG = "lserve_route"
+TARGET_KWARG = "lserve_target"
+
+# Routers living in this process (one per deployment handle), for the ingress's admin views.
+_ROUTERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def routers_for(app_name: str) -> list[PrefixAwareRequestRouter]:
+    """The prefix-aware routers of ``app_name`` alive in this process."""
+    return [r for r in list(_ROUTERS) if r.app_name == app_name]
+
+
+class PrefixAwareRequestRouter(RequestRouter):
+    """Prefix-affinity, token-load-aware replica ranking for the engine deployment.
+
+    ``request_router_kwargs`` are passed to :meth:`initialize_state`.
+    """
+
+    def initialize_state(self, min_prefix_blocks: int = 2, imbalance_tokens: float = 2048,
+                         imbalance_ratio: float = 2.0, max_entries: int = 200_000, **_: object) -> None:
+        """Build the policy (called by Ray Serve with ``request_router_kwargs``)."""
+        self.policy = PrefixAffinityPolicy(min_prefix_blocks, imbalance_tokens, imbalance_ratio, max_entries)
+        # internal request id -> (replica unique id, prompt tokens, wall time sent)
+        self._inflight: dict[str, tuple[str, int, float]] = {}
+        self._known: set[str] = set()
+        self.decisions: deque[tuple[float, str, RouteDecision]] = deque(maxlen=256)
+        _ROUTERS.add(self)
+
+    # -- load ---------------------------------------------------------------------------------
+    def replica_loads(self, candidates: list[RunningReplica]) -> list[ReplicaLoad]:
+        """Current token load of each candidate: its last report plus what was sent after it."""
+        loads = []
+        for r in candidates:
+            rid = r.replica_id.unique_id
+            stats = r.routing_stats or {}
+            ts = float(stats.get("ts", 0.0))
+            pending = sum(tok for (dest, tok, sent) in self._inflight.values() if dest == rid and sent >= ts)
+            loads.append(ReplicaLoad(rid, int(stats.get("queued_prompt_tokens", 0)), int(stats.get("kv_tokens", 0)),
+                                     pending, bool(stats.get("alive", True))))
+        return loads
+
+    def _sync_replicas(self, candidates: list[RunningReplica]) -> None:
+        ids = {r.replica_id.unique_id for r in candidates}
+        for gone in self._known - ids:
+            self.policy.forget(gone)
+        self._known = ids
+
+    # -- the Ray interface --------------------------------------------------------------------
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """Ranked groups of one replica each, best first."""
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        self._sync_replicas(candidate_replicas)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        target = kwargs.get(TARGET_KWARG)
+        if target is not None:
+            return [[by_id[target]]] if target in by_id else []
+        route = kwargs.get(ROUTE_KWARG) or {}
+        decision = self.policy.decide(route.get("prefix") or [], self.replica_loads(candidate_replicas))
+        if route:
+            self.decisions.append((time.time(), decision.ranked[0] if decision.ranked else "", decision))
+        return [[by_id[rid]] for rid in decision.ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        """Count the request against its replica until that replica reports again; remember its prefix."""
+        route = pending_request.kwargs.get(ROUTE_KWARG)
+        if not route:
+            return
+        rid = replica_id.unique_id
+        self.policy.record(route.get("prefix") or [], rid)
+        self._inflight[pending_request.metadata.internal_request_id] = (rid, int(route.get("tokens", 0)), time.time())
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Forget a finished request's pending tokens."""
+        self._inflight.pop(internal_request_id, None)

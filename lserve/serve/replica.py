@@ -1,0 +1,256 @@
+"""The engine replica: one :class:`~lserve.engine.async_engine.AsyncEngine` per Ray Serve replica.
+
+The engine loop runs in its own thread; :meth:`EngineReplica.generate` is an async generator that
+streams one plain-dict event per engine output to the caller (the ingress), so nothing but dicts
+crosses process boundaries:
+
+* ``{"type": "accepted", "replica", "prompt_tokens"}`` once the request is tokenized and checked;
+* ``{"type": "delta", "text", "num_tokens", "finished", "finish_reason", "prompt_tokens",
+  "completion_tokens"}`` per engine step that touched the request;
+* ``{"type": "error", "status", "message", "param", "code"}`` instead, for a request the engine
+  cannot serve (400) or a dead engine (503).
+
+Closing the generator (a client that went away) closes the engine stream, which aborts the request
+and frees its KV pages before the next step. ``check_health`` raises once the engine loop has died,
+so Ray Serve replaces the replica; ``record_routing_stats`` feeds the router's token-load view; a
+background thread exports engine gauges and counters to Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from lserve.config import ConfigError
+from lserve.engine.async_engine import AsyncEngine, EngineDeadError
+from lserve.engine.llm_engine import RequestError
+from lserve.engine.sampling import SamplingParams
+from lserve.serve.metrics import EngineMetrics, get_engine_metrics
+from lserve.serve.settings import ServeSettings
+
+log = logging.getLogger("lserve.serve")
+
+STATS_PERIOD_S = 0.5
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica (plain use, unit tests)
+        return f"local-{os.getpid()}"
+
+
+class EngineReplica:
+    """One engine behind Ray Serve (wrapped by ``serve.deployment`` in :mod:`lserve.serve.app`).
+
+    Parameters
+    ----------
+    settings : dict
+        :meth:`ServeSettings.to_dict` output.
+    """
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        import torch
+
+        self.settings = ServeSettings.from_dict(settings)
+        if not self.settings.uses_gpu:
+            torch.set_num_threads(self.settings.replica_torch_threads())
+        cfg = self.settings.engine_config()
+        if self.settings.uses_gpu:
+            cfg.device = "cuda"  # Ray exposes this replica's GPU as device 0
+        self.engine = AsyncEngine(cfg)
+        self.replica_id = _replica_id()
+        self.model_name = self.settings.model_name
+        core = self.engine.engine
+        self.page_size = cfg.cache.page_size
+        self.max_model_len = core.max_model_len
+        self.metrics: EngineMetrics = get_engine_metrics(self.model_name, self.replica_id)
+        self.metrics.init_series()
+        self._queued: dict[str, int] = {}  # request id -> prompt tokens not yet prefilled
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._static_gauges(core)
+        self._poller = threading.Thread(target=self._poll_stats, name="lserve-metrics", daemon=True)
+        self._poller.start()
+        log.info("engine replica %s ready: model %s, max_model_len %d", self.replica_id, self.model_name,
+                 self.max_model_len)
+
+    # -- requests -----------------------------------------------------------------------------
+    def _params(self, p: dict[str, Any], prompt_len: int) -> SamplingParams:
+        p = dict(p)
+        if p.get("max_tokens") is None:
+            room = self.max_model_len - prompt_len
+            if room < 1:
+                raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                                   f"prompt has {prompt_len}")
+            p["max_tokens"] = min(self.settings.default_max_tokens, room)
+        return SamplingParams(**p)
+
+    async def generate(self, request: dict[str, Any], lserve_route: dict | None = None):
+        """Stream the events of one request (see the module docstring).
+
+        Parameters
+        ----------
+        request : dict
+            ``{"request_id", "prompt" (text, token ids or chat messages), "chat", "params"}`` where
+            ``params`` are :class:`SamplingParams` fields (``max_tokens`` None: as much as fits,
+            capped at ``default_max_tokens``).
+        lserve_route : dict, optional
+            Routing hints read by the router (unused here).
+        """
+        t_recv = time.monotonic()
+        rid = f"{request.get('request_id') or 'req'}-{next(self._ids)}"
+        try:
+            self.engine.check_health()
+            ids = await asyncio.to_thread(self.engine.engine.encode_prompt, request["prompt"],
+                                          bool(request.get("chat")))
+            params = self._params(request.get("params") or {}, len(ids))
+            self.engine.validate(ids, params)
+        except EngineDeadError as e:
+            yield {"type": "error", "status": 503, "message": f"the engine of replica {self.replica_id} has stopped "
+                   f"and is being replaced; retry shortly ({e})", "code": "engine_dead"}
+            return
+        except RequestError as e:
+            code = "context_length_exceeded" if "context length" in str(e) or "KV pages" in str(e) else None
+            yield {"type": "error", "status": 400, "message": str(e), "param": "messages" if request.get("chat")
+                   else "prompt", "code": code}
+            return
+        except (ConfigError, ValueError, TypeError) as e:  # bad sampling fields, no chat template
+            yield {"type": "error", "status": 400, "message": str(e), "param": None, "code": None}
+            return
+        self._queued[rid] = len(ids)
+        m = self.metrics
+        finished, reason = False, "abort"
+        stream = None
+        try:
+            yield {"type": "accepted", "replica": self.replica_id, "prompt_tokens": len(ids)}
+            stream = self.engine.generate(ids, params, request_id=rid)
+            last = None
+            async for out in stream:
+                now = time.monotonic()
+                self._queued.pop(rid, None)
+                n_new = len(out.delta_token_ids)
+                if last is not None and n_new:
+                    per = (now - last) / n_new
+                    for _ in range(n_new):
+                        m.of(m.itl).observe(per)
+                if n_new:
+                    last = now
+                if out.finished:
+                    finished, reason = True, out.finish_reason or "stop"
+                    self._observe_finished(out.metrics, t_recv, now, len(out.token_ids))
+                yield {"type": "delta", "text": out.delta_text, "num_tokens": n_new, "finished": out.finished,
+                       "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
+                       "completion_tokens": len(out.token_ids)}
+        except EngineDeadError as e:
+            reason = "error"
+            yield {"type": "error", "status": 503, "message": f"the engine stopped while generating ({e}); retry",
+                   "code": "engine_dead"}
+        finally:
+            self._queued.pop(rid, None)
+            if stream is not None and not finished:
+                await stream.aclose()  # aborts the request: its pages are freed before the next step
+            m.of(m.finished, finished_reason=reason).inc()
+
+    def _observe_finished(self, em: dict, t_recv: float, now: float, n_out: int) -> None:
+        m = self.metrics
+        first_token, first_sched, arrival = em.get("first_token"), em.get("first_scheduled"), em.get("arrival")
+        m.of(m.e2e).observe(now - t_recv)
+        if first_token is not None:
+            m.of(m.ttft).observe(max(0.0, first_token - t_recv))
+            m.of(m.decode).observe(max(0.0, now - first_token))
+            if n_out > 1:
+                m.of(m.tpot).observe(max(0.0, now - first_token) / (n_out - 1))
+        if first_sched is not None and arrival is not None:
+            m.of(m.queue).observe(max(0.0, first_sched - arrival))
+            if first_token is not None:
+                m.of(m.prefill).observe(max(0.0, first_token - first_sched))
+
+    # -- health, routing, admin ---------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise if the engine loop has died (Ray Serve then restarts this replica)."""
+        self.engine.check_health()
+
+    def engine_stats(self) -> dict[str, Any]:
+        """This replica's engine state (for admin views and tests)."""
+        st = self.engine.stats()
+        core = self.engine.engine
+        return {"replica": self.replica_id, "alive": self.engine.is_alive, "running": st.running,
+                "waiting": st.waiting, "kv_usage": dict(st.kv_usage), "dense_pages_used": st.dense_pages_used,
+                "dense_pages_total": core.cache.dense_alloc.num_pages,
+                "stream_pages_used": core.cache.stream_alloc.num_used, "all_pages_free": core.cache.all_free(),
+                "queued_prompt_tokens": sum(self._queued.values()), "num_preemptions": st.num_preemptions,
+                "aborted": self.engine.aborted, "steps": st.steps}
+
+    def info(self) -> dict[str, Any]:
+        """Model facts the ingress shows in ``/v1/models``."""
+        return {"replica": self.replica_id, "model": self.model_name, "max_model_len": self.max_model_len,
+                "page_size": self.page_size}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Token load for the router: prompt tokens queued + KV tokens in use (Ray Serve calls this)."""
+        st = self.engine.stats()
+        return {"ts": time.time(), "alive": self.engine.is_alive, "queued_prompt_tokens": sum(self._queued.values()),
+                "kv_tokens": st.dense_pages_used * self.page_size, "running": st.running, "waiting": st.waiting}
+
+    def kill_engine(self, lserve_target: str | None = None) -> str:
+        """Failure drill: stop the engine loop as a crash would; returns this replica's id.
+
+        Only reachable through a deployment handle (never over HTTP); ``lserve_target`` (a replica
+        id) makes the router deliver the call to that replica.
+        """
+        log.warning("engine of replica %s killed on request", self.replica_id)
+        self.engine.kill()
+        return self.replica_id
+
+    # -- metrics ------------------------------------------------------------------------------
+    def _static_gauges(self, core) -> None:
+        m = self.metrics
+        sp = core.config.sparsity
+        m.of(m.token_budget).set(sp.token_budget)
+        m.of(m.streaming_heads).set(core.layout.streaming_fraction())
+
+    def _poll_stats(self) -> None:
+        m = self.metrics
+        last = {"prompt": 0, "gen": 0, "pre": 0, "abort": 0, "steps": 0}
+        while not self._stop.wait(STATS_PERIOD_S):
+            try:
+                st = self.engine.stats()
+                m.of(m.running).set(st.running)
+                m.of(m.waiting).set(st.waiting)
+                for pool, frac in st.kv_usage.items():
+                    m.of(m.kv_usage, pool=pool).set(frac)
+                m.of(m.dense_pages).set(st.dense_pages_used)
+                m.of(m.queued_prompt).set(sum(self._queued.values()))
+                info = self.engine.engine.last_step_info
+                if info:
+                    m.of(m.step_time).set(info.get("seconds", 0.0))
+                for attr, gauge in (("selected_pages_per_step", m.selected_pages), ("selector_seconds", m.selector_time)):
+                    value = getattr(st, attr, None)
+                    if value is not None:
+                        m.of(gauge).set(value)
+                now = {"prompt": st.prompt_tokens, "gen": st.generation_tokens, "pre": st.num_preemptions,
+                       "abort": self.engine.aborted, "steps": st.steps}
+                for key, counter in (("prompt", m.prompt_tokens), ("gen", m.generation_tokens),
+                                     ("pre", m.preemptions), ("abort", m.aborts), ("steps", m.steps)):
+                    if now[key] > last[key]:
+                        m.of(counter).inc(now[key] - last[key])
+                last = now
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                log.exception("metrics poll failed")
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
