@@ -8,12 +8,28 @@ torch backend is the reference every other backend is tested against.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from lserve.cache.kv_cache import KVCache
 from lserve.config import ModelConfig, SparsityConfig
 from lserve.sparsity.plan import SeqStep, StepPlan, StepPlanner
+
+
+@dataclass
+class SelectorStats:
+    """Running totals of dynamic page selection (exported as metrics).
+
+    ``runs``: selector invocations (one per layer and sequence); ``reuses``: layer-steps that
+    reused a stored selection; ``pages``: physical pages kept by the runs; ``seconds``: host
+    time spent in the selector (device time on GPU backends that sync, else launch time).
+    """
+
+    runs: int = 0
+    reuses: int = 0
+    pages: int = 0
+    seconds: float = 0.0
 
 
 class AttentionBackend(ABC):
@@ -35,6 +51,7 @@ class AttentionBackend(ABC):
         self.scale = model.head_dim ** -0.5
         device = cache.dense[0].k.device
         self.planner = StepPlanner(sparsity, cache, device)
+        self.selector_stats = SelectorStats()
 
     def plan(self, steps: list[SeqStep]) -> StepPlan:
         """Host-side metadata for one forward step."""

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +39,6 @@ class TorchBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         # layer -> seq_id -> (page indices [H_sel, K-1] excluding the last, pages at selection)
         self.selection: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(self.model.num_layers)]
-        self.last_selected_pages: list[int] = []  # pages read per dense head, for metrics
 
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
@@ -118,11 +119,18 @@ class TorchBackend(AttentionBackend):
         n = sp.pages.numel()
         state = self.selection[layer].get(sp.step.seq_id)
         if sp.select or state is None:
+            t0 = time.perf_counter()
             stats = self.cache.stats[layer]
             scores = page_scores(qd, stats.kmax[sp.pages], stats.kmin[sp.pages], self.group, self.sp.select_mode)
             idx = top_pages(scores, sp.budget_pages)
             state = (idx[:, :-1], n)
             self.selection[layer][sp.step.seq_id] = state
+            st = self.selector_stats
+            st.runs += 1
+            st.pages += idx.numel()
+            st.seconds += time.perf_counter() - t0
+        else:
+            self.selector_stats.reuses += 1
         chosen, n_at_select = state
         mask = torch.zeros(chosen.shape[0], n, dtype=torch.bool, device=qd.device)
         mask.scatter_(1, chosen, True)

@@ -115,6 +115,9 @@ class LLMEngine:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
                                f"request asks for {total} ({len(prompt_ids)} in the prompt + {params.max_tokens} "
                                f"to generate)")
+        tb, page = params.token_budget, self.cache.page_size
+        if tb is not None and 0 < tb < 2 * page:
+            raise RequestError(f"token_budget must be 0 (off) or at least two pages ({2 * page} tokens), got {tb}")
         pages = self.cache.pages_for(total)
         if pages > self.cache.dense_alloc.num_pages:
             raise RequestError(f"the request needs {pages} KV pages ({total} tokens) but the cache has "

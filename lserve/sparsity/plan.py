@@ -122,7 +122,7 @@ class StepPlanner:
         N = self.cache.page_size
         n_pages = -(-length // N)
         budget = self.sp.token_budget if s.token_budget is None else s.token_budget
-        k = budget // N
+        k = max(budget // N, 1)  # a budget under one page still keeps the last page
         dynamic = (s.decode and budget > 0 and length >= self.sp.dynamic_threshold and n_pages > k)
         select = False
         if s.decode:

@@ -1,0 +1,471 @@
+"""CUDA backend: the block-sparse kernels of ``kernels/`` (compiled by CuPy), same semantics as
+:class:`~lserve.attention.torch_backend.TorchBackend`.
+
+Per layer ``run`` does, on torch's current stream:
+
+1. ``ls_kv_write``: decode tokens' K/V into the dense pool and the streaming ring (quantized as
+   configured) plus the key statistics (before attention, so a token attends to itself).
+2. Page selection (only when some decode sequence has ``SeqPlan.select`` and the layer
+   selects): ``ls_page_scores`` + ``ls_page_topk`` write the selection state (logical page
+   indices, per (layer, sequence slot, dense KV head)) on the GPU. Steps that reuse a selection
+   launch nothing: the decode kernel reads the stored state and appends every page from the one
+   that was last at selection time (exactly ``TorchBackend._page_mask``).
+3. ``ls_decode``: ONE launch for all decode sequences and all KV heads (split-K over units
+   sized to fill the GPU), then ``ls_decode_merge`` when any work item has several splits.
+4. Prefill without cached past (``start == 0``): dense heads through torch SDPA (flash; faster
+   than our mma.sync kernel, see ``lserve.bench.kernels``), streaming heads through
+   ``ls_prefill``, which visits only the sink and local key blocks of each query tile. Chunked
+   prefill with cached past (``start > 0``) and fp32 models fall back to the torch reference
+   code for that sequence (correct, not fast).
+5. ``ls_kv_write`` again for the prefill tokens (after attention, as the reference does).
+
+Host work happens once per step (the first layer of a plan): int32 tables are packed into one
+buffer and copied in one transfer; per (n_dense, selects) layer kind a split-K unit table.
+
+CUDA graphs: with a fixed plan every launch of ``run`` is capturable (no host sync, no
+allocation outside torch's allocator; ``lserve.bench.kernels`` captures decode steps). For
+engine-level capture across steps, the per-step tables would have to live in fixed-capacity
+device buffers updated by one copy before replay, the grid sized by capacity with empty units
+exiting early (the kernels already take every count from device memory except the unit count
+and the split chunk), and the selector's ``select`` flag moved into ``meta`` so that the
+select and reuse graphs differ only by one branch in the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lserve.attention.base import AttentionBackend
+from lserve.attention.torch_backend import TorchBackend
+from lserve.sparsity.plan import SeqPlan, StepPlan
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+LOG2E = 1.4426950408889634
+MAX_CHUNK = 256  # entries per decode unit (shared-memory table in ls_decode)
+TOPK_THREADS = 512
+SCORE_PAGES_PER_CTA = 16
+PREFILL_BM = 64
+# meta rows (see kernels/decode.cu)
+META_FIELDS = ("tok", "len", "npages", "nring", "nsel", "slot", "dyn", "kk")
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def _check_rows(t: torch.Tensor, dtype: torch.dtype, heads: int, d: int, name: str, device: torch.device) -> None:
+    """A [T, H, D] tensor whose rows can be addressed as base + t * stride(0) + h * D + i."""
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the cache on {device}")
+    if t.dim() != 3 or t.shape[1] != heads or t.shape[2] != d:
+        raise ValueError(f"{name}: expected [T, {heads}, {d}], got {list(t.shape)}")
+    if t.stride(2) != 1 or t.stride(1) != d or t.stride(0) % 8 or t.data_ptr() % 16:
+        raise ValueError(f"{name}: rows must be contiguous [H, D] blocks, 16-byte aligned (strides {t.stride()})")
+
+
+@dataclass
+class _Units:
+    """Split-K decomposition of the decode work for one layer kind (n_dense, selects)."""
+
+    n_units: int
+    n_work: int
+    chunk: int
+    direct: bool
+    units: torch.Tensor  # int32 [U, 2] (work, split)
+    work_start: torch.Tensor  # int32 [W + 1]
+    part_o: torch.Tensor | None  # float32 [U, GQ, D]
+    part_lse: torch.Tensor | None  # float32 [U, GQ]
+
+
+@dataclass
+class _Step:
+    """Device tables of one StepPlan, shared by all layers."""
+
+    plan: StepPlan
+    nb: int  # decode sequences
+    dec: list[SeqPlan]
+    host: dict[str, np.ndarray]  # meta fields [nb] as numpy (for unit planning)
+    meta: torch.Tensor | None = None  # int32 [8 * nb]
+    pages: torch.Tensor | None = None  # int32 [nb, pages_stride]
+    ring_pages: torch.Tensor | None = None  # int32 [nb, ring_stride]
+    ring_pos: torch.Tensor | None = None
+    sel_rows: torch.Tensor | None = None  # int32 [R]: decode indices that select now
+    n_sel_rows: int = 0
+    n_dynamic: int = 0  # decode sequences with page selection active
+    sel_pages: int = 0  # sum of K over the selecting sequences
+    max_np_sel: int = 0
+    fast: list[SeqPlan] = field(default_factory=list)  # prefill with start == 0
+    slow: list[SeqPlan] = field(default_factory=list)  # prefill with cached past (torch path)
+    tiles: torch.Tensor | None = None  # int32 [n_tiles, 2]
+    seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
+    n_tiles: int = 0
+    units: dict = field(default_factory=dict)
+
+
+class CupyBackend(AttentionBackend):
+    """Block-sparse attention through the CUDA kernels in ``kernels/``.
+
+    Parameters
+    ----------
+    model, sparsity, cache
+        As for :class:`~lserve.attention.base.AttentionBackend`; the cache must be on a CUDA
+        device with head_dim 64, 128 or 256 and a page size that is a multiple of 4.
+
+    Attributes
+    ----------
+    target_ctas : int
+        Decode units aimed for per launch (split-K granularity); default 4 per SM.
+    prefill_dense : str
+        ``"sdpa"`` (default) or ``"kernel"``: what runs the dense heads at prefill.
+    """
+
+    name = "cupy"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        from lserve.kernels.loader import KernelError
+
+        pool = self.cache.dense[0] if self.cache.dense[0].num_heads else self.cache.stream[0]
+        self.device = pool.k.device
+        self.dtype = pool.dtype
+        self._check_device()
+        if self.dtype not in DTYPE_NAMES:
+            raise KernelError(f"unsupported cache dtype {self.dtype}")
+        self.D = self.model.head_dim
+        if self.D not in (64, 128, 256):
+            raise KernelError(f"the cupy backend supports head_dim 64, 128, 256 (got {self.D})")
+        if self.cache.page_size % 4:
+            raise KernelError(f"the cupy backend needs a page size that is a multiple of 4 (got {self.cache.page_size})")
+        if self.group > 32:
+            raise KernelError(f"GQA groups above 32 query heads are not supported (got {self.group})")
+        self.dt_name = DTYPE_NAMES[self.dtype]
+        self.kv_quant = self.cache.cfg.kv_quant
+        self.gq = _largest_divisor_at_most(self.group, 8)
+        self.nqs = self.group // self.gq
+        self.qmode = self.sp.select_mode == "query"
+        self.hkv = self.model.num_kv_heads
+        self.g_log = self.cache.cfg.pages_per_logical
+        self.num_sms = self._num_sms()
+        self.target_ctas = 4 * self.num_sms
+        self.prefill_dense = "sdpa"
+        self.qscale = self.scale * LOG2E
+        # The oracle's code serves chunked prefill with cached past and fp32 prefill.
+        self._ref = TorchBackend(self.model, self.sp, self.cache)
+        # Selection state (logical page indices) per (layer, slot, dense head).
+        self._slots: dict[int, int] = {}
+        self._free_slots: list[int] = []
+        self._nsel: dict[int, int] = {}
+        self._hd_max = max(self.cache.n_dense) if self.cache.n_dense else 0
+        self._sel_idx = self._sel_mask = self._sel_cnt = None
+        self._cap_slots = 0
+        self._cap_u = 0
+        self._step: _Step | None = None
+
+    def _check_device(self) -> None:
+        from lserve.kernels.loader import KernelError
+
+        if self.device.type != "cuda":
+            raise KernelError("the cupy backend needs the cache on a CUDA device")
+
+    def _num_sms(self) -> int:
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    # -- kernels --------------------------------------------------------------------------------
+    def _kernel(self, family: str, name: str, quant: str = "none", gq: int = 1):
+        from lserve.kernels.loader import Variant, get_kernel
+
+        return get_kernel(Variant(family, self.dt_name, self.D, quant, gq), name)
+
+    # -- sequence state -------------------------------------------------------------------------
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        self._nsel.pop(seq_id, None)
+        slot = self._slots.pop(seq_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _slot_of(self, seq_id: int) -> int:
+        slot = self._slots.get(seq_id)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            self._slots[seq_id] = slot
+        return slot
+
+    def _ensure_state(self, n_slots: int, u_needed: int) -> None:
+        """Grow the selection-state buffers to hold ``n_slots`` slots of ``u_needed`` entries."""
+        if n_slots <= self._cap_slots and u_needed <= self._cap_u:
+            return
+        slots = max(n_slots, 2 * self._cap_slots, 8)
+        cap_u = max(u_needed, self._cap_u)
+        L, H = self.model.num_layers, max(self._hd_max, 1)
+        idx = torch.zeros((L, slots, H, cap_u), dtype=torch.int32, device=self.device)
+        cnt = torch.zeros((L, slots, H), dtype=torch.int32, device=self.device)
+        msk = torch.zeros((L, slots, H, cap_u) if self.qmode else (1,), dtype=torch.int32, device=self.device)
+        if self._sel_idx is not None:
+            s, u = self._cap_slots, self._cap_u
+            idx[:, :s, :, :u] = self._sel_idx
+            cnt[:, :s] = self._sel_cnt
+            if self.qmode:
+                msk[:, :s, :, :u] = self._sel_mask
+        self._sel_idx, self._sel_cnt, self._sel_mask = idx, cnt, msk
+        self._cap_slots, self._cap_u = slots, cap_u
+
+    # -- per-step tables ------------------------------------------------------------------------
+    def _tables(self, plan: StepPlan) -> _Step:
+        if self._step is not None and self._step.plan is plan:
+            return self._step
+        N = self.cache.page_size
+        dec = [s for s in plan.seqs if s.step.decode]
+        pre = [s for s in plan.seqs if not s.step.decode]
+        nb = len(dec)
+        host = {f: np.zeros(nb, dtype=np.int32) for f in META_FIELDS}
+        st = _Step(plan=plan, nb=nb, dec=dec, host=host)
+        chunks: list[tuple[str, np.ndarray]] = []
+        if nb:
+            npages = [-(-s.length // N) for s in dec]
+            pstride = max(npages)
+            pages = np.zeros((nb, pstride), dtype=np.int32)
+            rings = []
+            for b, s in enumerate(dec):
+                pages[b, : npages[b]] = s.step.dense_pages[: npages[b]]
+                if self.cache.has_streaming:
+                    slots = self.cache.ring.page_in_slot(s.length)
+                    rings.append([(s.step.stream_pages[r], i * N) for r, i in enumerate(slots) if i >= 0])
+                else:
+                    rings.append([])
+            rstride = max(1, max(len(r) for r in rings))
+            ring_pages = np.zeros((nb, rstride), dtype=np.int32)
+            ring_pos = np.zeros((nb, rstride), dtype=np.int32)
+            sel_rows = []
+            u_needed = 1
+            for b, s in enumerate(dec):
+                for j, (p, pos) in enumerate(rings[b]):
+                    ring_pages[b, j], ring_pos[b, j] = p, pos
+                host["tok"][b] = s.t0
+                host["len"][b] = s.length
+                host["npages"][b] = npages[b]
+                host["nring"][b] = len(rings[b])
+                host["kk"][b] = s.budget_pages
+                if s.dynamic:
+                    sid = s.step.seq_id
+                    host["dyn"][b] = 1
+                    host["slot"][b] = self._slot_of(sid)
+                    if s.select or sid not in self._nsel:
+                        self._nsel[sid] = npages[b]
+                        sel_rows.append(b)
+                    host["nsel"][b] = self._nsel[sid]
+                    u_needed = max(u_needed, (s.budget_pages - 1) * (self.group if self.qmode else 1))
+            self._ensure_state(len(self._slots) + len(self._free_slots) + 1, u_needed)
+            meta = np.stack([host[f] for f in META_FIELDS]).reshape(-1)
+            chunks += [("meta", meta), ("pages", pages), ("ring_pages", ring_pages), ("ring_pos", ring_pos),
+                       ("sel_rows", np.asarray(sel_rows or [0], dtype=np.int32))]
+            st.n_sel_rows = len(sel_rows)
+            st.n_dynamic = int(host["dyn"].sum())
+            st.sel_pages = int(sum(host["kk"][b] for b in sel_rows))
+            st.max_np_sel = max((npages[b] for b in sel_rows), default=0)
+        fast_ok = self.dtype != torch.float32
+        st.fast = [s for s in pre if s.step.start == 0 and fast_ok]
+        st.slow = [s for s in pre if not (s.step.start == 0 and fast_ok)]
+        if st.fast:
+            seqs = np.array([[s.t0, s.step.num_new] for s in st.fast], dtype=np.int32)
+            tiles = np.array([[j, q0] for j, s in enumerate(st.fast) for q0 in range(0, s.step.num_new, PREFILL_BM)],
+                             dtype=np.int32)
+            st.n_tiles = len(tiles)
+            chunks += [("seqs", seqs), ("tiles", tiles)]
+        if chunks:
+            flat = np.concatenate([a.reshape(-1) for _, a in chunks])
+            dev = torch.from_numpy(flat).to(self.device, non_blocking=False)
+            o = 0
+            for name, a in chunks:
+                setattr(st, name, dev[o: o + a.size].view(a.shape))
+                o += a.size
+        self._step = st
+        return st
+
+    def _units(self, st: _Step, nd: int, selects: bool) -> _Units:
+        key = (nd, selects)
+        if key in st.units:
+            return st.units[key]
+        h = st.host
+        hkv, nqs = self.hkv, self.nqs
+        n_sel = (h["kk"] - 1) * (self.group if self.qmode else 1)
+        dyn = (h["dyn"] != 0) & selects
+        e_dense = np.where(dyn, n_sel + h["npages"] - h["nsel"] + 1, h["npages"])  # [nb] upper bounds
+        e = np.empty((st.nb, hkv, nqs), dtype=np.int64)
+        e[:, :nd, :] = e_dense[:, None, None]
+        e[:, nd:, :] = h["nring"][:, None, None]
+        e = np.maximum(e.reshape(-1), 1)
+        chunk = int(min(MAX_CHUNK, max(1, math.ceil(e.sum() / self.target_ctas))))
+        nsplit = -(-e // chunk)
+        W, U = e.size, int(nsplit.sum())
+        work_start = np.zeros(W + 1, dtype=np.int32)
+        np.cumsum(nsplit, out=work_start[1:])
+        work = np.repeat(np.arange(W, dtype=np.int32), nsplit)
+        split = np.arange(U, dtype=np.int32) - np.repeat(work_start[:-1], nsplit)
+        units = np.stack([work, split], axis=1).astype(np.int32)
+        dev = torch.from_numpy(np.concatenate([units.reshape(-1), work_start])).to(self.device)
+        direct = bool(nsplit.max() == 1)
+        part_o = part_lse = None
+        if not direct:
+            part_o = torch.empty((U, self.gq, self.D), dtype=torch.float32, device=self.device)
+            part_lse = torch.empty((U, self.gq), dtype=torch.float32, device=self.device)
+        res = _Units(U, W, chunk, direct, dev[: 2 * U].view(U, 2), dev[2 * U:], part_o, part_lse)
+        st.units[key] = res
+        return res
+
+    # -- run ------------------------------------------------------------------------------------
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Attention of one layer. q: [T, H_q, D], k, v: [T, H_kv, D] -> [T, H_q, D]."""
+        out = torch.empty_like(q)
+        self.attend(layer, q, k, v, plan, out)
+        return out
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan,
+               out: torch.Tensor) -> None:
+        """:meth:`run` into a given output ``out`` [T, H_q, D] (every row of the step is written)."""
+        hq = self.model.num_heads
+        _check_rows(q, self.dtype, hq, self.D, "q", self.device)
+        _check_rows(k, self.dtype, self.hkv, self.D, "k", self.device)
+        _check_rows(v, self.dtype, self.hkv, self.D, "v", self.device)
+        _check_rows(out, self.dtype, hq, self.D, "out", self.device)
+        st = self._tables(plan)
+        self.write(layer, k, v, plan.dense_write_decode, plan.stream_write_decode)
+        if st.nb:
+            if st.n_dynamic and self.layer_selects(layer):
+                if st.n_sel_rows:
+                    self.select(layer, q, st)
+                stats = getattr(self, "selector_stats", None)  # metrics (AttentionBackend)
+                if stats is not None:
+                    stats.reuses += st.n_dynamic - st.n_sel_rows
+            self.decode(layer, q, out, st)
+        if st.fast:
+            self.prefill(layer, q, k, v, out, st)
+        for sp in st.slow:
+            sl = slice(sp.t0, sp.t1)
+            out[sl] = self._ref._prefill(layer, sp, q[sl], k[sl], v[sl])
+        self.write(layer, k, v, plan.dense_write_prefill, plan.stream_write_prefill)
+
+    # -- stages ---------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, dense_w, stream_w) -> None:
+        """Append K/V rows (and fold key statistics). dense_w, stream_w: (token, page, offset) long [W]."""
+        from lserve.kernels.loader import i32, i64, launch, ptr
+
+        nd, hs = self.cache.n_dense[layer], self.cache.n_stream[layer]
+        d_tok, d_page, d_off = dense_w
+        s_tok, s_page, s_off = stream_w
+        nwd, nws = (d_tok.numel() if nd else 0), (s_tok.numel() if hs else 0)
+        items = nwd * nd + nws * hs
+        if items == 0:
+            return
+        for t in (d_tok, d_page, d_off, s_tok, s_page, s_off):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise TypeError("write tables must be contiguous int64 tensors")
+        dp, sp_, stats = self.cache.dense[layer], self.cache.stream[layer], self.cache.stats[layer]
+        kern = self._kernel("kv_write", "ls_kv_write", self.kv_quant)
+        args = (ptr(k), i64(k.stride(0)), ptr(v), i64(v.stride(0)),
+                ptr(d_tok), ptr(d_page), ptr(d_off), i32(nwd), i32(nd),
+                ptr(dp.k), ptr(dp.v), ptr(dp.k_scale), ptr(dp.v_scale), ptr(dp.k_zero), ptr(dp.v_zero),
+                ptr(stats.kmax), ptr(stats.kmin), i32(stats.g), i32(stats.logical_page_size),
+                ptr(s_tok), ptr(s_page), ptr(s_off), i32(nws), i32(hs),
+                ptr(sp_.k), ptr(sp_.v), ptr(sp_.k_scale), ptr(sp_.v_scale), ptr(sp_.k_zero), ptr(sp_.v_zero),
+                i32(self.cache.page_size))
+        launch(kern, (-(-items // 4),), (128,), args)
+
+    def select(self, layer: int, q: torch.Tensor, st: _Step) -> None:
+        """Run the page selector for the decode sequences that select this step."""
+        from lserve.kernels.loader import KernelError, i32, i64, launch, ptr
+
+        t0 = time.perf_counter()
+        nd = self.cache.n_dense[layer]
+        stats = self.cache.stats[layer]
+        R, npmax = st.n_sel_rows, st.max_np_sel
+        rows_per_seq = nd * (self.group if self.qmode else self.nqs)
+        scores = torch.empty((R, rows_per_seq, npmax), dtype=torch.float32, device=self.device)
+        kern = self._kernel("selector", "ls_page_scores", "none", self.gq)
+        launch(kern, (-(-npmax // SCORE_PAGES_PER_CTA), nd * self.nqs, R), (128,),
+               (ptr(q), i64(q.stride(0)), ptr(stats.kmax), ptr(stats.kmin), i32(nd), i32(self.g_log),
+                ptr(st.meta), i32(st.nb), ptr(st.sel_rows), ptr(st.pages), i32(st.pages.shape[1]),
+                ptr(scores), i32(npmax), i32(self.group), i32(self.nqs), i32(int(self.qmode))))
+        smem = 2 * 4 * max(npmax - 1, 1)
+        if smem > 227 * 1024:
+            raise KernelError(f"page selection over {npmax} pages exceeds the top-k kernel's shared memory")
+        kern = self._kernel("selector", "ls_page_topk", "none", self.gq)
+        launch(kern, (R, nd), (TOPK_THREADS,),
+               (ptr(scores), i32(npmax), ptr(st.meta), i32(st.nb), ptr(st.sel_rows), i32(nd), i32(self.group),
+                i32(self.nqs), i32(int(self.qmode)),
+                ptr(self._sel_idx[layer]), ptr(self._sel_mask[layer] if self.qmode else self._sel_mask),
+                ptr(self._sel_cnt[layer]), i32(self._sel_idx.shape[2] * self._cap_u), i32(self._cap_u),
+                i32(self._sel_cnt.shape[2])),
+               shared_mem=smem)
+        stats = getattr(self, "selector_stats", None)
+        if stats is not None:  # launch time only: nothing here synchronizes
+            stats.runs += R
+            stats.pages += st.sel_pages * nd * (self.group if self.qmode else 1)
+            stats.seconds += time.perf_counter() - t0
+
+    def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: _Step) -> None:
+        """Decode attention of every decode sequence and KV head of the layer (one launch + merge)."""
+        from lserve.kernels.loader import f32, i32, i64, launch, ptr
+
+        nd, hs = self.cache.n_dense[layer], self.cache.n_stream[layer]
+        selects = self.layer_selects(layer)
+        un = self._units(st, nd, selects)
+        dp, sp_ = self.cache.dense[layer], self.cache.stream[layer]
+        sel_idx = self._sel_idx[layer]
+        sel_mask = self._sel_mask[layer] if self.qmode else self._sel_mask
+        kern = self._kernel("decode", "ls_decode", self.kv_quant, self.gq)
+        args = (ptr(q), i64(q.stride(0)), ptr(out), i64(out.stride(0)),
+                ptr(un.part_o), ptr(un.part_lse), ptr(un.units), i32(un.chunk), i32(int(un.direct)),
+                ptr(st.meta), i32(st.nb), ptr(st.pages), i32(st.pages.shape[1]),
+                ptr(st.ring_pages), ptr(st.ring_pos), i32(st.ring_pages.shape[1]),
+                ptr(sel_idx), ptr(sel_mask), ptr(self._sel_cnt[layer]),
+                i32(sel_idx.shape[1] * sel_idx.shape[2]), i32(sel_idx.shape[2]), i32(self._sel_cnt.shape[2]),
+                i32(int(self.qmode)), i32(int(selects)),
+                ptr(dp.k), ptr(dp.v), ptr(dp.k_scale), ptr(dp.v_scale), ptr(dp.k_zero), ptr(dp.v_zero), i32(nd),
+                ptr(sp_.k), ptr(sp_.v), ptr(sp_.k_scale), ptr(sp_.v_scale), ptr(sp_.k_zero), ptr(sp_.v_zero), i32(hs),
+                i32(self.group), i32(self.nqs), i32(self.cache.page_size), i32(self.sp.sink_tokens),
+                i32(self.sp.local_tokens), f32(self.qscale))
+        launch(kern, (un.n_units,), (128,), args)
+        if not un.direct:
+            kern = self._kernel("decode", "ls_decode_merge", self.kv_quant, self.gq)
+            launch(kern, (un.n_work,), (128,),
+                   (ptr(un.part_o), ptr(un.part_lse), ptr(un.work_start), ptr(out), i64(out.stride(0)),
+                    ptr(st.meta), i32(st.nb), i32(self.hkv), i32(self.group), i32(self.nqs)))
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                st: _Step) -> None:
+        """Prefill (start == 0) of every such sequence: dense heads by SDPA or our kernel, streaming by ours."""
+        G, nd = self.group, self.cache.n_dense[layer]
+        hs = self.hkv - nd
+        if nd and self.prefill_dense == "sdpa":
+            for sp in st.fast:
+                sl = slice(sp.t0, sp.t1)
+                qd = q[sl, : nd * G].transpose(0, 1).unsqueeze(0)  # [1, Hd*G, n, D]
+                kd = k[sl, :nd].transpose(0, 1).unsqueeze(0)  # [1, Hd, n, D]
+                vd = v[sl, :nd].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=self.scale, enable_gqa=True)
+                out[sl, : nd * G] = o[0].transpose(0, 1)
+        elif nd:
+            self.prefill_kernel(q, k, v, out, st, head0=0, n_heads=nd * G, streaming=False)
+        if hs:
+            self.prefill_kernel(q, k, v, out, st, head0=nd * G, n_heads=hs * G, streaming=True)
+
+    def prefill_kernel(self, q, k, v, out, st: _Step, head0: int, n_heads: int, streaming: bool) -> None:
+        """``ls_prefill`` over query heads [head0, head0 + n_heads) of all start == 0 sequences."""
+        from lserve.kernels.loader import f32, i32, i64, launch, ptr
+
+        kern = self._kernel("prefill", "ls_prefill")
+        smem = 2 * 2 * 64 * (self.D + 8) * 2
+        launch(kern, (st.n_tiles, n_heads), (128,),
+               (ptr(q), i64(q.stride(0)), ptr(k), i64(k.stride(0)), ptr(v), i64(v.stride(0)),
+                ptr(out), i64(out.stride(0)), ptr(st.tiles), ptr(st.seqs), i32(head0), i32(self.group),
+                i32(int(streaming)), i32(self.sp.sink_tokens), i32(self.sp.local_tokens), f32(self.qscale)),
+               shared_mem=smem)

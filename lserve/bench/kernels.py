@@ -1,0 +1,416 @@
+"""Kernel benchmark: one attention layer of Llama-3-8B shape (32 query / 8 KV heads, head_dim
+128, bf16, batch 1) on the GPU, our kernels against torch SDPA.
+
+Decode (contexts 4k..256k), per step of one layer:
+
+* ``sdpa_ms``: ``F.scaled_dot_product_attention`` over contiguous K/V of the whole context.
+* ``dense_ms``: our decode kernel, all 8 heads dense, every page (paged cache, page 64).
+* ``streaming_ms``: 4 streaming heads (sink 128 / local 256) + 4 dense heads reading every page.
+* ``dynamic_ms``: all 8 heads dense with a 4096-token budget (attention kernel on a reuse step).
+* ``lserve_ms``: 4 streaming + 4 dense heads with the 4096-token budget, averaged over a
+  reuse cycle of 4 steps as it runs (1 step: selector + attention, 3 steps: attention reading the
+  stored selection).
+* ``selector_ms``: the page selector alone (scores + top-k) for the 4 dense heads.
+* ``selector_reuse_ms``: GPU time of the selector stage on a reuse step (it launches nothing:
+  the decode kernel reads the stored selection), measured with events around the stage.
+* ``selector_floor_ms``: bytes the selector must read (kmax + kmin of every page) over the
+  measured copy bandwidth.
+
+Prefill (8k, 32k, 128k): ``sdpa_ms`` = causal SDPA on all 32 heads; ``lserve_ms`` = 50%
+streaming heads (sink 128 / local 256) through ``ls_prefill`` plus SDPA for the dense half, as
+the backend runs it; extra keys: the local-8192 variant, the parts, and our mma kernel in
+dense mode (the measurement behind the backend using SDPA for dense heads).
+
+Timing: decode steps are captured in CUDA graphs (many steps per graph, rotating through
+enough copies of the cache to defeat the 60 MB L2 at short contexts) and replayed; prefill
+calls are timed with CUDA events. Warm-up first, medians reported. Cache writes are not timed
+(neither side of the comparison appends to a cache).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lserve.bench.report import header, write_json
+
+DECODE_CONTEXTS = (4096, 16384, 65536, 131072, 262144)
+PREFILL_CONTEXTS = (8192, 32768, 131072)
+DENSE_KERNEL_PREFILL_MAX = 32768  # our mma kernel in dense mode is timed up to this context
+PAGE, LOGICAL, BUDGET, REUSE = 64, 16, 4096, 4
+SINK, LOCAL, LOCAL_PREFILL_LONG = 128, 256, 8192
+ROTATE_BYTES = 320 << 20  # rotate cache copies until this many bytes are touched per pass
+
+
+def _model_config():
+    from lserve.config import ModelConfig
+
+    return ModelConfig(vocab_size=128, hidden_size=4096, intermediate_size=128, num_layers=1, num_heads=32,
+                       num_kv_heads=8, head_dim=128, name="llama3-8b-layer")
+
+
+def _median_events(fn, iters: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn()`` timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return statistics.median(times)
+
+
+TIMING_NOTES: list[str] = []
+
+
+def _graph_time(step, n_inner: int, replays: int = 15) -> float:
+    """Milliseconds per call of ``step(i)``, i = 0..n_inner-1, captured in one CUDA graph
+    (falls back to timing the eager loop, noted in the report, if capture fails)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(n_inner):  # warm-up: compiles kernels, builds cached tables
+            step(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    def loop():
+        for i in range(n_inner):
+            step(i)
+
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            loop()
+        g.replay()
+        torch.cuda.synchronize()
+        run = g.replay
+    except RuntimeError as e:  # keep measuring, but say so
+        torch.cuda.synchronize()
+        TIMING_NOTES.append(f"graph capture failed ({str(e).splitlines()[0][:200]}); eager loop timed")
+        run = loop
+    return _median_events(run, replays) / n_inner
+
+
+def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    ms = _median_events(lambda: b.copy_(a), 10)
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+class _DecodeSetup:
+    """A cache holding ``n_sets`` copies of a batch-1 sequence of ``context`` tokens and the
+    backends (budget 0 and budget 4096) over it."""
+
+    def __init__(self, context: int, n_dense: int, n_sets: int) -> None:
+        from lserve.attention.cupy_backend import CupyBackend
+        from lserve.cache.kv_cache import KVCache
+        from lserve.config import CacheConfig, SparsityConfig
+        from lserve.sparsity.plan import SeqStep
+
+        mc = _model_config()
+        self.context, self.n_sets, self.n_dense = context, n_sets, n_dense
+        pages = -(-context // PAGE)
+        cc = CacheConfig(page_size=PAGE, logical_page_size=LOGICAL, num_pages=pages * n_sets)
+        self.cache = KVCache(mc, cc, [n_dense], SINK, LOCAL, n_sets, torch.bfloat16, "cuda")
+        gen = torch.Generator(device="cuda").manual_seed(context + n_dense)
+        for pool in self.cache.dense + self.cache.stream:
+            for t in (pool.k, pool.v):
+                if t.numel():
+                    t.normal_(generator=gen)
+        st = self.cache.stats[0]
+        if st.kmax.numel():
+            st.kmax.normal_(generator=gen)
+            st.kmin.copy_(st.kmax - torch.rand(st.kmax.shape, device="cuda", generator=gen).to(st.kmax.dtype) * 2)
+        pattern = "random" if n_dense < mc.num_kv_heads else None
+        self.backends = {}
+        for budget in (0, BUDGET):
+            sp = SparsityConfig(pattern=pattern, sink_tokens=SINK, local_tokens=LOCAL, token_budget=budget,
+                                reuse_interval=REUSE)
+            self.backends[budget] = CupyBackend(mc, sp, self.cache)
+        self.q = [torch.randn(1, mc.num_heads, mc.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+                  for _ in range(n_sets)]
+        self.out = torch.empty_like(self.q[0])
+        ring = self.cache.stream_pages_per_seq
+        # Per set: tables of a selection step and of a reuse step (same position).
+        self.tables = {}
+        for budget, be in self.backends.items():
+            sel, reuse = [], []
+            for i in range(n_sets):
+                step = SeqStep(i, context - 1, 1, True, list(range(i * pages, (i + 1) * pages)),
+                               list(range(i * ring, (i + 1) * ring)))
+                sel.append(be._tables(be.plan([step])))
+                reuse.append(be._tables(be.plan([step])))
+            self.tables[budget] = (sel, reuse)
+
+    def selector_bytes(self) -> int:
+        st = self.cache.stats[0]
+        return 2 * (-(-self.context // PAGE)) * st.g * self.n_dense * st.kmax.shape[-1] * st.kmax.element_size()
+
+
+def _sdpa_decode_ms(context: int, n_sets: int, inner: int) -> float:
+    """SDPA decode over contiguous K/V [1, 8, context, 128] (n_sets copies, rotated)."""
+    mc = _model_config()
+    ks = [torch.randn(1, mc.num_kv_heads, context, mc.head_dim, device="cuda", dtype=torch.bfloat16)
+          for _ in range(n_sets)]
+    vs = [torch.randn_like(k) for k in ks]
+    qs = [torch.randn(1, mc.num_heads, 1, mc.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(n_sets)]
+
+    def sdpa(i):
+        j = i % n_sets
+        F.scaled_dot_product_attention(qs[j], ks[j], vs[j], enable_gqa=True)
+
+    return _graph_time(sdpa, inner)
+
+
+def _decode_row(context: int, bw_tbps: float) -> dict:
+    mc = _model_config()
+    kv_bytes = context * mc.num_kv_heads * mc.head_dim * 2 * 2
+    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
+    inner = n_sets * max(1, math.ceil(32 / n_sets))
+    row = {"context": context, "cache_copies": n_sets}
+
+    row["sdpa_ms"] = _sdpa_decode_ms(context, n_sets, inner)
+    torch.cuda.empty_cache()
+
+    for n_dense, (plain_key, dyn_key) in ((8, ("dense_ms", "dynamic_ms")), (4, ("streaming_ms", "lserve_ms"))):
+        s = _DecodeSetup(context, n_dense, n_sets)
+        be0 = s.backends[0]
+        sel0, _ = s.tables[0]
+
+        def plain(i, s=s, be0=be0, sel0=sel0):
+            j = i % s.n_sets
+            be0.decode(0, s.q[j], s.out, sel0[j])
+
+        row[plain_key] = _graph_time(plain, inner)
+        be = s.backends[BUDGET]
+        sel, reuse = s.tables[BUDGET]
+        dynamic = sel[0].dec[0].dynamic
+        if n_dense == 8:
+            # attention alone on a reuse step (the selection stored by a first select)
+            for j in range(n_sets):
+                if sel[j].n_sel_rows:
+                    be.select(0, s.q[j], sel[j])
+
+            def dyn(i, s=s, be=be, reuse=reuse):
+                j = i % s.n_sets
+                be.decode(0, s.q[j], s.out, reuse[j])
+
+            row[dyn_key] = _graph_time(dyn, inner)
+        else:
+            def cycle(i, s=s, be=be, sel=sel, reuse=reuse):
+                j, phase = i % s.n_sets, (i // s.n_sets) % REUSE
+                if phase == 0:
+                    if sel[j].n_sel_rows:
+                        be.select(0, s.q[j], sel[j])
+                    be.decode(0, s.q[j], s.out, sel[j])
+                else:
+                    be.decode(0, s.q[j], s.out, reuse[j])
+
+            row[dyn_key] = _graph_time(cycle, n_sets * REUSE * max(1, math.ceil(8 / n_sets)))
+            if dynamic:
+                def selector(i, s=s, be=be, sel=sel):
+                    j = i % s.n_sets
+                    be.select(0, s.q[j], sel[j])
+
+                row["selector_ms"] = _graph_time(selector, inner)
+                # A reuse step's selector stage: no launch; events around the stage call.
+                def reuse_stage(s=s, be=be, reuse=reuse):
+                    st = reuse[0]
+                    if st.n_sel_rows and be.layer_selects(0):
+                        be.select(0, s.q[0], st)
+
+                row["selector_reuse_ms"] = _median_events(reuse_stage, 50)
+            else:  # the context fits the budget: no selection happens at all
+                row["selector_ms"] = row["selector_reuse_ms"] = None
+            row["selector_floor_ms"] = s.selector_bytes() / (bw_tbps * 1e12) * 1e3
+            row["dynamic_active"] = bool(dynamic)
+        del s
+        torch.cuda.empty_cache()
+    row["kv_hbm_floor_ms"] = kv_bytes / (bw_tbps * 1e12) * 1e3
+    return row
+
+
+def _prefill_backend(n_dense: int, local: int):
+    from lserve.attention.cupy_backend import CupyBackend
+    from lserve.cache.kv_cache import KVCache
+    from lserve.config import CacheConfig, SparsityConfig
+
+    mc = _model_config()
+    cc = CacheConfig(page_size=PAGE, logical_page_size=LOGICAL, num_pages=4)
+    pattern = "random" if n_dense < mc.num_kv_heads else None
+    cache = KVCache(mc, cc, [n_dense], SINK, local, 1, torch.bfloat16, "cuda")
+    sp = SparsityConfig(pattern=pattern, sink_tokens=SINK, local_tokens=local, token_budget=0)
+    return CupyBackend(mc, sp, cache)
+
+
+def _prefill_row(context: int) -> dict:
+    from lserve.sparsity.plan import SeqStep
+
+    mc = _model_config()
+    H, Hkv, D = mc.num_heads, mc.num_kv_heads, mc.head_dim
+    iters = 3 if context >= 65536 else 7
+    q = torch.randn(context, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(context, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(context, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    row = {"context": context}
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, L, D] views
+
+    def sdpa():
+        F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+    row["sdpa_ms"] = _median_events(sdpa, iters)
+    flops = 4 * H * D * context * (context + 1) / 2
+    row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
+    step = SeqStep(0, 0, context, False, [], [])
+    for local, key in ((LOCAL, "lserve_ms"), (LOCAL_PREFILL_LONG, "lserve_local8192_ms")):
+        be = _prefill_backend(4, local)
+        st = be._tables(be.plan([_with_pages(be, step, context)]))
+        row[key] = _median_events(lambda be=be, st=st: be.prefill(0, q, k, v, out, st), iters)
+        if local == LOCAL:
+            row["lserve_streaming_part_ms"] = _median_events(
+                lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, 16, 16, True), iters)
+            row["lserve_dense_part_ms"] = row["lserve_ms"] - row["lserve_streaming_part_ms"]
+        else:
+            row["lserve_local8192_streaming_part_ms"] = _median_events(
+                lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, 16, 16, True), iters)
+    if context <= DENSE_KERNEL_PREFILL_MAX:
+        be = _prefill_backend(8, LOCAL)
+        st = be._tables(be.plan([_with_pages(be, step, context)]))
+        row["kernel_dense_ms"] = _median_events(lambda: be.prefill_kernel(q, k, v, out, st, 0, H, False), iters)
+        row["kernel_dense_tflops"] = flops / (row["kernel_dense_ms"] * 1e-3) / 1e12
+    return row
+
+
+def _with_pages(be, step, context: int):
+    """The prefill step with enough (fake) page ids to pass the planner's size check."""
+    from lserve.sparsity.plan import SeqStep
+
+    n = -(-context // PAGE)
+    ring = be.cache.stream_pages_per_seq
+    return SeqStep(step.seq_id, 0, context, False, list(range(n)), list(range(ring)))
+
+
+def _plot(report: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    dec = report["decode"]
+    x = [r["context"] for r in dec]
+    for key, label in (("sdpa_ms", "SDPA dense"), ("dense_ms", "ours dense"), ("streaming_ms", "ours 50% streaming"),
+                       ("dynamic_ms", "ours dynamic (4096)"), ("lserve_ms", "LServe (streaming+dynamic, C=4)"),
+                       ("selector_ms", "page selector"), ("selector_floor_ms", "selector HBM floor")):
+        pts = [(c, r.get(key)) for c, r in zip(x, dec) if r.get(key)]
+        if pts:
+            a.plot(*zip(*pts), marker="o", label=label, linestyle="--" if "floor" in key else "-")
+    a.set_xscale("log", base=2)
+    a.set_yscale("log")
+    a.set_xlabel("context (tokens)")
+    a.set_ylabel("ms per layer")
+    a.set_title("decode, one Llama-3-8B layer, batch 1")
+    a.legend(fontsize=7)
+    pre = report["prefill"]
+    x = [r["context"] for r in pre]
+    for key, label in (("sdpa_ms", "SDPA dense causal"), ("lserve_ms", "LServe 50% streaming (local 256)"),
+                       ("lserve_local8192_ms", "LServe 50% streaming (local 8192)")):
+        b.plot(x, [r[key] for r in pre], marker="o", label=label)
+    b.set_xscale("log", base=2)
+    b.set_yscale("log")
+    b.set_xlabel("context (tokens)")
+    b.set_ylabel("ms per layer")
+    b.set_title("prefill")
+    b.legend(fontsize=7)
+    fig.suptitle(f"{report['device']} — {report['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def summary_table(report: dict) -> str:
+    """A short text table of the report."""
+    lines = [f"copy bandwidth {report['copy_bandwidth_TBps']:.2f} TB/s",
+             "decode   context  sdpa_ms  dense_ms  stream_ms  dyn_ms  lserve_ms  sel_ms  sel_floor  lserve_x",
+             ]
+    def f(x, w):
+        return f"{x:{w}.4f}" if x is not None else f"{'-':>{w}}"
+
+    for r in report["decode"]:
+        lines.append(f"       {r['context']:>8d}  {f(r['sdpa_ms'], 7)}  {f(r['dense_ms'], 8)}  {f(r['streaming_ms'], 9)}"
+                     f"  {f(r['dynamic_ms'], 6)}  {f(r['lserve_ms'], 9)}  {f(r['selector_ms'], 6)}"
+                     f"  {f(r['selector_floor_ms'], 9)}  {r['sdpa_ms'] / r['lserve_ms']:7.1f}x")
+    lines.append("prefill  context  sdpa_ms  lserve_ms  speedup  local8192_ms  kernel_dense_ms")
+    for r in report["prefill"]:
+        kd = r.get("kernel_dense_ms")
+        lines.append(f"       {r['context']:>8d}  {r['sdpa_ms']:7.2f}  {r['lserve_ms']:9.2f}  "
+                     f"{r['sdpa_ms'] / r['lserve_ms']:6.2f}x  {r['lserve_local8192_ms']:12.2f}  "
+                     f"{'-' if kd is None else f'{kd:.2f}':>15}")
+    return "\n".join(lines)
+
+
+def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
+                     decode_contexts=DECODE_CONTEXTS, prefill_contexts=PREFILL_CONTEXTS) -> dict:
+    """Run the whole kernel benchmark and write the JSON report and its PNG.
+
+    Parameters
+    ----------
+    out_path : str or Path
+        The JSON file (a directory gets ``kernels_h200.json`` inside); the PNG goes beside it
+        with the same stem.
+    decode_contexts, prefill_contexts : sequence of int
+        Context lengths to measure.
+
+    Returns
+    -------
+    dict
+        The report (also written to disk).
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("the kernel benchmark needs a CUDA GPU")
+    out = Path(out_path)
+    if out.suffix != ".json":
+        out = out / "kernels_h200.json"
+    t0 = time.time()
+    report = header()
+    report["copy_bandwidth_TBps"] = copy_bandwidth_tbps()
+    report["config"] = {"model": "Llama-3-8B layer: 32 q heads, 8 KV heads, head_dim 128, bf16, batch 1",
+                        "page_size": PAGE, "logical_page_size": LOGICAL, "token_budget": BUDGET,
+                        "reuse_interval": REUSE, "sink": SINK, "local": LOCAL, "streaming_heads": "4 of 8",
+                        "timing": "decode: CUDA-graph replay, median per step; prefill: CUDA events, median"}
+    report["decode"] = []
+    for ctx in decode_contexts:
+        report["decode"].append(_decode_row(ctx, report["copy_bandwidth_TBps"]))
+        torch.cuda.empty_cache()
+        print(f"decode {ctx}: {report['decode'][-1]}", file=sys.stderr, flush=True)
+    report["prefill"] = []
+    for ctx in prefill_contexts:
+        report["prefill"].append(_prefill_row(ctx))
+        torch.cuda.empty_cache()
+        print(f"prefill {ctx}: {report['prefill'][-1]}", file=sys.stderr, flush=True)
+    report["timing_notes"] = sorted(set(TIMING_NOTES))
+    report["seconds"] = round(time.time() - t0, 1)
+    write_json(out, report)
+    _plot(report, out.with_suffix(".png"))
+    return report
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("benchmarks")
+    rep = run_kernel_bench(target)
+    print(summary_table(rep))

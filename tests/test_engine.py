@@ -1,0 +1,142 @@
+"""Engine behaviour: continuous batching, chunked prefill, preemption, aborts, sampling, errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.engine import LLMEngine, RequestError, SamplingParams
+from lserve.engine.async_engine import AsyncEngine
+
+PROMPTS = [
+    "The capital of France is",
+    "List three colours of the rainbow:",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Q: What is 12 times 12?\nA:",
+    "The quick brown fox",
+    "In 1969, the first humans",
+    "Water boils at",
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SMALL_PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=4096)
+# Sparsity on everywhere it can bite at these lengths: random streaming heads and a tiny budget.
+SPARSE = SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=16, local_tokens=16,
+                        token_budget=32, reuse_interval=2)
+
+
+def _engine(smol, **kw) -> LLMEngine:
+    kw.setdefault("cache", SMALL_PAGES)
+    return LLMEngine(EngineConfig(model="default", **kw), smol)
+
+
+def _one_by_one(smol, prompts, params, **kw):
+    eng = _engine(smol, **kw)
+    return [eng.generate([p], params)[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_concurrent_equals_one_by_one(smol, sparse):
+    kw = {"sparsity": SPARSE} if sparse else {}
+    alone = _one_by_one(smol, PROMPTS, GREEDY, **kw)
+    # Small steps force chunked prefill interleaved with decodes of other requests.
+    eng = _engine(smol, max_batched_tokens=24, max_num_seqs=5, **kw)
+    together = [o.token_ids for o in eng.generate(PROMPTS, GREEDY)]
+    assert together == alone
+    assert eng.cache.all_free()
+
+
+def test_preemption_recomputes_same_greedy_tokens(smol):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    alone = _one_by_one(smol, PROMPTS[:6], params)
+    # 12 pages of 16 tokens cannot hold six growing sequences: the newest get preempted.
+    eng = _engine(smol, cache=CacheConfig(page_size=16, logical_page_size=4, num_pages=12))
+    outs = eng.generate(PROMPTS[:6], params)
+    assert eng.scheduler.num_preemptions > 0
+    assert any(o.metrics["num_preemptions"] for o in outs)
+    assert [o.token_ids for o in outs] == alone
+    assert eng.cache.all_free()
+
+
+def test_abort_frees_pages_immediately(smol):
+    eng = _engine(smol, sparsity=SPARSE)
+    rids = [eng.add_request(p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)) for p in PROMPTS]
+    for _ in range(3):
+        eng.step()
+    assert eng.cache.dense_alloc.num_used > 0 and eng.cache.stream_alloc.num_used > 0
+    for rid in rids[::2]:
+        assert eng.abort(rid)
+    assert not eng.abort("no-such-request")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.cache.all_free()
+    assert not eng.backend.planner._decode_steps  # per-sequence state dropped too
+
+
+def test_sampling_seed_top_k_and_stops(smol):
+    eng = _engine(smol)
+    p = "Write a short poem about the sea:"
+    s1 = eng.generate([p], SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))[0]
+    s2 = eng.generate([p], SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert s1.token_ids == s2.token_ids
+    greedy = eng.generate([p], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    topk1 = eng.generate([p], SamplingParams(max_tokens=16, temperature=0.8, top_k=1, seed=1, ignore_eos=True))[0]
+    assert topk1.token_ids == greedy.token_ids
+    tiny_p = eng.generate([p], SamplingParams(max_tokens=16, temperature=0.8, top_p=1e-6, seed=3, ignore_eos=True))[0]
+    assert tiny_p.token_ids == greedy.token_ids
+    # A stop string cuts the text before it and ends the request.
+    full = eng.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0))[0]
+    word = full.text.split()[1]
+    cut = eng.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop=[word]))[0]
+    assert cut.finish_reason == "stop" and word not in cut.text and full.text.startswith(cut.text)
+    # A stop token id ends it too.
+    first = full.token_ids[1]
+    st = eng.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[first]))[0]
+    assert st.finish_reason == "stop" and st.token_ids == full.token_ids[:2]
+    assert full.finish_reason in ("length", "stop")
+
+
+def test_request_errors_are_clear(smol):
+    eng = _engine(smol, max_model_len=256)
+    with pytest.raises(RequestError, match="maximum context length is 256 tokens.*300 in the prompt"):
+        eng.add_request(list(range(300)), SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError, match="empty"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        eng.add_request([10**9], SamplingParams())
+    with pytest.raises(ConfigError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ConfigError, match="multiples of the page size"):
+        EngineConfig(sparsity=SparsityConfig(sink_tokens=10))
+    assert not eng.has_unfinished() and eng.cache.all_free()
+
+
+def test_async_engine_streams_and_abort_on_close(smol):
+    engine = AsyncEngine(EngineConfig(model="default", cache=SMALL_PAGES), loaded=smol)
+
+    async def main():
+        pieces = []
+        async for out in engine.generate("The capital of France is", GREEDY):
+            pieces.append(out.delta_text)
+        final = out
+        agen = engine.generate("Tell me a long story:", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        async for _ in agen:
+            break
+        await agen.aclose()  # a client going away
+        for _ in range(100):
+            if engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.02)
+        return pieces, final
+
+    try:
+        pieces, final = asyncio.run(main())
+        assert "".join(pieces) == final.text and final.finished and len(final.token_ids) == 12
+        assert engine.stats().running == 0 and engine.engine.cache.all_free() and engine.aborted == 1
+        engine.kill()
+        with pytest.raises(Exception, match="dead"):
+            engine.check_health()
+    finally:
+        engine.shutdown()
