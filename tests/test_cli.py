@@ -1,0 +1,42 @@
+"""The ``lserve`` command: streamed generation and one-line errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def lserve(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lserve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_streams_default_model(smol):  # smol: the weight cache is warm
+    r = lserve("generate", "The capital of France is", "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "6 generated tokens" in r.stderr
+
+
+def test_generate_with_sparsity_flags_on_preset():
+    r = lserve("generate", "hello", "--model", "tiny", "--max-tokens", "4", "--pattern", "random",
+               "--page-size", "16", "--sink", "16", "--local", "32", "--token-budget", "32", "--kv-quant", "int4")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/model.gguf"], "model '/no/such/model.gguf' not found"),
+    (["--static-sparsity", "1.5"], "static_sparsity must be in [0, 1]"),
+    (["--page-size", "48", "--logical-page-size", "32"], "must be a multiple of logical_page_size"),
+    (["--sink", "100"], "multiples of the page size"),
+    (["--pattern", "/no/such/pattern"], "head pattern not found"),
+    (["--backend", "cupy"], "needs a CUDA device"),
+    (["--max-tokens", "0"], "max_tokens must be"),
+])
+def test_bad_settings_print_one_line(args, message):
+    r = lserve("generate", "hi", "--model", "tiny", *args) if "--model" not in args else lserve("generate", "hi", *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lserve: error:") and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
