@@ -72,19 +72,21 @@ class TorchBackend(AttentionBackend):
     # -- helpers ------------------------------------------------------------------------------
     def _dense_kv(self, layer: int, pages: torch.Tensor, length: int):
         """Cached K/V of the dense heads for the first ``length`` tokens: two [H_d, L, D]."""
-        kp, vp = self.cache.dense[layer].read(pages)  # [n, Hd, N, D]
-        hd, d = kp.shape[1], kp.shape[3]
-        k = kp.permute(1, 0, 2, 3).reshape(hd, -1, d)[:, :length]
-        v = vp.permute(1, 0, 2, 3).reshape(hd, -1, d)[:, :length]
-        return k, v
+        hd = self.cache.n_dense[layer]
+        heads = torch.arange(hd, device=pages.device)[:, None]
+        k, v = self.cache.dense[layer].gather(pages.expand(hd, -1), heads)  # [Hd, n, N, D]
+        d = k.shape[-1]
+        return k.view(hd, -1, d)[:, :length], v.view(hd, -1, d)[:, :length]
 
     def _ring_kv(self, layer: int, sp: SeqPlan):
         """Cached K/V of the streaming heads and their positions: [H_s, R*N, D] x2, [R*N]."""
         N = self.cache.page_size
-        kp, vp = self.cache.stream[layer].read(sp.ring_pages)  # [R, Hs, N, D]
-        hs, d = kp.shape[1], kp.shape[3]
-        pos = (sp.ring_first_pos[:, None] + torch.arange(N, device=kp.device)).reshape(-1)
-        return (kp.permute(1, 0, 2, 3).reshape(hs, -1, d), vp.permute(1, 0, 2, 3).reshape(hs, -1, d), pos)
+        hs = self.cache.n_stream[layer]
+        heads = torch.arange(hs, device=sp.ring_pages.device)[:, None]
+        k, v = self.cache.stream[layer].gather(sp.ring_pages.expand(hs, -1), heads)  # [Hs, R, N, D]
+        pos = (sp.ring_first_pos[:, None] + torch.arange(N, device=k.device)).reshape(-1)
+        d = k.shape[-1]
+        return k.view(hs, -1, d), v.view(hs, -1, d), pos
 
     def _lambda_mask(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
         """Streaming (Λ) mask [Q, L]: causal and (sink or local)."""
@@ -96,16 +98,21 @@ class TorchBackend(AttentionBackend):
         """q: [H_q, D] (one token) -> [H_q, D]."""
         G, nd = self.group, self.cache.n_dense[layer]
         hq, d = q.shape
+        N = self.cache.page_size
         out = torch.empty_like(q)
         if nd:
-            qd = q[: nd * G].view(nd, G, 1, d)
-            k, v = self._dense_kv(layer, sp.pages, sp.length)
-            mask = None
             if sp.dynamic and self.layer_selects(layer):
-                page_mask = self._page_mask(layer, sp, q[: nd * G])  # [H_sel, n]
-                tok = page_mask.repeat_interleave(self.cache.page_size, dim=1)[:, : sp.length]
-                mask = tok.view(nd, -1, 1, sp.length)  # [Hd, 1|G, 1, L]
-            out[: nd * G] = _attend(qd, k, v, mask, self.scale).view(nd * G, d)
+                table = self._page_table(layer, sp, q[: nd * G])  # [H_sel, C] indices into sp.pages
+                rows = table.shape[0]
+                heads = torch.arange(rows, device=q.device)[:, None] // (rows // nd)
+                k, v = self.cache.dense[layer].gather(sp.pages[table], heads)  # [H_sel, C, N, D]
+                pos = (table[:, :, None] * N + torch.arange(N, device=q.device)).view(rows, 1, 1, -1)
+                qd = q[: nd * G].view(rows, -1, 1, d)  # kv mode: [Hd, G, 1, D]; query mode: [Hd*G, 1, 1, D]
+                o = _attend(qd, k.view(rows, -1, d), v.view(rows, -1, d), pos < sp.length, self.scale)
+            else:
+                k, v = self._dense_kv(layer, sp.pages, sp.length)
+                o = _attend(q[: nd * G].view(nd, G, 1, d), k, v, None, self.scale)
+            out[: nd * G] = o.reshape(nd * G, d)
         if nd < self.model.num_kv_heads:
             hs = self.model.num_kv_heads - nd
             k, v, pos = self._ring_kv(layer, sp)
@@ -114,8 +121,12 @@ class TorchBackend(AttentionBackend):
             out[nd * G:] = _attend(qs, k[:, keep], v[:, keep], None, self.scale).view(hs * G, d)
         return out
 
-    def _page_mask(self, layer: int, sp: SeqPlan, qd: torch.Tensor) -> torch.Tensor:
-        """Pages each selecting head reads: bool [H_sel, n]. Runs or reuses the selector."""
+    def _page_table(self, layer: int, sp: SeqPlan, qd: torch.Tensor) -> torch.Tensor:
+        """Pages each selecting head reads, as indices into ``sp.pages``: long [H_sel, C].
+
+        Runs the selector or reuses its last choice; pages that appeared since that choice
+        (from the then-last page on) are always read.
+        """
         n = sp.pages.numel()
         state = self.selection[layer].get(sp.step.seq_id)
         if sp.select or state is None:
@@ -132,10 +143,8 @@ class TorchBackend(AttentionBackend):
         else:
             self.selector_stats.reuses += 1
         chosen, n_at_select = state
-        mask = torch.zeros(chosen.shape[0], n, dtype=torch.bool, device=qd.device)
-        mask.scatter_(1, chosen, True)
-        mask[:, n_at_select - 1:] = True  # the page that was last then, and every page since
-        return mask
+        recent = torch.arange(n_at_select - 1, n, device=qd.device).expand(chosen.shape[0], -1)
+        return torch.cat((chosen, recent), dim=1)
 
     # -- prefill ------------------------------------------------------------------------------
     def _prefill(self, layer: int, sp: SeqPlan, q, k, v) -> torch.Tensor:

@@ -60,6 +60,21 @@ class PagedPool:
                 scale[pages, :, offsets] = s
                 zero[pages, :, offsets] = z
 
+    def gather(self, pages: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V of chosen pages per head, head-major.
+
+        pages: [R, C] long, heads: [R, 1] long (row r reads pages[r] of head heads[r])
+        -> two [R, C, N_P, D] tensors (contiguous, so ``view(R, C * N_P, D)`` is free).
+        """
+        def one(data, scale, zero):
+            if self.kv_quant == "none":
+                return data[pages, heads]
+            if self.kv_quant == "int8":
+                return quant.dequantize_int8(data[pages, heads], scale[pages, heads], self.dtype)
+            return quant.dequantize_int4(data[pages, heads], scale[pages, heads], zero[pages, heads], self.dtype)
+
+        return one(self.k, self.k_scale, self.k_zero), one(self.v, self.v_scale, self.v_zero)
+
     def read(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of whole pages. pages: [n] long -> two [n, H, N_P, D] tensors."""
         return self._read(self.k, self.k_scale, self.k_zero, pages), self._read(self.v, self.v_scale, self.v_zero, pages)
