@@ -175,14 +175,23 @@ def overview() -> dict:
           "short", "Requests aborted in the engine (client disconnected or cancelled).", w=12)
 
     g.row("Sparsity")
-    g.add("Page selector time per step",
-          [(f"avg(lserve:sparsity_selector_seconds{{{SEL}}})", "mean over replicas"),
-           (f"max by (replica) (lserve:sparsity_selector_seconds{{{SEL}}})", "{{replica}}")],
-          "s", "Time the dense heads' page selector took in the last step.")
-    g.add("Pages selected per step",
-          [(f"avg(lserve:sparsity_selected_pages_per_step{{{SEL}}})", "mean over replicas"),
-           (f"max by (replica) (lserve:sparsity_selected_pages_per_step{{{SEL}}})", "{{replica}}")],
-          "short", "KV pages the selector kept per sequence and layer in the last step.")
+    g.add("Page selector time",
+          [(f"sum(rate(lserve:sparsity_selector_seconds_total{{{SEL}}}[{RI}])) / "
+            f"sum(rate(lserve:sparsity_selector_runs_total{{{SEL}}}[{RI}]))", "per run (all replicas)"),
+           (f"sum by (replica) (rate(lserve:sparsity_selector_seconds_total{{{SEL}}}[{RI}]))",
+            "{{replica}} share of time")],
+          "s", "Mean time of one page-selector run (one layer of one sequence), and the share of each "
+               "replica's wall time spent selecting pages (seconds per second).")
+    g.add("Pages selected per run",
+          [(f"sum(rate(lserve:sparsity_selected_pages_total{{{SEL}}}[{RI}])) / "
+            f"sum(rate(lserve:sparsity_selector_runs_total{{{SEL}}}[{RI}]))", "all replicas"),
+           (f"max by (replica) (lserve:sparsity_selected_pages_per_run{{{SEL}}})", "{{replica}}")],
+          "short", "KV pages the dense heads' selector keeps per run: over all replicas, and each replica's "
+                   "mean over its last export interval.")
+    g.add("Selector runs and reuses / s",
+          [(f"sum by (replica) (rate(lserve:sparsity_selector_runs_total{{{SEL}}}[{RI}]))", "{{replica}} runs"),
+           (f"sum by (replica) (rate(lserve:sparsity_selection_reuses_total{{{SEL}}}[{RI}]))", "{{replica}} reuses")],
+          "short", "Page selections computed, and layer-steps that reused the stored selection (reuse interval).")
     g.add("Token budget and streaming heads",
           [(f"max by (replica) (lserve:sparsity_token_budget{{{SEL}}})", "{{replica}} token budget"),
            (f"max by (replica) (lserve:sparsity_streaming_heads_fraction{{{SEL}}})", "{{replica}} streaming heads")],
