@@ -80,6 +80,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from lserve.bench.cpu import run_cpu_bench
 
         run_cpu_bench(a.out, prompt_lens=a.prompt_lens, decode_tokens=a.decode_tokens)
+    elif a.what == "e2e":
+        from lserve.bench.e2e import run_e2e_bench
+
+        run_e2e_bench(a.out, model=a.model, device=a.device, backend=a.backend, contexts=a.contexts,
+                      decode_steps=a.decode_tokens, hf=not a.no_hf, name=a.name)
     elif a.what == "kernels":
         from lserve.bench.kernels import run_kernel_bench
 
@@ -113,10 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON + PNG under benchmarks/")
-    b.add_argument("what", choices=["cpu", "kernels"])
+    b.add_argument("what", choices=["cpu", "kernels", "e2e"])
     b.add_argument("--out", default="benchmarks")
-    b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096])
-    b.add_argument("--decode-tokens", type=int, default=32)
+    b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096], help="cpu: prompt lengths")
+    b.add_argument("--decode-tokens", type=int, default=32, help="decode steps measured per point")
+    b.add_argument("--model", default="llama3-8b", help="e2e: model or preset")
+    b.add_argument("--device", default="cuda", help="e2e: device")
+    b.add_argument("--backend", default="cupy", choices=["torch", "cupy"], help="e2e: attention backend")
+    b.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072, 262144], help="e2e")
+    b.add_argument("--no-hf", action="store_true", help="e2e: skip the transformers peer")
+    b.add_argument("--name", default="e2e_h200", help="e2e: output file stem")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)")

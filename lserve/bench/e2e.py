@@ -1,0 +1,206 @@
+"""``lserve bench e2e``: TTFT and per-token decode latency of the whole engine vs context length.
+
+For each configuration (dense, static only, dynamic only, LServe) and prompt length: one request,
+TTFT = time from submission to the first sampled token (whole prompt in one prefill step), then
+the median wall time of >= ``decode_steps`` decode steps at that context. The Hugging Face
+``transformers`` peer runs the same random weights with SDPA. Also the weight-read floor and the
+largest total context whose KV fits in the memory left after the weights, per configuration.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from lserve.bench.report import header, write_json
+from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+from lserve.engine.llm_engine import LLMEngine
+from lserve.engine.sampling import SamplingParams
+from lserve.models.loader import LoadedModel, load_model
+
+CONFIGS = {
+    "dense": SparsityConfig(token_budget=0),
+    "static": SparsityConfig(pattern="random", static_sparsity=0.5, token_budget=0),
+    "dynamic": SparsityConfig(token_budget=4096, reuse_interval=4),
+    "lserve": SparsityConfig(pattern="random", static_sparsity=0.5, token_budget=4096, reuse_interval=4),
+}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Measured device copy bandwidth in bytes/s (read + write counted)."""
+    x = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    _sync(device)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times)
+
+
+def _engine(loaded: LoadedModel, model: str, sp: SparsityConfig, context: int, device: str, backend: str,
+            decode_steps: int, kv_quant: str = "none") -> LLMEngine:
+    cache = CacheConfig(max_tokens=context + decode_steps + 64, kv_quant=kv_quant)
+    cfg = EngineConfig(model=model, sparsity=sp, cache=cache, device=device, backend=backend, max_num_seqs=1,
+                       max_batched_tokens=max(context, 16), max_model_len=context + decode_steps + 64)
+    return LLMEngine(cfg, loaded)
+
+
+def measure_engine(engine: LLMEngine, context: int, decode_steps: int, seed: int = 0) -> tuple[float, float]:
+    """(TTFT seconds, median decode seconds per token) for one random prompt of ``context`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, engine.model_config.vocab_size - 2, (context,), generator=g).tolist()
+    dev = engine.config.device
+    engine.add_request(ids, SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
+    _sync(dev)
+    t0 = time.perf_counter()
+    while not any(o.token_ids for o in engine.step()):
+        pass
+    ttft = time.perf_counter() - t0
+    steps = []
+    while engine.has_unfinished():
+        t1 = time.perf_counter()
+        engine.step()  # reads the sampled token back: the step is complete when it returns
+        steps.append(time.perf_counter() - t1)
+    return ttft, statistics.median(steps)
+
+
+@torch.inference_mode()
+def measure_hf(loaded: LoadedModel, context: int, decode_steps: int, device: str, dtype) -> tuple[float, float]:
+    """transformers' own Llama (SDPA, its dynamic cache) on the same weights: (TTFT s, median s per token).
+
+    The prefill and each decode step are one ``forward`` each, as ``generate`` does them, timed
+    until the greedy token is on the host.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = loaded.config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                      max_position_embeddings=max(c.max_position_embeddings, context + decode_steps + 8),
+                      rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    model.load_state_dict(loaded.weights, strict=True)
+    model.eval()
+    x = torch.randint(0, c.vocab_size - 2, (1, context), device=device)
+    model(x[:, :64], use_cache=True, logits_to_keep=1)  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model(x, use_cache=True, logits_to_keep=1)
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    tok.item()
+    ttft = time.perf_counter() - t0
+    pkv, steps = out.past_key_values, []
+    for _ in range(decode_steps):
+        t1 = time.perf_counter()
+        out = model(tok, past_key_values=pkv, use_cache=True)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        tok.item()  # the token is on the host: the step is complete
+        steps.append(time.perf_counter() - t1)
+        pkv = out.past_key_values
+    per_tok = statistics.median(steps)
+    del model
+    return ttft, per_tok
+
+
+def max_context(engine_bytes_per_page: dict[str, int], page_size: int, free_bytes: int) -> dict[str, int]:
+    """Tokens of dense-pool KV that fit in ``free_bytes`` (streaming rings are O(1), ignored)."""
+    return {k: free_bytes // b * page_size for k, b in engine_bytes_per_page.items()}
+
+
+def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", device: str = "cuda",
+                  backend: str = "cupy", contexts=(8192, 32768, 65536, 131072, 262144), decode_steps: int = 64,
+                  hf: bool = True, hf_max_context: int = 131072, name: str = "e2e_h200") -> dict:
+    """Measure every configuration at every context; write ``{name}.json`` and ``{name}.png``."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    loaded = load_model(model, dtype=dtype, device=device)
+    rows = []
+    bar = tqdm(total=len(contexts) * (len(CONFIGS) + int(hf)), desc="e2e", unit="run")
+    bytes_per_page: dict[str, int] = {}
+    weight_bytes = 0
+    for cname, sp in CONFIGS.items():
+        for ctx in contexts:
+            eng = _engine(loaded, model, sp, ctx, device, backend, decode_steps)
+            weight_bytes = eng.model.nbytes()
+            measure_engine(eng, 256, 4)  # warm-up: kernels compiled, allocator primed
+            ttft, dec = measure_engine(eng, ctx, decode_steps)
+            rows.append({"model": model, "config": cname, "batch": 1, "context": ctx, "ttft_s": round(ttft, 4),
+                         "decode_ms_per_token": round(dec * 1e3, 3)})
+            bar.update(1)
+            if ctx == contexts[0]:
+                for q in ("none", "int8", "int4"):
+                    e = _engine(loaded, model, sp, 4096, device, backend, 0, kv_quant=q)
+                    label = f"{cname}" + ("" if q == "none" else f"+{q}")
+                    bytes_per_page[label] = e.cache.nbytes()["dense"] // e.cache.dense_alloc.num_pages
+                    del e
+            del eng
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    if hf:
+        for ctx in contexts:
+            if ctx <= hf_max_context:
+                try:
+                    ttft, dec = measure_hf(loaded, ctx, decode_steps, device, dtype)
+                    rows.append({"model": model, "config": "transformers", "batch": 1, "context": ctx,
+                                 "ttft_s": round(ttft, 4), "decode_ms_per_token": round(dec * 1e3, 3)})
+                except torch.OutOfMemoryError:
+                    rows.append({"model": model, "config": "transformers", "batch": 1, "context": ctx,
+                                 "ttft_s": None, "decode_ms_per_token": None, "error": "out of memory"})
+            bar.update(1)
+    bar.close()
+    bw = copy_bandwidth(device) if device.startswith("cuda") else None
+    free = (torch.cuda.mem_get_info()[0] if device.startswith("cuda") else 0)
+    report = {**header(), "model": model, "backend": backend, "decode_steps": decode_steps,
+              "weight_bytes": weight_bytes, "copy_bandwidth_TBps": bw and round(bw / 1e12, 3),
+              "weight_floor_ms": bw and round(weight_bytes / bw * 1e3, 3), "rows": rows,
+              "max_context_tokens": max_context(bytes_per_page, 64, free) if free else {},
+              "kv_bytes_per_page": bytes_per_page}
+    out = Path(out_dir)
+    write_json(out / f"{name}.json", report)
+    plot_e2e(report, out / f"{name}.png")
+    return report
+
+
+def plot_e2e(report: dict, path: Path) -> None:
+    """Decode latency per token vs context, one line per configuration, with the weight floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for cname in sorted({r["config"] for r in report["rows"]}):
+        pts = [(r["context"], r["decode_ms_per_token"], r["ttft_s"]) for r in report["rows"]
+               if r["config"] == cname and r["decode_ms_per_token"] is not None]
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=cname)
+        a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=cname)
+    if report.get("weight_floor_ms"):
+        a1.axhline(report["weight_floor_ms"], color="k", ls=":", label="weight-read floor")
+    for ax, title, unit in ((a1, "decode latency per token", "ms"), (a2, "time to first token", "s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel(unit)
+        ax.set_title(f"{title}, {report['model']}, {report['device']}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
