@@ -23,6 +23,10 @@ import pytest
 import yaml
 from deploy_helpers import ALERTS, PROM_CONFIG, REPO, PromAPI, free_port
 
+# load_tests/ is a top-level package of the repository, run as `python -m load_tests` from its root.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
 LSERVE = Path(sys.executable).with_name("lserve")
 #: Small server for a 2-core machine: short context, small KV pool, and a 256-token decode budget
 #: so the page selector runs on the test's ~300-token prompts.
