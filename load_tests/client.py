@@ -95,12 +95,28 @@ class RequestOptions:
     timeout_s: float = 600.0
 
     def headers(self) -> dict[str, str]:
+        """HTTP headers of every request (JSON body, SSE answer, bearer token when set).
+
+        Returns
+        -------
+        dict
+        """
         h = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
     def body(self, spec: RequestSpec) -> dict:
+        """JSON body of the streaming completion request for ``spec``.
+
+        Parameters
+        ----------
+        spec : RequestSpec
+
+        Returns
+        -------
+        dict
+        """
         body = {"model": self.model, "prompt": spec.prompt, "max_tokens": spec.output_len,
                 "temperature": self.temperature, "stream": True, "stream_options": {"include_usage": True}}
         if self.ignore_eos and spec.answer is None:  # passkey answers end the text on their own

@@ -45,18 +45,36 @@ class Layout:
         return self.next_id - 1
 
     def row(self, title: str) -> None:
+        """Start a new row titled ``title`` below everything placed so far."""
         self.newline()
         self.panels.append({"id": self._id(), "type": "row", "title": title, "collapsed": False, "panels": [],
                             "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}})
         self.y += 1
 
     def newline(self) -> None:
+        """Move below the current line of panels."""
         if self.x:
             self.y += self.row_h
             self.x, self.row_h = 0, 0
 
     def add(self, title: str, targets: list[tuple[str, str]], unit: str, description: str, w: int = 8,
             h: int = 8, stack: bool = False, max_value: float | None = None) -> None:
+        """Place a time-series panel.
+
+        Parameters
+        ----------
+        title, description : str
+        targets : list of (str, str)
+            PromQL expression and legend format of each query.
+        unit : str
+            Grafana unit of the y axis.
+        w, h : int
+            Width (of 24 columns) and height in grid units.
+        stack : bool
+            Stack the series.
+        max_value : float, optional
+            Fixed y-axis maximum (minimum 0).
+        """
         if self.x + w > 24:
             self.newline()
         defaults: dict = {"unit": unit, "custom": {"lineWidth": 1, "fillOpacity": 10 if stack else 0,
