@@ -65,6 +65,12 @@ def test_reports_are_complete(load_run):
     assert shared["results"]["output_tokens"] == 6 * 8
     assert all(r["input_len"] == 256 + 40 for r in shared["requests"])
     assert shared["results"]["itl_ms"]["count"] == 6 * 7 and shared["results"]["tpot_ms"]["count"] == 6
+    # goodput agrees with the per-request records and the SLOs given
+    for rep in (shared, passkey):
+        good = sum(1 for r in rep["requests"] if r["success"] and r["ttft"] * 1000 <= 60000
+                   and (r["tpot"] is None or r["tpot"] * 1000 <= 5000))
+        assert rep["results"]["goodput"]["good_requests"] == good
+        assert rep["results"]["goodput"]["slos_ms"] == {"ttft": 60000.0, "tpot": 5000.0}
     # passkey answers were checked (the default model finds most keys; at least one must be right)
     answers = passkey["results"]["answers"]
     assert answers["checked"] == 2 and answers["correct"] >= 1, passkey["requests"]
