@@ -1,0 +1,338 @@
+"""Accuracy harness: the same prompts through several engine configurations, side by side.
+
+A run is a grid of tasks x context lengths x depths x samples (:mod:`lserve.eval.tasks`),
+generated once, and a list of :class:`RunConfig` (dense, static only, dynamic only, LServe,
+budgets, reuse intervals, learned or random patterns). Each configuration gets its own
+:class:`~lserve.engine.LLMEngine` over the same loaded weights; prompts are batched through
+``engine.generate`` with greedy decoding. Every scored case is appended to a JSONL file as it
+finishes, so an interrupted run resumes where it stopped; the summary JSON and the plots are
+rebuilt from that file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.eval.tasks import DEPTH_TASKS, EvalCase, make_case, score
+
+
+@dataclass
+class RunConfig:
+    """One engine configuration of the comparison.
+
+    Parameters
+    ----------
+    name : str
+        Label in results and plots.
+    pattern : str or None
+        None (no streaming heads), ``"learned"`` (the model's shipped pattern), ``"random"``
+        or a pattern directory/TSV.
+    static_sparsity : float
+        Fraction of KV heads made streaming (ignored without a pattern).
+    budget : str
+        Decode token budget of dense heads: ``"0"`` (off), a token count (``"1024"``) or a
+        fraction of the context (``"1/8"``).
+    min_budget : int
+        Floor of a fractional budget (the paper's budget is never below a few pages).
+    reuse_interval : int
+        Page selection runs every this many decode steps.
+    """
+
+    name: str
+    pattern: str | None = None
+    static_sparsity: float = 0.5
+    budget: str = "0"
+    min_budget: int = 0
+    reuse_interval: int = 4
+    select_mode: str = "kv"
+    dense_layers: int = 0
+    pattern_seed: int = 0
+    kv_quant: str = "none"
+
+    def budget_for(self, context: int, page_size: int = 64) -> int:
+        """Token budget at ``context`` tokens: 0 = off, else at least two pages and ``min_budget``."""
+        frac = Fraction(self.budget)
+        if frac == 0:
+            return 0
+        tokens = int(frac * context) if frac < 1 else int(frac)
+        return max(tokens, self.min_budget, 2 * page_size)
+
+    def budget_label(self) -> str:
+        return "0" if Fraction(self.budget) == 0 else self.budget
+
+    def sparsity(self, model_name: str) -> SparsityConfig:
+        """The engine's :class:`SparsityConfig` (budgets are set per request)."""
+        pattern = self.pattern
+        if pattern == "learned":
+            from lserve.sparsity.classifier import default_pattern_for
+
+            path = default_pattern_for(model_name)
+            if path is None:
+                raise ConfigError(f"no learned pattern ships for model {model_name!r}: train one with "
+                                  f"`lserve classify-heads` and pass its directory as pattern=DIR")
+            pattern = str(path)
+        return SparsityConfig(pattern=pattern, static_sparsity=self.static_sparsity if pattern else 0.0,
+                              token_budget=0, reuse_interval=self.reuse_interval, select_mode=self.select_mode,
+                              dense_layers=self.dense_layers, pattern_seed=self.pattern_seed)
+
+
+# Named configurations; "<base>@<budget>" derives a budget variant (see parse_config).
+PRESET_CONFIGS: dict[str, RunConfig] = {
+    "dense": RunConfig("dense"),
+    "static": RunConfig("static", pattern="learned"),
+    "static-random-pattern": RunConfig("static-random-pattern", pattern="random"),
+    "dynamic": RunConfig("dynamic", budget="1/8", min_budget=512),
+    "lserve": RunConfig("lserve", pattern="learned", budget="1/8", min_budget=512),
+    "lserve-no-reuse": RunConfig("lserve-no-reuse", pattern="learned", budget="1/8", min_budget=512, reuse_interval=1),
+    "lserve-random-pattern": RunConfig("lserve-random-pattern", pattern="random", budget="1/8", min_budget=512),
+    "lserve-query-select": RunConfig("lserve-query-select", pattern="learned", budget="1/8", min_budget=512,
+                                     select_mode="query"),
+}
+
+
+def parse_config(spec: str) -> RunConfig:
+    """A configuration from its command-line spelling.
+
+    ``NAME`` (a preset), ``NAME@BUDGET`` (a preset with another budget, no floor: ``lserve@1/32``)
+    or ``NAME:key=value,...`` (fields of :class:`RunConfig` on top of a preset, or from scratch
+    for a new name; e.g. ``mine:pattern=out/gates,budget=1024,reuse_interval=8``).
+    """
+    name, _, kv = spec.partition(":")
+    base_name, _, budget = name.partition("@")
+    base = PRESET_CONFIGS.get(base_name, RunConfig(base_name))
+    cfg = replace(base, name=name)
+    if budget:
+        cfg = replace(cfg, budget=budget, min_budget=0)
+    if kv:
+        types = {f: type(getattr(cfg, f)) for f in asdict(cfg)}
+        for item in kv.split(","):
+            key, eq, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq or key not in types or key == "name":
+                raise ConfigError(f"bad configuration item {item!r} in {spec!r}; keys: "
+                                  f"{', '.join(k for k in types if k != 'name')}")
+            if key == "pattern":
+                cfg.pattern = None if value in ("", "none", "None") else value
+            else:
+                setattr(cfg, key, (types[key] if types[key] is not type(None) else str)(value))
+    if not kv and not budget and base_name not in PRESET_CONFIGS:
+        raise ConfigError(f"unknown configuration {spec!r}; presets: {', '.join(PRESET_CONFIGS)} "
+                          f"(or NAME@BUDGET, NAME:key=value,...)")
+    try:
+        Fraction(cfg.budget)
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"budget must be a token count or a fraction like 1/8, got {cfg.budget!r}") from None
+    return cfg
+
+
+@dataclass
+class EvalPlan:
+    """The grid of an evaluation run."""
+
+    tasks: list[str]
+    contexts: list[int]
+    depths: list[float]
+    samples: int = 1
+    seed: int = 0
+    haystack: str | None = None
+
+    def cases(self, tokenizer) -> list[EvalCase]:
+        """Every case of the grid, generated once (tasks without depth get ``samples * len(depths)`` seeds)."""
+        out = []
+        for task in self.tasks:
+            for ctx in self.contexts:
+                if task in DEPTH_TASKS:
+                    for d in self.depths:
+                        for s in range(self.samples):
+                            out.append(make_case(task, tokenizer, ctx, d, self.seed + s, self.haystack))
+                else:
+                    for s in range(self.samples * len(self.depths)):
+                        out.append(make_case(task, tokenizer, ctx, None, self.seed + s, self.haystack))
+        return out
+
+
+def case_key(c: EvalCase) -> str:
+    d = "-" if c.depth is None else f"{c.depth:.3f}"
+    return f"{c.task}|{c.context}|{d}|{c.seed}"
+
+
+@dataclass
+class Harness:
+    """Runs configurations over a plan, appending each scored case to ``out``.cases.jsonl.
+
+    Parameters
+    ----------
+    out : str
+        Output stem: writes ``<out>.json``, ``<out>.cases.jsonl`` and ``<out>_*.png``.
+    batch_size : int
+        Prompts per engine batch (``max_num_seqs``).
+    max_batched_tokens : int
+        Prefill chunk of the engine.
+    """
+
+    model: str = "default"
+    out: str = "benchmarks/accuracy"
+    device: str = "cpu"
+    dtype: str = "auto"
+    backend: str = "torch"
+    batch_size: int = 4
+    max_batched_tokens: int = 4096
+    command: str = ""
+    progress: bool = True
+    loaded: object = None
+    _done: dict = field(default_factory=dict)
+
+    @property
+    def cases_path(self) -> Path:
+        return Path(self.out + ".cases.jsonl")
+
+    def _load_done(self) -> None:
+        self._done = {}
+        if self.cases_path.is_file():
+            for line in self.cases_path.read_text().splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    self._done[(r["config"], r["key"])] = r
+
+    def _engine(self, rc: RunConfig, max_len: int):
+        from lserve.engine import LLMEngine
+
+        name = self.model if self.loaded is None else self.loaded.config.name
+        cc = CacheConfig(max_tokens=self.batch_size * (max_len + 64), kv_quant=rc.kv_quant)
+        cfg = EngineConfig(model=self.model, sparsity=rc.sparsity(name), cache=cc, backend=self.backend,
+                           device=self.device, dtype=self.dtype, max_num_seqs=self.batch_size,
+                           max_batched_tokens=self.max_batched_tokens, max_model_len=max_len)
+        eng = LLMEngine(cfg, self.loaded)
+        self.loaded = eng.loaded
+        return eng
+
+    def run(self, configs: list[RunConfig], plan: EvalPlan) -> dict:
+        """Evaluate every configuration on every case of ``plan``; returns the summary (also written)."""
+        from lserve.engine import SamplingParams
+        from lserve.models.loader import load_model
+
+        if self.loaded is None:
+            dtype = EngineConfig(model=self.model, device=self.device, dtype=self.dtype).torch_dtype()
+            self.loaded = load_model(self.model, dtype=dtype, device=self.device)
+        Path(self.out).parent.mkdir(parents=True, exist_ok=True)
+        self._load_done()
+        cases = plan.cases(self.loaded.tokenizer)
+        cases.sort(key=lambda c: c.context)  # similar lengths batch together
+        max_len = max(c.context + c.max_tokens for c in cases)
+        bar = None
+        todo = sum(1 for rc in configs for c in cases if (rc.name, case_key(c)) not in self._done)
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=todo, desc="eval", unit="case", dynamic_ncols=True)
+        for rc in configs:
+            pending = [c for c in cases if (rc.name, case_key(c)) not in self._done]
+            if not pending:
+                continue
+            eng = self._engine(rc, max_len)
+            with self.cases_path.open("a") as f:
+                for i in range(0, len(pending), self.batch_size):
+                    batch = pending[i: i + self.batch_size]
+                    params = [SamplingParams(max_tokens=c.max_tokens, temperature=0.0,
+                                             token_budget=rc.budget_for(c.context)) for c in batch]
+                    t0 = time.perf_counter()
+                    outs = eng.generate([c.prompt_ids for c in batch], params)
+                    dt = (time.perf_counter() - t0) / len(batch)
+                    for c, o, p in zip(batch, outs, params):
+                        rec = {"config": rc.name, "key": case_key(c), "task": c.task, "context": c.context,
+                               "depth": c.depth, "seed": c.seed, "budget": p.token_budget,
+                               "score": score(c, o.text), "answers": c.answers, "output": o.text,
+                               "seconds": round(dt, 2)}
+                        f.write(json.dumps(rec) + "\n")
+                        self._done[(rc.name, rec["key"])] = rec
+                    f.flush()
+                    if bar is not None:
+                        bar.update(len(batch))
+                        bar.set_postfix(config=rc.name, ctx=batch[-1].context)
+            del eng
+        if bar is not None:
+            bar.close()
+        return self.summarize(configs, plan, cases)
+
+    def summarize(self, configs: list[RunConfig], plan: EvalPlan, cases: list[EvalCase] | None = None) -> dict:
+        """Aggregate the cases file into ``<out>.json`` and the plots; returns the summary."""
+        if not self._done:
+            self._load_done()
+        keys = {case_key(c) for c in cases} if cases is not None else None
+        rows, depth_rows = [], []
+        expected = 0
+        for rc in configs:
+            recs = [r for (name, k), r in self._done.items() if name == rc.name and (keys is None or k in keys)]
+            groups: dict[tuple, list] = {}
+            dgroups: dict[tuple, list] = {}
+            for r in recs:
+                groups.setdefault((r["task"], r["context"]), []).append(r)
+                if r["depth"] is not None:
+                    dgroups.setdefault((r["task"], r["context"], r["depth"]), []).append(r)
+            for (task, ctx), rs in sorted(groups.items()):
+                rows.append({"config": rc.name, "task": task, "context": ctx, "budget": rs[0]["budget"],
+                             "budget_spec": rc.budget_label(), "accuracy": round(sum(r["score"] for r in rs) / len(rs), 2),
+                             "n": len(rs), "pattern": rc.pattern, "static_sparsity": rc.static_sparsity if rc.pattern else 0.0,
+                             "reuse_interval": rc.reuse_interval, "select_mode": rc.select_mode})
+            for (task, ctx, d), rs in sorted(dgroups.items()):
+                depth_rows.append({"config": rc.name, "task": task, "context": ctx, "depth": d,
+                                   "accuracy": round(sum(r["score"] for r in rs) / len(rs), 2), "n": len(rs)})
+        expected = len(configs) * (len(cases) if cases is not None else 0)
+        got = sum(r["n"] for r in rows)
+        summary = {
+            "command": self.command,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "status": "complete" if cases is not None and got >= expected else f"partial: {got} of {expected} cases",
+            "model": getattr(getattr(self.loaded, "config", None), "name", self.model),
+            "device": self.device if not self.device.startswith("cuda") else
+            f"{self.device} ({torch.cuda.get_device_name() if torch.cuda.is_available() else '?'})",
+            "host": platform.node(),
+            "plan": asdict(plan),
+            "configs": [asdict(rc) for rc in configs],
+            "rows": rows,
+            "depth_rows": depth_rows,
+            "comparisons": compare(rows),
+        }
+        Path(self.out + ".json").write_text(json.dumps(summary, indent=1) + "\n")
+        from lserve.eval.plots import plot_all
+
+        plot_all(summary, self.out)
+        return summary
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Accuracy differences that the claims are about, per (task, context).
+
+    ``lserve - dense``, ``lserve-random-pattern - dense``, ``lserve - lserve-no-reuse`` and
+    ``static - dense`` where both sides exist.
+    """
+    by = {(r["config"], r["task"], r["context"]): r for r in rows}
+    pairs = [("lserve", "dense"), ("lserve-random-pattern", "dense"), ("lserve", "lserve-no-reuse"),
+             ("static", "dense"), ("dynamic", "dense"), ("static-random-pattern", "dense")]
+    out = []
+    for a, b in pairs:
+        for (cfg, task, ctx), r in sorted(by.items()):
+            if cfg == a and (b, task, ctx) in by:
+                o = by[(b, task, ctx)]
+                out.append({"a": a, "b": b, "task": task, "context": ctx, "a_accuracy": r["accuracy"],
+                            "b_accuracy": o["accuracy"], "diff": round(r["accuracy"] - o["accuracy"], 2),
+                            "n": min(r["n"], o["n"]), "stderr_diff": _stderr_diff(r, o)})
+    return out
+
+
+def _stderr_diff(r: dict, o: dict) -> float:
+    """Rough standard error (points) of a difference of two accuracies on independent-looking samples."""
+    def var(x):
+        p = x["accuracy"] / 100
+        return p * (1 - p) / max(x["n"], 1)
+
+    return round(100 * math.sqrt(var(r) + var(o)), 2)
