@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, default=1)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    from lserve.eval.cli import register as register_eval  # classify-heads, eval
+
+    register_eval(sub)
     return p
 
 
