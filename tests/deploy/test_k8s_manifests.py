@@ -278,6 +278,11 @@ def test_metrics_sidecar_shares_the_metrics_folder(rayservice, tmp_path, monkeyp
             assert mounts.get(root) == "lserve-metrics", f"{name}/{c['name']} lacks the metrics folder"
         assert "emptyDir" in {v["name"]: v for v in spec["volumes"]}["lserve-metrics"]
         assert side["command"][1] == "/opt/lserve/metrics_exporter.py"
+    # An explicit metrics_dir in the Serve config must sit in the folder the sidecars serve.
+    for app in serve_config_v2(rayservice)["applications"]:
+        explicit = (app.get("args") or {}).get("metrics_dir")
+        if explicit:
+            assert Path(explicit).parent == Path(f"/tmp/{root_name}"), explicit
 
 
 def test_podmonitor_selects_every_ray_pod_and_named_ports(rayservice):
