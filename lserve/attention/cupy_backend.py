@@ -10,8 +10,10 @@ Per layer ``run`` does, on torch's current stream:
    indices, per (layer, sequence slot, dense KV head)) on the GPU. Steps that reuse a selection
    launch nothing: the decode kernel reads the stored state and appends every page from the one
    that was last at selection time (exactly ``TorchBackend._page_mask``).
-3. ``ls_decode``: ONE launch for all decode sequences and all KV heads (split-K over units
-   sized to fill the GPU), then ``ls_decode_merge`` when any work item has several splits.
+3. ``ls_decode_tc`` (tensor cores, bf16/fp16 pools) or ``ls_decode`` (CUDA cores, fp32 or
+   INT8/INT4 pools dequantized on load): ONE launch for all decode sequences and all KV heads
+   (split-K over units sized to one wave of resident CTAs), then ``ls_decode_merge`` when any
+   work item has several splits.
 4. Prefill without cached past (``start == 0``): dense heads through torch SDPA (flash; faster
    than our mma.sync kernel, see ``lserve.bench.kernels``), streaming heads through
    ``ls_prefill``, which visits only the sink and local key blocks of each query tile. Chunked
@@ -49,7 +51,7 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 LOG2E = 1.4426950408889634
 MAX_CHUNK = 256  # entries per decode unit (shared-memory table in ls_decode)
 TOPK_THREADS = 512
-SCORE_PAGES_PER_CTA = 16
+SCORE_PAGES_MAX = 128  # PPB_MAX in kernels/selector.cu
 PREFILL_BM = 64
 # meta rows (see kernels/decode.cu)
 META_FIELDS = ("tok", "len", "npages", "nring", "nsel", "slot", "dyn", "kk")
@@ -121,8 +123,12 @@ class CupyBackend(AttentionBackend):
 
     Attributes
     ----------
-    target_ctas : int
-        Decode units aimed for per launch (split-K granularity); default 4 per SM.
+    decode_impl : str
+        ``"tc"`` (tensor cores; bf16/fp16 unquantized pools, the default there) or ``"cuda"``.
+    target_ctas : int or None
+        Most decode units per launch (split-K granularity); None: one wave of resident CTAs.
+    min_chunk : int
+        Fewest table entries per decode unit (default 2: fewer, longer units and splits).
     prefill_dense : str
         ``"sdpa"`` (default) or ``"kernel"``: what runs the dense heads at prefill.
     """
@@ -154,7 +160,10 @@ class CupyBackend(AttentionBackend):
         self.hkv = self.model.num_kv_heads
         self.g_log = self.cache.cfg.pages_per_logical
         self.num_sms = self._num_sms()
-        self.target_ctas = 4 * self.num_sms
+        # Tensor-core decode for 16-bit unquantized pools; CUDA cores (dequantize on load) else.
+        self.decode_impl = "tc" if self.dtype != torch.float32 and self.kv_quant == "none" else "cuda"
+        self.target_ctas: int | None = None  # None: one wave of resident decode CTAs
+        self.min_chunk = 2
         self.prefill_dense = "sdpa"
         self.qscale = self.scale * LOG2E
         # The oracle's code serves chunked prefill with cached past and fp32 prefill.
@@ -168,6 +177,7 @@ class CupyBackend(AttentionBackend):
         self._cap_slots = 0
         self._cap_u = 0
         self._step: _Step | None = None
+        self._scores_buf: torch.Tensor | None = None  # last page-score buffer (benchmarks time top-k alone)
 
     def _check_device(self) -> None:
         from lserve.kernels.loader import KernelError
@@ -290,8 +300,22 @@ class CupyBackend(AttentionBackend):
         self._step = st
         return st
 
+    def decode_ctas(self) -> int:
+        """Decode units per launch: one wave of resident CTAs, so no tail wave idles the GPU."""
+        if self.target_ctas is not None:
+            return self.target_ctas
+        if self.decode_impl == "tc":  # shared-memory bound: the K/V ring of ls_decode_tc
+            per_sm = min(2 if self.D >= 128 else 4, (228 * 1024) // (self._tc_smem() + 4096))
+        else:  # register bound (kernels/decode.cu MIN_BLOCKS)
+            per_sm = 3 if self.gq <= 4 and self.dtype != torch.float32 else 2
+        return max(1, per_sm) * self.num_sms
+
+    def _tc_smem(self) -> int:
+        """Dynamic shared memory of ls_decode_tc: 3 stages of 64-token K and V tiles."""
+        return 3 * 2 * 64 * (self.D + 8) * 2
+
     def _units(self, st: _Step, nd: int, selects: bool) -> _Units:
-        key = (nd, selects)
+        key = (nd, selects, self.decode_impl)
         if key in st.units:
             return st.units[key]
         h = st.host
@@ -303,8 +327,12 @@ class CupyBackend(AttentionBackend):
         e[:, :nd, :] = e_dense[:, None, None]
         e[:, nd:, :] = h["nring"][:, None, None]
         e = np.maximum(e.reshape(-1), 1)
-        chunk = int(min(MAX_CHUNK, max(1, math.ceil(e.sum() / self.target_ctas))))
+        target = self.decode_ctas()
+        chunk = int(min(MAX_CHUNK, max(self.min_chunk, math.ceil(e.sum() / target))))
         nsplit = -(-e // chunk)
+        while chunk < MAX_CHUNK and nsplit.sum() > target:  # ceilings overshoot: grow
+            chunk += 1
+            nsplit = -(-e // chunk)
         W, U = e.size, int(nsplit.sum())
         work_start = np.zeros(W + 1, dtype=np.int32)
         np.cumsum(nsplit, out=work_start[1:])
@@ -339,12 +367,7 @@ class CupyBackend(AttentionBackend):
         st = self._tables(plan)
         self.write(layer, k, v, plan.dense_write_decode, plan.stream_write_decode)
         if st.nb:
-            if st.n_dynamic and self.layer_selects(layer):
-                if st.n_sel_rows:
-                    self.select(layer, q, st)
-                stats = getattr(self, "selector_stats", None)  # metrics (AttentionBackend)
-                if stats is not None:
-                    stats.reuses += st.n_dynamic - st.n_sel_rows
+            self.select_stage(layer, q, st)
             self.decode(layer, q, out, st)
         if st.fast:
             self.prefill(layer, q, k, v, out, st)
@@ -379,8 +402,22 @@ class CupyBackend(AttentionBackend):
                 i32(self.cache.page_size))
         launch(kern, (-(-items // 4),), (128,), args)
 
-    def select(self, layer: int, q: torch.Tensor, st: _Step) -> None:
-        """Run the page selector for the decode sequences that select this step."""
+    def select_stage(self, layer: int, q: torch.Tensor, st: _Step) -> None:
+        """The selector's part of a decode step: run it for the sequences that select now (a step
+        that only reuses launches nothing; the decode kernel reads the stored selection)."""
+        if not (st.n_dynamic and self.layer_selects(layer)):
+            return
+        if st.n_sel_rows:
+            self.select(layer, q, st)
+        stats = getattr(self, "selector_stats", None)  # metrics (AttentionBackend)
+        if stats is not None:
+            stats.reuses += st.n_dynamic - st.n_sel_rows
+
+    def select(self, layer: int, q: torch.Tensor, st: _Step, only: str | None = None) -> None:
+        """Run the page selector for the decode sequences that select this step.
+
+        ``only`` (``"scores"`` or ``"topk"``) launches one of the two kernels, for benchmarks.
+        """
         from lserve.kernels.loader import KernelError, i32, i64, launch, ptr
 
         t0 = time.perf_counter()
@@ -389,16 +426,23 @@ class CupyBackend(AttentionBackend):
         R, npmax = st.n_sel_rows, st.max_np_sel
         rows_per_seq = nd * (self.group if self.qmode else self.nqs)
         scores = torch.empty((R, rows_per_seq, npmax), dtype=torch.float32, device=self.device)
+        if only == "topk":
+            scores = self._scores_buf
+        elif only is None:
+            self._scores_buf = scores
         kern = self._kernel("selector", "ls_page_scores", "none", self.gq)
-        launch(kern, (-(-npmax // SCORE_PAGES_PER_CTA), nd * self.nqs, R), (128,),
+        # Pages per CTA: one wave of ~3 CTAs per SM over all (sequence, head) rows, 16..128.
+        ppb = -(-npmax * nd * self.nqs * R // (3 * self.num_sms))
+        ppb = min(SCORE_PAGES_MAX, max(16, -(-ppb // 8) * 8))
+        launch(kern, (-(-npmax // ppb) if only != "topk" else 0, nd * self.nqs, R), (128,),
                (ptr(q), i64(q.stride(0)), ptr(stats.kmax), ptr(stats.kmin), i32(nd), i32(self.g_log),
                 ptr(st.meta), i32(st.nb), ptr(st.sel_rows), ptr(st.pages), i32(st.pages.shape[1]),
-                ptr(scores), i32(npmax), i32(self.group), i32(self.nqs), i32(int(self.qmode))))
+                ptr(scores), i32(npmax), i32(self.group), i32(self.nqs), i32(int(self.qmode)), i32(ppb)))
         smem = 2 * 4 * max(npmax - 1, 1)
         if smem > 227 * 1024:
             raise KernelError(f"page selection over {npmax} pages exceeds the top-k kernel's shared memory")
         kern = self._kernel("selector", "ls_page_topk", "none", self.gq)
-        launch(kern, (R, nd), (TOPK_THREADS,),
+        launch(kern, (R if only != "scores" else 0, nd), (TOPK_THREADS,),
                (ptr(scores), i32(npmax), ptr(st.meta), i32(st.nb), ptr(st.sel_rows), i32(nd), i32(self.group),
                 i32(self.nqs), i32(int(self.qmode)),
                 ptr(self._sel_idx[layer]), ptr(self._sel_mask[layer] if self.qmode else self._sel_mask),
@@ -411,8 +455,11 @@ class CupyBackend(AttentionBackend):
             stats.pages += st.sel_pages * nd * (self.group if self.qmode else 1)
             stats.seconds += time.perf_counter() - t0
 
-    def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: _Step) -> None:
-        """Decode attention of every decode sequence and KV head of the layer (one launch + merge)."""
+    def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: _Step, merge: bool = True) -> None:
+        """Decode attention of every decode sequence and KV head of the layer (one launch + merge).
+
+        ``merge=False`` skips the split-K merge (benchmarks: the attention kernel alone).
+        """
         from lserve.kernels.loader import f32, i32, i64, launch, ptr
 
         nd, hs = self.cache.n_dense[layer], self.cache.n_stream[layer]
@@ -421,7 +468,10 @@ class CupyBackend(AttentionBackend):
         dp, sp_ = self.cache.dense[layer], self.cache.stream[layer]
         sel_idx = self._sel_idx[layer]
         sel_mask = self._sel_mask[layer] if self.qmode else self._sel_mask
-        kern = self._kernel("decode", "ls_decode", self.kv_quant, self.gq)
+        if self.decode_impl == "tc":
+            kern, smem = self._kernel("decode_tc", "ls_decode_tc", "none", self.gq), self._tc_smem()
+        else:
+            kern, smem = self._kernel("decode", "ls_decode", self.kv_quant, self.gq), 0
         args = (ptr(q), i64(q.stride(0)), ptr(out), i64(out.stride(0)),
                 ptr(un.part_o), ptr(un.part_lse), ptr(un.units), i32(un.chunk), i32(int(un.direct)),
                 ptr(st.meta), i32(st.nb), ptr(st.pages), i32(st.pages.shape[1]),
@@ -433,10 +483,13 @@ class CupyBackend(AttentionBackend):
                 ptr(sp_.k), ptr(sp_.v), ptr(sp_.k_scale), ptr(sp_.v_scale), ptr(sp_.k_zero), ptr(sp_.v_zero), i32(hs),
                 i32(self.group), i32(self.nqs), i32(self.cache.page_size), i32(self.sp.sink_tokens),
                 i32(self.sp.local_tokens), f32(self.qscale))
-        launch(kern, (un.n_units,), (128,), args)
-        if not un.direct:
-            kern = self._kernel("decode", "ls_decode_merge", self.kv_quant, self.gq)
-            launch(kern, (un.n_work,), (128,),
+        if self.decode_impl == "tc":
+            N = self.cache.page_size
+            args += (i32(N.bit_length() - 1 if N & (N - 1) == 0 else -1),)  # page_shift
+        launch(kern, (un.n_units,), (128,), args, shared_mem=smem)
+        if not un.direct and merge:
+            kern = self._kernel("merge", "ls_decode_merge", "none", self.gq)
+            launch(kern, (un.n_work, self.gq), (256,),
                    (ptr(un.part_o), ptr(un.part_lse), ptr(un.work_start), ptr(out), i64(out.stride(0)),
                     ptr(st.meta), i32(st.nb), i32(self.hkv), i32(self.group), i32(self.nqs)))
 

@@ -11,8 +11,10 @@ Decode (contexts 4k..256k), per step of one layer:
   reuse cycle of 4 steps as it runs (1 step: selector + attention, 3 steps: attention reading the
   stored selection).
 * ``selector_ms``: the page selector alone (scores + top-k) for the 4 dense heads.
-* ``selector_reuse_ms``: GPU time of the selector stage on a reuse step (it launches nothing:
-  the decode kernel reads the stored selection), measured with events around the stage.
+* ``selector_reuse_ms``: what the selector stage adds to a reuse step (it launches nothing:
+  the decode kernel reads the stored selection), measured as the difference between graphs of
+  reuse steps with and without the stage call (so it is noise around zero).
+* ``lserve_select_step_ms`` / ``lserve_reuse_step_ms``: the two kinds of LServe steps.
 * ``selector_floor_ms``: bytes the selector must read (kmax + kmin of every page) over the
   measured copy bandwidth.
 
@@ -213,29 +215,46 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
         else:
             def cycle(i, s=s, be=be, sel=sel, reuse=reuse):
                 j, phase = i % s.n_sets, (i // s.n_sets) % REUSE
-                if phase == 0:
-                    if sel[j].n_sel_rows:
-                        be.select(0, s.q[j], sel[j])
-                    be.decode(0, s.q[j], s.out, sel[j])
-                else:
-                    be.decode(0, s.q[j], s.out, reuse[j])
+                st = sel[j] if phase == 0 else reuse[j]
+                be.select_stage(0, s.q[j], st)
+                be.decode(0, s.q[j], s.out, st)
 
             row[dyn_key] = _graph_time(cycle, n_sets * REUSE * max(1, math.ceil(8 / n_sets)))
+
+            def reuse_attn(i, s=s, be=be, reuse=reuse):
+                j = i % s.n_sets
+                be.decode(0, s.q[j], s.out, reuse[j])
+
+            def reuse_step(i, s=s, be=be, reuse=reuse):
+                j = i % s.n_sets
+                be.select_stage(0, s.q[j], reuse[j])
+                be.decode(0, s.q[j], s.out, reuse[j])
+
+            row["lserve_reuse_step_ms"] = _graph_time(reuse_attn, inner)
+            # The selector stage of a reuse step launches nothing; its cost is what it adds to
+            # the step, measured as the difference of the two graphs (noise-level by design).
+            row["selector_reuse_ms"] = _graph_time(reuse_step, inner) - row["lserve_reuse_step_ms"]
             if dynamic:
                 def selector(i, s=s, be=be, sel=sel):
                     j = i % s.n_sets
                     be.select(0, s.q[j], sel[j])
 
-                row["selector_ms"] = _graph_time(selector, inner)
-                # A reuse step's selector stage: no launch; events around the stage call.
-                def reuse_stage(s=s, be=be, reuse=reuse):
-                    st = reuse[0]
-                    if st.n_sel_rows and be.layer_selects(0):
-                        be.select(0, s.q[0], st)
+                def select_step(i, s=s, be=be, sel=sel):
+                    j = i % s.n_sets
+                    be.select_stage(0, s.q[j], sel[j])
+                    be.decode(0, s.q[j], s.out, sel[j])
 
-                row["selector_reuse_ms"] = _median_events(reuse_stage, 50)
+                row["selector_ms"] = _graph_time(selector, inner)
+                row["lserve_select_step_ms"] = _graph_time(select_step, inner)
+                be.select(0, s.q[0], sel[0])  # leaves the score buffer the top-k part reads
+                for part in ("scores", "topk"):
+                    row[f"selector_{part}_ms"] = _graph_time(
+                        lambda i, s=s, be=be, sel=sel, part=part: be.select(0, s.q[0], sel[0], only=part), inner)
             else:  # the context fits the budget: no selection happens at all
-                row["selector_ms"] = row["selector_reuse_ms"] = None
+                row["selector_ms"] = row["lserve_select_step_ms"] = None
+            row["lserve_attn_kernel_ms"] = _graph_time(
+                lambda i, s=s, be=be, reuse=reuse: be.decode(0, s.q[i % s.n_sets], s.out, reuse[i % s.n_sets],
+                                                             merge=False), inner)
             row["selector_floor_ms"] = s.selector_bytes() / (bw_tbps * 1e12) * 1e3
             row["dynamic_active"] = bool(dynamic)
         del s
@@ -365,7 +384,8 @@ def summary_table(report: dict) -> str:
 
 
 def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
-                     decode_contexts=DECODE_CONTEXTS, prefill_contexts=PREFILL_CONTEXTS) -> dict:
+                     decode_contexts=DECODE_CONTEXTS, prefill_contexts=PREFILL_CONTEXTS,
+                     command: str | None = None) -> dict:
     """Run the whole kernel benchmark and write the JSON report and its PNG.
 
     Parameters
@@ -375,6 +395,8 @@ def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
         with the same stem.
     decode_contexts, prefill_contexts : sequence of int
         Context lengths to measure.
+    command : str, optional
+        The command line recorded in the report (default: this process's argv).
 
     Returns
     -------
@@ -388,6 +410,8 @@ def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
         out = out / "kernels_h200.json"
     t0 = time.time()
     report = header()
+    if command:
+        report["command"] = command
     report["copy_bandwidth_TBps"] = copy_bandwidth_tbps()
     report["config"] = {"model": "Llama-3-8B layer: 32 q heads, 8 KV heads, head_dim 128, bf16, batch 1",
                         "page_size": PAGE, "logical_page_size": LOGICAL, "token_budget": BUDGET,
@@ -411,6 +435,9 @@ def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
 
 
 if __name__ == "__main__":
+    import os
+
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("benchmarks")
-    rep = run_kernel_bench(target)
+    cmd = os.environ.get("LSERVE_BENCH_COMMAND") or f"python -m lserve.bench.kernels {target}"
+    rep = run_kernel_bench(target, command=cmd)
     print(summary_table(rep))

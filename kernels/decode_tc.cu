@@ -1,0 +1,293 @@
+// Block-sparse decode attention on tensor cores, bf16/fp16 K/V (unquantized pools).
+//
+// Same work decomposition, index tables, masks and outputs as ls_decode (decode.cu): one CTA
+// per unit = split of a work item (sequence b, KV head h, query sub-group qsub), entries
+// [split*chunk, +chunk) resolved once into shared memory (physical page, first position,
+// query-head bits); direct output or a normalized partial + log2-sum-exp for ls_decode_merge.
+//
+// The GQ query heads are the rows of one 16-row mma tile (rows >= GQ are zero and masked).
+// The unit's tokens are walked in tiles of BN = 64 (a tile may span several small pages or part
+// of a large one); K/V tiles stream through a STAGES-deep cp.async ring in shared memory, and
+// warp w computes S = Q K^T and O += P V for keys [16w, 16w + 16) of each tile with its own
+// online softmax; the four warps are merged at the end. CUDA cores only do the softmax
+// bookkeeping of 8 scores per thread per tile, so the kernel is bound by the K/V stream.
+#include "mma.cuh"
+#include "decode_meta.cuh"
+
+#define D LS_HEAD_DIM
+#define GQ LS_GQ
+#define NWARPS 4
+#define NTHREADS (NWARPS * 32)
+#define BN 64
+#define ROWP (D + 8)  // shared row pitch (elements): +16 bytes keeps ldmatrix conflict-free
+#define DK (D / 16)   // k-steps of Q K^T
+#define DT (D / 8)    // 8-dim n-tiles of O
+#define STAGES 3
+#define MAX_CHUNK 256
+
+#if GQ > 8
+#error "decode_tc handles at most 8 query heads per CTA"
+#endif
+#if LS_QUANT != 0
+#error "decode_tc reads unquantized pools (quantized ones use decode.cu)"
+#endif
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
+ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
+             act_t* __restrict__ out, i64 out_tok_stride,             // [T, Hq, D]
+             float* __restrict__ part_o, float* __restrict__ part_lse,  // [U, GQ, D], [U, GQ]
+             const int* __restrict__ units, int chunk, int direct,    // [U, 2] (work, split)
+             const int* __restrict__ meta, int nb,
+             const int* __restrict__ pages, int pages_stride,         // [nb, pages_stride]
+             const int* __restrict__ ring_pages, const int* __restrict__ ring_pos, int ring_stride,
+             const int* __restrict__ sel_idx, const int* __restrict__ sel_mask, const int* __restrict__ sel_cnt,
+             int sel_slot_stride, int sel_head_stride, int cnt_slot_stride, int qmode, int selects,
+             const void* __restrict__ dk, const void* __restrict__ dv,
+             const float* __restrict__ dks, const float* __restrict__ dvs,
+             const float* __restrict__ dkz, const float* __restrict__ dvz, int hd,
+             const void* __restrict__ sk, const void* __restrict__ sv,
+             const float* __restrict__ sks, const float* __restrict__ svs,
+             const float* __restrict__ skz, const float* __restrict__ svz, int hs,
+             int group, int nqs, int page_size, int sink, int local, float qscale, int page_shift) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* sK = reinterpret_cast<u16*>(smem_raw);  // [STAGES][BN][ROWP]
+    u16* sV = sK + STAGES * BN * ROWP;            // [STAGES][BN][ROWP]
+    __shared__ i64 s_row[MAX_CHUNK];  // pool row of the entry's first token: (page * H + head) * N
+    __shared__ int s_pos[MAX_CHUNK];
+    __shared__ u32 s_bits[MAX_CHUNK];
+    __shared__ float s_m[NWARPS][GQ];
+    __shared__ float s_l[NWARPS][GQ];
+
+    const int u = blockIdx.x;
+    const int w = units[2 * u], split = units[2 * u + 1];
+    const int hkv = hd + hs;
+    const int qsub = w % nqs;
+    const int h = (w / nqs) % hkv;
+    const int b = w / (nqs * hkv);
+    const int tok = meta[META_TOK * nb + b];
+    const int len = meta[META_LEN * nb + b];
+    const int npg = meta[META_NPAGES * nb + b];
+    const bool dense = h < hd;
+    const bool dyn = dense && selects && meta[META_DYN * nb + b] != 0;
+    int total, cnt = 0, nsel = 0;
+    const int* sidx = nullptr;
+    const int* smsk = nullptr;
+    if (!dense) {
+        total = meta[META_NRING * nb + b];
+    } else if (dyn) {
+        const int slot = meta[META_SLOT * nb + b];
+        nsel = meta[META_NSEL * nb + b];
+        sidx = sel_idx + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
+        smsk = sel_mask + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
+        cnt = sel_cnt[(i64)slot * cnt_slot_stride + h];
+        total = cnt + npg - nsel + 1;
+    } else {
+        total = npg;
+    }
+    const int e0 = split * chunk;
+    const int ne = max(0, min(total, e0 + chunk) - e0);
+    const int tid = threadIdx.x;
+    const int H = dense ? hd : hs;
+    const int hh = dense ? h : h - hd;
+    for (int i = tid; i < ne; i += NTHREADS) {
+        const int e = e0 + i;
+        int page, pos;
+        u32 bits = 0xffffffffu;
+        if (!dense) {
+            page = ring_pages[(i64)b * ring_stride + e];
+            pos = ring_pos[(i64)b * ring_stride + e];
+        } else {
+            int idx = e;
+            if (dyn) {
+                if (e < cnt) {
+                    idx = sidx[e];
+                    if (qmode) bits = (u32)smsk[e];
+                } else {
+                    idx = nsel - 1 + (e - cnt);
+                }
+            }
+            page = pages[(i64)b * pages_stride + idx];
+            pos = idx * page_size;
+        }
+        s_row[i] = ((i64)page * H + hh) * page_size;
+        s_pos[i] = pos;
+        s_bits[i] = bits >> (qsub * GQ);
+    }
+    __syncthreads();
+
+    const int warp = tid >> 5, lane = tid & 31;
+    const int qh0 = h * group + qsub * GQ;
+    const act_t* kbase = reinterpret_cast<const act_t*>(dense ? dk : sk);
+    const act_t* vbase = reinterpret_cast<const act_t*>(dense ? dv : sv);
+    const int qpos = len - 1;
+    const int ntok = ne * page_size;
+    const int ntiles = (ntok + BN - 1) / BN;
+
+    // Q as the A operand: row r = query head r of this CTA (rows >= GQ are zero).
+    const int r_lo = lane >> 2, cq = (lane & 3) * 2;
+    u32 qa[DK][4];
+    {
+        const u32* row0 = reinterpret_cast<const u32*>(q + (i64)tok * q_tok_stride + (i64)(qh0 + r_lo) * D);
+        const bool ok0 = r_lo < GQ;  // rows r_lo + 8 >= 8 >= GQ: always zero
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+            const int c = (kk * 16 + cq) >> 1;
+            qa[kk][0] = ok0 ? row0[c] : 0u;
+            qa[kk][1] = 0u;
+            qa[kk][2] = ok0 ? row0[c + 4] : 0u;
+            qa[kk][3] = 0u;
+        }
+    }
+
+    // Token j of the unit -> (entry, offset); a shift when the page size is a power of two.
+    auto entry_of = [&](int j, int& ei, int& off) {
+        if (page_shift >= 0) { ei = j >> page_shift; off = j & (page_size - 1); }
+        else { ei = j / page_size; off = j - ei * page_size; }
+    };
+    // Each thread copies one 16-byte column chunk of rows r0, r0 + RPP, ... of the tile.
+    constexpr int CPR = D / 8, RPP = NTHREADS / CPR;
+    const int col = (tid % CPR) * 8, r0 = tid / CPR;
+    const u32 sK0 = smem_u32(sK) + (u32)(r0 * ROWP + col) * 2u;
+    const u32 sV0 = smem_u32(sV) + (u32)(r0 * ROWP + col) * 2u;
+    auto load_tile = [&](int t, int stage) {
+        const u32 so = (u32)(stage * BN * ROWP) * 2u;
+#pragma unroll
+        for (int row = r0, k = 0; k < BN / RPP; row += RPP, ++k) {
+            const int j = t * BN + row;
+            const bool ok = j < ntok;
+            int ei = 0, off = 0;
+            if (ok) entry_of(j, ei, off);
+            const i64 src = (s_row[ei] + off) * D + col;
+            const u32 dst = so + (u32)(k * RPP * ROWP) * 2u;
+            cp_async16(sK0 + dst, kbase + src, ok ? 16 : 0);
+            cp_async16(sV0 + dst, vbase + src, ok ? 16 : 0);
+        }
+    };
+
+    float o[DT][4];
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float mrow = LS_NEG_INF, lrow = 0.f;  // row r_lo (rows r_lo + 8 are padding)
+
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < ntiles) load_tile(st, st);
+        cp_async_commit();
+    }
+    const int mi = lane >> 3, ri = lane & 7;
+    for (int t = 0; t < ntiles; ++t) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
+        if (t + STAGES - 1 < ntiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const u16* Ks = sK + (t % STAGES) * BN * ROWP + warp * 16 * ROWP;
+        const u16* Vs = sV + (t % STAGES) * BN * ROWP + warp * 16 * ROWP;
+
+        // S = Q K^T for this warp's 16 keys (two n-tiles of 8).
+        float s[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4(smem_u32(Ks + (ri + (mi >> 1) * 8) * ROWP + kk * 16 + (mi & 1) * 8), b0, b1, b2, b3);
+            mma16816(s[0], qa[kk], b0, b1);
+            mma16816(s[1], qa[kk], b2, b3);
+        }
+        // Mask: token exists, causal/Λ window, and the query head reads this page.
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {  // c0, c1: row r_lo; c2, c3 (row r_lo + 8) are padding
+                const int j = t * BN + warp * 16 + nt * 8 + cq + e;
+                bool ok = j < ntok && r_lo < GQ;
+                if (ok) {
+                    int ei, off;
+                    entry_of(j, ei, off);
+                    const int p = s_pos[ei] + off;
+                    ok = p < len && (dense || p < sink || qpos - p < local) && ((s_bits[ei] >> r_lo) & 1u);
+                }
+                s[nt][e] = ok ? s[nt][e] * qscale : LS_NEG_INF;
+                s[nt][2 + e] = LS_NEG_INF;
+            }
+        }
+        // Online softmax of row r_lo (a quad of lanes shares a row).
+        float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(mrow, mx);
+        const bool none = mnew == LS_NEG_INF;
+        const float alpha = none ? 1.f : fast_exp2(mrow - mnew);
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = (none || e >= 2) ? 0.f : fast_exp2(s[nt][e] - mnew);
+                s[nt][e] = p;
+                sum += p;
+            }
+        }
+        lrow = lrow * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) { o[dt][0] *= alpha; o[dt][1] *= alpha; }
+        mrow = mnew;
+        // O += P V over the 16 keys (one k-step). P is split into a 16-bit head and a 16-bit
+        // remainder (two mma each) so the probabilities keep ~16 significant bits, like the
+        // fp32 softmax of the reference; Q, K, V are exact in their storage type already.
+        u32 ph[4], pl[4];
+        ph[1] = ph[3] = pl[1] = pl[3] = 0u;  // rows r_lo + 8: padding
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const float a = s[nt][0], c = s[nt][1];
+            const float ah = h2f(f2h(a)), ch = h2f(f2h(c));
+            ph[2 * nt] = pack2(ah, ch);
+            pl[2 * nt] = pack2(a - ah, c - ch);
+        }
+#pragma unroll
+        for (int dt = 0; dt < DT; dt += 2) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(smem_u32(Vs + (ri + (mi & 1) * 8) * ROWP + (dt + (mi >> 1)) * 8), b0, b1, b2, b3);
+            mma16816(o[dt], ph, b0, b1);
+            mma16816(o[dt + 1], ph, b2, b3);
+            mma16816(o[dt], pl, b0, b1);
+            mma16816(o[dt + 1], pl, b2, b3);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the K/V ring is reused below for the cross-warp merge
+
+    // Merge the four warps: rows r_lo < GQ live in lanes 4*r_lo .. 4*r_lo + 3.
+    float* s_o = reinterpret_cast<float*>(smem_raw);  // [NWARPS][GQ][D]
+    lrow += __shfl_xor_sync(0xffffffffu, lrow, 1);
+    lrow += __shfl_xor_sync(0xffffffffu, lrow, 2);
+    if (r_lo < GQ) {
+        if ((lane & 3) == 0) { s_m[warp][r_lo] = mrow; s_l[warp][r_lo] = lrow; }
+        float* dst = s_o + ((i64)warp * GQ + r_lo) * D;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) { dst[dt * 8 + cq] = o[dt][0]; dst[dt * 8 + cq + 1] = o[dt][1]; }
+    }
+    __syncthreads();
+    for (int i = tid; i < GQ * D; i += NTHREADS) {
+        const int g = i / D, d = i - g * D;
+        float M = LS_NEG_INF;
+#pragma unroll
+        for (int wi = 0; wi < NWARPS; ++wi) M = fmaxf(M, s_m[wi][g]);
+        float L = 0.f, O = 0.f;
+        if (M != LS_NEG_INF) {
+#pragma unroll
+            for (int wi = 0; wi < NWARPS; ++wi) {
+                const float mw = s_m[wi][g];
+                const float a = mw == LS_NEG_INF ? 0.f : fast_exp2(mw - M);
+                L += s_l[wi][g] * a;
+                O += s_o[((i64)wi * GQ + g) * D + d] * a;
+            }
+        }
+        if (direct) {
+            out[(i64)tok * out_tok_stride + (i64)(qh0 + g) * D + d] = f2act(O / L);
+        } else {
+            part_o[((i64)u * GQ + g) * D + d] = L > 0.f ? O / L : 0.f;
+            if (d == 0) part_lse[(i64)u * GQ + g] = L > 0.f ? M + __log2f(L) : LS_NEG_INF;
+        }
+    }
+}

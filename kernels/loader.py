@@ -1,0 +1,224 @@
+"""Run-time compilation and launching of the CUDA kernels in this directory.
+
+One memoized loader keyed by an explicit :class:`Variant`: (kernel family, activation dtype,
+head_dim, KV quantization, query heads per CTA). The page size, group size, sink/local window
+and all lengths are launch arguments, so one binary serves every cache geometry. Sources are
+compiled by NVRTC through ``cupy.RawModule`` with ``-I`` pointing here and a ``#line``
+directive naming the file, so compile errors point at ``kernels/<file>.cu:<line>``.
+
+Launches go to torch's current stream (``cupy.cuda.ExternalStream``); tensors are passed by
+``data_ptr`` as ``numpy.uint64`` and scalars as ``numpy.int32`` / ``numpy.int64`` /
+``numpy.float32``, matching the C signatures exactly. CuPy is imported lazily so the package
+imports on machines without it.
+
+``python -m lserve.kernels.loader --nvcc-check`` compiles every variant with ``nvcc`` (no GPU
+needed) and prints the register / shared-memory report.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+KERNEL_DIR = Path(__file__).resolve().parent
+
+FAMILIES = {
+    "kv_write": ("kv_write.cu", ("ls_kv_write",)),
+    "decode": ("decode.cu", ("ls_decode",)),  # CUDA cores: any dtype, quantized pools
+    "decode_tc": ("decode_tc.cu", ("ls_decode_tc",)),  # tensor cores: bf16/fp16 pools
+    "merge": ("merge.cu", ("ls_decode_merge",)),
+    "selector": ("selector.cu", ("ls_page_scores", "ls_page_topk")),
+    "prefill": ("prefill.cu", ("ls_prefill",)),
+}
+TENSOR_CORE_FAMILIES = ("prefill", "decode_tc")
+DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
+QUANTS = {"none": 0, "int8": 1, "int4": 2}
+HEAD_DIMS = (64, 128, 256)
+BASE_OPTIONS = ("-std=c++17",)
+
+
+class KernelError(RuntimeError):
+    """A kernel cannot be built or launched for these inputs."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a compiled module is specialized on.
+
+    Parameters
+    ----------
+    family : str
+        ``"kv_write"``, ``"decode"``, ``"decode_tc"``, ``"merge"``, ``"selector"`` or ``"prefill"``.
+    dtype : str
+        ``"bf16"``, ``"fp16"`` or ``"fp32"`` (prefill: 16-bit only).
+    head_dim : int
+        64, 128 or 256.
+    kv_quant : str
+        ``"none"``, ``"int8"`` or ``"int4"`` (families that touch the pools; else ``"none"``).
+    gq : int
+        Query heads per CTA (decode, merge, selector; else 1).
+    """
+
+    family: str
+    dtype: str
+    head_dim: int
+    kv_quant: str = "none"
+    gq: int = 1
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise KernelError(f"unknown kernel family {self.family!r}")
+        if self.dtype not in DTYPES:
+            raise KernelError(f"unsupported dtype {self.dtype!r} (bf16, fp16, fp32)")
+        if self.head_dim not in HEAD_DIMS:
+            raise KernelError(f"unsupported head_dim {self.head_dim} (supported: {HEAD_DIMS})")
+        if self.kv_quant not in QUANTS:
+            raise KernelError(f"unsupported kv_quant {self.kv_quant!r}")
+        if self.family in TENSOR_CORE_FAMILIES and self.dtype == "fp32":
+            raise KernelError(f"the {self.family} kernel runs on tensor cores: bf16/fp16 only")
+        if self.family == "decode_tc" and self.kv_quant != "none":
+            raise KernelError("decode_tc reads unquantized pools; quantized ones use the decode family")
+        if not 1 <= self.gq <= 8:
+            raise KernelError(f"query heads per CTA must be in 1..8, got {self.gq}")
+
+    def defines(self) -> tuple[str, ...]:
+        """The ``-D`` options of this variant."""
+        return (f"-DLS_DTYPE={DTYPES[self.dtype]}", f"-DLS_HEAD_DIM={self.head_dim}",
+                f"-DLS_QUANT={QUANTS[self.kv_quant]}", f"-DLS_GQ={self.gq}")
+
+
+def source_of(family: str) -> str:
+    """The source text of a family with a ``#line`` directive naming its file."""
+    path = KERNEL_DIR / FAMILIES[family][0]
+    return f'#line 1 "{path}"\n' + path.read_text()
+
+
+def options_of(variant: Variant) -> tuple[str, ...]:
+    """Compiler options (NVRTC and nvcc accept the same spellings)."""
+    return BASE_OPTIONS + (f"-I{KERNEL_DIR}",) + variant.defines()
+
+
+@functools.lru_cache(maxsize=512)
+def load_module(variant: Variant):
+    """Compile (once per process and variant) and return the ``cupy.RawModule``."""
+    import cupy
+
+    try:
+        mod = cupy.RawModule(code=source_of(variant.family), options=options_of(variant), backend="nvrtc")
+        mod.compile()
+    except cupy.cuda.compiler.CompileException as e:  # keep NVRTC's log, which names file:line
+        raise KernelError(f"compiling {variant}:\n{e}") from None
+    return mod
+
+
+@functools.lru_cache(maxsize=512)
+def get_kernel(variant: Variant, name: str):
+    """A ``cupy.RawKernel`` of a compiled variant."""
+    if name not in FAMILIES[variant.family][1]:
+        raise KernelError(f"{name} is not in family {variant.family}")
+    return load_module(variant).get_function(name)
+
+
+# -- launching ----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _external_stream(handle: int, device: int):
+    import cupy
+
+    return cupy.cuda.ExternalStream(handle, device)
+
+
+def torch_stream():
+    """A cupy stream object wrapping torch's current CUDA stream (cached per handle)."""
+    import torch
+
+    dev = torch.cuda.current_device()
+    return _external_stream(torch.cuda.current_stream(dev).cuda_stream, dev)
+
+
+def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+    """Launch ``kernel`` on torch's current stream.
+
+    ``args`` must already be numpy scalars (see :func:`ptr`, :func:`i32`, :func:`i64`, :func:`f32`).
+    """
+    import cupy
+
+    if min(grid) <= 0:
+        return
+    if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+    import torch
+
+    with cupy.cuda.Device(torch.cuda.current_device()), torch_stream():
+        kernel(grid, block, args, shared_mem=shared_mem)
+
+
+def ptr(t) -> np.uint64:
+    """Device address of a tensor (0 for None)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(x: int) -> np.int32:
+    if not -(2 ** 31) <= int(x) < 2 ** 31:
+        raise KernelError(f"{x} does not fit a 32-bit kernel argument")
+    return np.int32(x)
+
+
+def i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+# -- offline compile check ------------------------------------------------------------------------
+def all_variants() -> list[Variant]:
+    """Every variant the backend can ask for with head_dim 64/128 (for the nvcc check)."""
+    out = []
+    for dt in DTYPES:
+        for d in (64, 128):
+            for qz in QUANTS:
+                out.append(Variant("kv_write", dt, d, qz))
+                for gq in (1, 2, 4, 8):
+                    out.append(Variant("decode", dt, d, qz, gq))
+            for gq in (1, 2, 4, 8):
+                out.append(Variant("selector", dt, d, "none", gq))
+                out.append(Variant("merge", dt, d, "none", gq))
+                if dt != "fp32":
+                    out.append(Variant("decode_tc", dt, d, "none", gq))
+            if dt != "fp32":
+                out.append(Variant("prefill", dt, d))
+    return out
+
+
+def nvcc_check(arch: str = "sm_90", variants: list[Variant] | None = None, verbose: bool = False) -> int:
+    """Compile variants with ``nvcc -cubin`` and print ptxas resource usage; returns failures."""
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for var in variants or all_variants():
+            src = Path(tmp) / f"{var.family}.cu"
+            src.write_text(source_of(var.family))
+            cmd = ["nvcc", f"-arch={arch}", "-cubin", "-o", str(Path(tmp) / "out.cubin"), "-Xptxas", "-v",
+                   *options_of(var), str(src)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [ln for ln in res.stderr.splitlines() if "registers" in ln or "spill" in ln or "error" in ln]
+            status = "ok" if res.returncode == 0 else "FAILED"
+            print(f"{status:6s} {var}")
+            if res.returncode != 0:
+                failures += 1
+                print(res.stderr)
+            elif verbose:
+                print("\n".join("    " + ln.strip() for ln in lines))
+    return failures
+
+
+if __name__ == "__main__":
+    if "--nvcc-check" in sys.argv:
+        sys.exit(1 if nvcc_check(verbose="-v" in sys.argv) else 0)
+    print(__doc__)

@@ -1,0 +1,59 @@
+// Tensor-core helpers shared by the prefill and decode kernels: mma.sync m16n8k16 (bf16/fp16
+// in, fp32 accumulate), ldmatrix, cp.async, packing. Fragment layouts (PTX ISA, m16n8k16):
+//   A (16x16, row): a0 = (r, c..c+1), a1 = (r+8, c..c+1), a2 = (r, c+8..), a3 = (r+8, c+8..)
+//   B (16x8, col):  b0 = (k..k+1, n), b1 = (k+8..k+9, n)
+//   C (16x8 fp32):  c0,c1 = (r, 2q..2q+1), c2,c3 = (r+8, 2q..2q+1)
+// with r = lane/4, c = k = 2*(lane%4), n = lane/4, q = lane%4.
+#pragma once
+#include "common.cuh"
+
+#if LS_DTYPE == 2
+#error "tensor-core kernels are bf16/fp16 only"
+#endif
+
+#if LS_DTYPE == 0
+#define MMA_AB "bf16"
+#define CVT_X2 "cvt.rn.bf16x2.f32"
+#else
+#define MMA_AB "f16"
+#define CVT_X2 "cvt.rn.f16x2.f32"
+#endif
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Two floats -> packed 16-bit pair, ``lo`` in the low half (lower column / address).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    asm(CVT_X2 " %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+

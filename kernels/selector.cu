@@ -1,0 +1,309 @@
+// Page selector for dense heads at decode (SPEC.md section 4), two launches per layer:
+//
+// ls_page_scores: S_j = sum_i max(q_i kmax_ji, q_i kmin_ji) for every logical page j of every
+//   selecting sequence, max-reduced over the g logical pages of each physical page and, in
+//   "kv" mode, over the GQ query heads of the CTA (rows h*nqs + qsub; the top-k kernel takes
+//   the max over the nqs sub-groups). "query" mode keeps one row per query head.
+// ls_page_topk: one CTA per (selecting sequence, dense KV head). For each selecting row, a
+//   4-pass radix select finds the (K-1)-th largest score among all pages but the last (ties
+//   broken towards lower page indices), marks the kept pages in a shared bitmask (bit = query
+//   head of the group in query mode), then compacts the marked pages in ascending order into
+//   the selection state: sel_idx (logical page indices), sel_mask (query mode) and sel_cnt.
+//   The decode kernel reads that state directly, so a reuse step launches nothing.
+#include "common.cuh"
+
+#define D LS_HEAD_DIM
+#define GQ LS_GQ
+#define LPT (D / 8)
+#define SPW (32 / LPT)
+#define NWARPS 4
+#define NTHREADS (NWARPS * 32)
+#define NSTREAMS (NWARPS * SPW)
+#define PPB_MAX 128  // most physical pages per CTA (launch argument ppb)
+
+#define META_TOK 0
+#define META_NPAGES 2
+#define META_SLOT 5
+#define META_KK 7
+
+// A lane's 8 elements of one statistics row, raw (converted when consumed).
+#if LS_DTYPE == 2
+struct StRaw { uint4 a, b; };
+#else
+struct StRaw { uint4 a; };
+#endif
+
+__device__ __forceinline__ void st_load(StRaw& r, const act_t* p) {
+    r.a = ldg_stream16(p);
+#if LS_DTYPE == 2
+    r.b = ldg_stream16(p + 4);
+#endif
+}
+
+__device__ __forceinline__ void st_zero(StRaw& r) {
+    r.a.x = r.a.y = r.a.z = r.a.w = 0u;
+#if LS_DTYPE == 2
+    r.b.x = r.b.y = r.b.z = r.b.w = 0u;
+#endif
+}
+
+__device__ __forceinline__ void st_float(const StRaw& r, float (&f)[8]) {
+#if LS_DTYPE == 2
+    f[0] = __uint_as_float(r.a.x); f[1] = __uint_as_float(r.a.y); f[2] = __uint_as_float(r.a.z); f[3] = __uint_as_float(r.a.w);
+    f[4] = __uint_as_float(r.b.x); f[5] = __uint_as_float(r.b.y); f[6] = __uint_as_float(r.b.z); f[7] = __uint_as_float(r.b.w);
+#else
+    unpack2(r.a.x, f[0], f[1]); unpack2(r.a.y, f[2], f[3]);
+    unpack2(r.a.z, f[4], f[5]); unpack2(r.a.w, f[6], f[7]);
+#endif
+}
+
+// One tile of a stream: logical rows [j0, j0 + 4) of one physical page (kmax and kmin).
+struct STile {
+    StRaw mx[4], mn[4];
+    int pi;  // page index in the sequence's table
+    int j0;
+    bool active;
+};
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D]
+               const act_t* __restrict__ kmax, const act_t* __restrict__ kmin,  // [P, g, hd, D]
+               int hd, int g_log,
+               const int* __restrict__ meta, int nb,
+               const int* __restrict__ rows,                         // [R] selecting sequences
+               const int* __restrict__ pages, int pages_stride,
+               float* __restrict__ scores, int score_stride,         // [R, rows_per_seq, score_stride]
+               int group, int nqs, int qmode, int ppb) {
+    __shared__ i64 s_pages[PPB_MAX];
+    const int r = blockIdx.z;
+    const int b = rows[r];
+    const int h = blockIdx.y / nqs, qsub = blockIdx.y % nqs;
+    const int npg = meta[META_NPAGES * nb + b];
+    const int p_begin = blockIdx.x * ppb;
+    if (p_begin >= npg) return;  // uniform per CTA
+    const int p_end = min(npg, p_begin + ppb);
+    for (int i = threadIdx.x; i < p_end - p_begin; i += NTHREADS) s_pages[i] = pages[(i64)b * pages_stride + p_begin + i];
+    const int tok = meta[META_TOK * nb + b];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int sw = lane / LPT, li = lane % LPT, d0 = li * 8;
+    const int qh0 = h * group + qsub * GQ;
+
+    float qv[GQ][8];  // max(q kmax, q kmin) = q * (q >= 0 ? kmax : kmin) since kmax >= kmin
+#pragma unroll
+    for (int g = 0; g < GQ; ++g) load8_act(q + (i64)tok * q_tok_stride + (i64)(qh0 + g) * D + d0, qv[g]);
+    const int rows_per_seq = qmode ? hd * group : hd * nqs;
+    float* srow = scores + (i64)r * rows_per_seq * score_stride;
+    __syncthreads();
+
+    // Tiles of this warp: its pages are p_begin + warp*SPW + k*NSTREAMS (+ sw per stream), each
+    // in ng groups of 4 logical rows. Double-buffered like the decode kernel; uniform trip count.
+    const int ng = (g_log + 3) / 4;
+    const int first = p_begin + warp * SPW;
+    const int n_tiles = first < p_end ? ((p_end - first + NSTREAMS - 1) / NSTREAMS) * ng : 0;
+    auto load_tile = [&](STile& T, int k) {
+        T.pi = first + (k / ng) * NSTREAMS + sw;
+        T.j0 = (k % ng) * 4;
+        T.active = T.pi < p_end;
+        const i64 page = T.active ? s_pages[T.pi - p_begin] : 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (T.active && T.j0 + j < g_log) {
+                const i64 off = ((page * g_log + T.j0 + j) * hd + h) * D + d0;
+                st_load(T.mx[j], kmax + off);
+                st_load(T.mn[j], kmin + off);
+            } else {
+                st_zero(T.mx[j]);
+                st_zero(T.mn[j]);
+            }
+        }
+    };
+    float best[GQ];
+#pragma unroll
+    for (int g = 0; g < GQ; ++g) best[g] = LS_NEG_INF;
+    auto consume = [&](const STile& T) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (T.j0 + j >= g_log) break;  // uniform
+            float mx[8], mn[8], s[GQ];
+            st_float(T.mx[j], mx);
+            st_float(T.mn[j], mn);
+#pragma unroll
+            for (int g = 0; g < GQ; ++g) {
+                float acc = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc = fmaf(qv[g][i], qv[g][i] >= 0.f ? mx[i] : mn[i], acc);
+                s[g] = acc;
+            }
+#pragma unroll
+            for (int off = LPT / 2; off > 0; off >>= 1)
+#pragma unroll
+                for (int g = 0; g < GQ; ++g) s[g] += __shfl_xor_sync(0xffffffffu, s[g], off);
+#pragma unroll
+            for (int g = 0; g < GQ; ++g) best[g] = fmaxf(best[g], s[g]);
+        }
+        if (T.j0 + 4 >= g_log) {  // last group of the page: write and reset
+            if (T.active && li == 0) {
+                if (qmode) {
+#pragma unroll
+                    for (int g = 0; g < GQ; ++g) srow[(i64)(qh0 + g) * score_stride + T.pi] = best[g];
+                } else {
+                    float bm = best[0];
+#pragma unroll
+                    for (int g = 1; g < GQ; ++g) bm = fmaxf(bm, best[g]);
+                    srow[(i64)(h * nqs + qsub) * score_stride + T.pi] = bm;
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < GQ; ++g) best[g] = LS_NEG_INF;
+        }
+    };
+    STile ta, tb;
+    if (n_tiles > 0) load_tile(ta, 0);
+    for (int k = 0; k < n_tiles; k += 2) {
+        if (k + 1 < n_tiles) load_tile(tb, k + 1);
+        consume(ta);
+        if (k + 1 >= n_tiles) break;
+        if (k + 2 < n_tiles) load_tile(ta, k + 2);
+        consume(tb);
+    }
+}
+
+// Float -> unsigned key with the same order (larger float, larger key).
+__device__ __forceinline__ u32 order_key(float f) {
+    const u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+#define TK_THREADS 512
+#define TK_BITS 11                    // radix digit width
+#define TK_BINS (1 << TK_BITS)
+#define TK_PER (TK_BINS / TK_THREADS)  // bins per thread in the scan
+
+extern "C" __global__ void __launch_bounds__(TK_THREADS)
+ls_page_topk(const float* __restrict__ scores, int score_stride,
+             const int* __restrict__ meta, int nb,
+             const int* __restrict__ rows, int hd, int group, int nqs, int qmode,
+             int* __restrict__ sel_idx, int* __restrict__ sel_mask, int* __restrict__ sel_cnt,
+             int sel_slot_stride, int sel_head_stride, int cnt_slot_stride) {
+    extern __shared__ u32 smem[];  // keys [ncand], bits [ncand]
+    __shared__ int s_hist[TK_BINS];
+    __shared__ int s_scan[32];
+    __shared__ u32 s_kmin[32], s_kmax[32];
+    __shared__ int s_digit, s_above, s_cnt;
+
+    const int r = blockIdx.x, h = blockIdx.y;
+    const int b = rows[r];
+    const int npg = meta[META_NPAGES * nb + b];
+    const int ncand = npg - 1;                          // the last page is always kept
+    const int k = meta[META_KK * nb + b] - 1;           // pages chosen by score
+    const int slot = meta[META_SLOT * nb + b];
+    u32* keys = smem;
+    u32* bits = smem + ncand;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rows_per_seq = qmode ? hd * group : hd * nqs;
+    const float* sbase = scores + (i64)r * rows_per_seq * score_stride;
+    for (int i = tid; i < ncand; i += TK_THREADS) bits[i] = 0u;
+    // Contiguous ranges per thread for the order-preserving steps.
+    const int per = (ncand + TK_THREADS - 1) / TK_THREADS;
+    const int c0 = min(ncand, tid * per), c1 = min(ncand, c0 + per);
+
+    const int nsel_rows = k > 0 ? (qmode ? group : 1) : 0;  // K = 1: only the last page is read
+    for (int sr = 0; sr < nsel_rows; ++sr) {
+        __syncthreads();
+        // Keys (order-preserving uint of the score) and their min / max.
+        u32 kmn = 0xffffffffu, kmx = 0u;
+        const float* row = sbase + (i64)(qmode ? h * group + sr : h * nqs) * score_stride;
+#pragma unroll 8
+        for (int i = tid; i < ncand; i += TK_THREADS) {  // unrolled: the L2 loads overlap
+            float sc = row[i];
+            if (!qmode)
+                for (int qs = 1; qs < nqs; ++qs) sc = fmaxf(sc, row[(i64)qs * score_stride + i]);
+            const u32 key = order_key(sc);
+            keys[i] = key;
+            kmn = min(kmn, key);
+            kmx = max(kmx, key);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            kmn = min(kmn, __shfl_xor_sync(0xffffffffu, kmn, o));
+            kmx = max(kmx, __shfl_xor_sync(0xffffffffu, kmx, o));
+        }
+        if (lane == 0) { s_kmin[warp] = kmn; s_kmax[warp] = kmx; }
+        __syncthreads();
+        kmn = s_kmin[0];
+        kmx = s_kmax[0];
+        for (int wi = 1; wi < TK_THREADS / 32; ++wi) { kmn = min(kmn, s_kmin[wi]); kmx = max(kmx, s_kmax[wi]); }
+        // Radix select of the k-th largest key over the bits where keys differ (the common
+        // prefix of min and max is shared by all), TK_BITS per pass, stopping early once the
+        // chosen bin holds exactly the keys still needed.
+        const u32 diff = kmn ^ kmx;
+        int top = diff ? 31 - __clz(diff) : -1;  // highest differing bit
+        u32 pmask = top >= 31 ? 0u : ~((2u << top) - 1u);
+        if (top < 0) pmask = 0xffffffffu;
+        u32 prefix = kmn & pmask;
+        int remaining = k;
+        while (top >= 0) {
+            const int nbits = min(TK_BITS, top + 1);
+            const int shift = top + 1 - nbits;
+            const u32 dmask = (1u << nbits) - 1u;
+            for (int i = tid; i < TK_BINS; i += TK_THREADS) s_hist[i] = 0;
+            __syncthreads();
+            for (int i = tid; i < ncand; i += TK_THREADS) {
+                const u32 key = keys[i];
+                if ((key & pmask) == prefix) atomicAdd(&s_hist[(key >> shift) & dmask], 1);
+            }
+            __syncthreads();
+            // Thread t scans bins from the top: [TK_BINS-1 - t*TK_PER, ... - TK_PER + 1].
+            int c[TK_PER], tsum = 0;
+#pragma unroll
+            for (int j = 0; j < TK_PER; ++j) { c[j] = s_hist[TK_BINS - 1 - tid * TK_PER - j]; tsum += c[j]; }
+            const int incl = block_inclusive_scan(tsum, s_scan);
+            int run = incl - tsum;
+#pragma unroll
+            for (int j = 0; j < TK_PER; ++j) {
+                if (run < remaining && run + c[j] >= remaining) {
+                    s_digit = TK_BINS - 1 - tid * TK_PER - j;
+                    s_above = run;
+                    s_cnt = c[j];
+                }
+                run += c[j];
+            }
+            __syncthreads();
+            prefix |= ((u32)s_digit) << shift;
+            pmask |= dmask << shift;
+            remaining -= s_above;
+            top = shift - 1;
+            if (s_cnt == remaining) break;  // the whole bin is kept: no finer digit needed
+        }
+        // Keep keys whose masked value is above the prefix, and the first `remaining` (in page
+        // order) of those equal to it.
+        int eq = 0;
+        for (int i = c0; i < c1; ++i) eq += (keys[i] & pmask) == prefix;
+        const int eq_before = block_inclusive_scan(eq, s_scan) - eq;
+        int rank = eq_before;
+        const u32 bit = 1u << sr;
+        for (int i = c0; i < c1; ++i) {
+            const u32 km = keys[i] & pmask;
+            bool keep = km > prefix;
+            if (km == prefix) keep = rank++ < remaining;
+            if (keep) bits[i] |= bit;
+        }
+    }
+    __syncthreads();
+    // Compact the marked pages in ascending order.
+    int n_keep = 0;
+    for (int i = c0; i < c1; ++i) n_keep += bits[i] != 0u;
+    const int incl = block_inclusive_scan(n_keep, s_scan);
+    int o = incl - n_keep;
+    int* out_idx = sel_idx + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
+    int* out_msk = sel_mask + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
+    for (int i = c0; i < c1; ++i) {
+        const u32 bm = bits[i];
+        if (bm) {
+            out_idx[o] = i;
+            if (qmode) out_msk[o] = (int)bm;
+            ++o;
+        }
+    }
+    if (tid == TK_THREADS - 1) sel_cnt[(i64)slot * cnt_slot_stride + h] = incl;
+}
