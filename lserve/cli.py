@@ -26,7 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
     g.add_argument("--seed", type=int, default=0, help="seed for random-weight presets")
     s = p.add_argument_group("sparsity")
-    s.add_argument("--pattern", default=None, help="head pattern dir/TSV (DuoAttention format) or 'random'")
+    s.add_argument("--pattern", default="auto",
+                   help="head pattern: 'auto' (the model's shipped learned pattern, if any), 'none', 'random' "
+                        "or a DuoAttention-format dir/TSV")
     s.add_argument("--static-sparsity", type=float, default=0.5, help="fraction of KV heads made streaming")
     s.add_argument("--sink", type=int, default=128, help="streaming heads: sink tokens")
     s.add_argument("--local", type=int, default=256, help="streaming heads: local window tokens")

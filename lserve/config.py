@@ -76,8 +76,8 @@ class SparsityConfig:
     Parameters
     ----------
     pattern : str or None
-        Head pattern: a DuoAttention-format directory/TSV path, ``"random"``, or None for
-        no streaming heads.
+        Head pattern: a DuoAttention-format directory/TSV path, ``"random"``, ``"auto"`` (the
+        learned pattern shipped for this model, if any), or None/``"none"`` for no streaming heads.
     static_sparsity : float
         Fraction of KV heads that become streaming heads (quantile of the gate values).
     sink_tokens, local_tokens : int
@@ -122,7 +122,7 @@ class SparsityConfig:
         return self.token_budget > 0
 
     def streaming_enabled(self) -> bool:
-        return self.pattern is not None and self.static_sparsity > 0
+        return self.pattern not in (None, "none") and self.static_sparsity > 0
 
 
 @dataclass

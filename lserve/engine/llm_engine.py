@@ -46,12 +46,16 @@ class EngineStats:
 
 
 def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadLayout:
-    """The head layout from the sparsity config: all dense, a file pattern or a random one."""
+    """The head layout from the sparsity config: all dense, a file pattern, the model's shipped
+    pattern (``"auto"``; all dense when the model has none) or a random one."""
+    from lserve.sparsity.classifier import default_pattern_for
+
     sp = cfg.sparsity
-    if not sp.streaming_enabled():
+    source = default_pattern_for(cfg.model) if sp.pattern == "auto" else sp.pattern
+    if not sp.streaming_enabled() or source is None:
         return HeadLayout.all_dense(num_layers, num_kv_heads)
-    pattern = (random_pattern(num_layers, num_kv_heads, sp.pattern_seed) if sp.pattern == "random"
-               else load_pattern(sp.pattern))
+    pattern = (random_pattern(num_layers, num_kv_heads, sp.pattern_seed) if source == "random"
+               else load_pattern(source))
     return HeadLayout.from_pattern(pattern, num_layers, num_kv_heads, sp.static_sparsity, sp.dense_layers)
 
 
