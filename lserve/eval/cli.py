@@ -49,7 +49,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
                     haystack=a.haystack)
     h = Harness(model=a.model, out=a.out, device=a.device, dtype=a.dtype, backend=a.backend, batch_size=a.batch_size,
                 max_batched_tokens=a.max_batched_tokens, command="lserve " + shlex.join(sys.argv[1:]),
-                progress=not a.quiet)
+                progress=not a.quiet, fork=a.fork)
     summary = h.summarize(configs, plan, plan.cases(_tokenizer(h))) if a.summarize_only else h.run(configs, plan)
     print_table(summary)
     print(f"wrote {a.out}.json ({summary['status']})")
@@ -141,6 +141,8 @@ def register(sub) -> None:
     e.add_argument("--batch-size", type=int, default=4, help="prompts per engine batch")
     e.add_argument("--max-batched-tokens", type=int, default=4096, help="engine prefill chunk")
     e.add_argument("--threads", type=int, default=2, help="CPU threads (0: torch's default)")
+    e.add_argument("--fork", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill each prompt once per engine and fork it into the budget variants (same results)")
     e.add_argument("--summarize-only", action="store_true", help="rebuild OUT.json and plots from OUT.cases.jsonl")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=cmd_eval)

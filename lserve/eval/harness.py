@@ -69,6 +69,12 @@ class RunConfig:
     def budget_label(self) -> str:
         return "0" if Fraction(self.budget) == 0 else self.budget
 
+    def engine_key(self) -> tuple:
+        """Settings fixed per engine; configurations equal here differ only in the decode budget."""
+        random_seed = self.pattern_seed if self.pattern == "random" else None
+        return (self.pattern, self.static_sparsity if self.pattern else 0.0, random_seed, self.reuse_interval,
+                self.select_mode, self.dense_layers, self.kv_quant)
+
     def sparsity(self, model_name: str) -> SparsityConfig:
         """The engine's :class:`SparsityConfig` (budgets are set per request)."""
         pattern = self.pattern
@@ -174,7 +180,10 @@ class Harness:
     out : str
         Output stem: writes ``<out>.json``, ``<out>.cases.jsonl`` and ``<out>_*.png``.
     batch_size : int
-        Prompts per engine batch (``max_num_seqs``).
+        Prompts per engine batch (each runs as many sequences as it has variants).
+    fork : bool
+        Prefill each prompt once per engine and fork it into its budget variants
+        (:mod:`lserve.eval.fork`); False runs every (prompt, configuration) from scratch.
     max_batched_tokens : int
         Prefill chunk of the engine.
     """
@@ -188,6 +197,7 @@ class Harness:
     max_batched_tokens: int = 4096
     command: str = ""
     progress: bool = True
+    fork: bool = True
     loaded: object = None
     _done: dict = field(default_factory=dict)
 
@@ -203,13 +213,13 @@ class Harness:
                     r = json.loads(line)
                     self._done[(r["config"], r["key"])] = r
 
-    def _engine(self, rc: RunConfig, max_len: int):
+    def _engine(self, rc: RunConfig, max_len: int, num_seqs: int):
         from lserve.engine import LLMEngine
 
         name = self.model if self.loaded is None else self.loaded.config.name
-        cc = CacheConfig(max_tokens=self.batch_size * (max_len + 64), kv_quant=rc.kv_quant)
+        cc = CacheConfig(max_tokens=num_seqs * (max_len + 64), kv_quant=rc.kv_quant)
         cfg = EngineConfig(model=self.model, sparsity=rc.sparsity(name), cache=cc, backend=self.backend,
-                           device=self.device, dtype=self.dtype, max_num_seqs=self.batch_size,
+                           device=self.device, dtype=self.dtype, max_num_seqs=num_seqs,
                            max_batched_tokens=self.max_batched_tokens, max_model_len=max_len)
         eng = LLMEngine(cfg, self.loaded)
         self.loaded = eng.loaded
@@ -218,6 +228,7 @@ class Harness:
     def run(self, configs: list[RunConfig], plan: EvalPlan) -> dict:
         """Evaluate every configuration on every case of ``plan``; returns the summary (also written)."""
         from lserve.engine import SamplingParams
+        from lserve.eval.fork import generate_variants
         from lserve.models.loader import load_model
 
         if self.loaded is None:
@@ -226,38 +237,52 @@ class Harness:
         Path(self.out).parent.mkdir(parents=True, exist_ok=True)
         self._load_done()
         cases = plan.cases(self.loaded.tokenizer)
-        cases.sort(key=lambda c: c.context)  # similar lengths batch together
-        max_len = max(c.context + c.max_tokens for c in cases)
         bar = None
         todo = sum(1 for rc in configs for c in cases if (rc.name, case_key(c)) not in self._done)
         if self.progress:
             from tqdm import tqdm
 
             bar = tqdm(total=todo, desc="eval", unit="case", dynamic_ncols=True)
+        groups: dict[tuple, list[RunConfig]] = {}
         for rc in configs:
-            pending = [c for c in cases if (rc.name, case_key(c)) not in self._done]
+            groups.setdefault(rc.engine_key(), []).append(rc)
+        # Shortest contexts first, every engine group at each length, so that a cut run still
+        # holds complete comparisons at the lengths it reached.
+        for ctx, rcs in [(x, g) for x in sorted({c.context for c in cases}) for g in groups.values()]:
+            pending = [(c, [rc for rc in rcs if (rc.name, case_key(c)) not in self._done])
+                       for c in cases if c.context == ctx]
+            pending = [(c, v) for c, v in pending if v]
             if not pending:
                 continue
-            eng = self._engine(rc, max_len)
+            width = max(len(v) for _, v in pending)
+            eng = self._engine(rcs[0], max(c.context + c.max_tokens for c, _ in pending), self.batch_size * width)
             with self.cases_path.open("a") as f:
                 for i in range(0, len(pending), self.batch_size):
                     batch = pending[i: i + self.batch_size]
-                    params = [SamplingParams(max_tokens=c.max_tokens, temperature=0.0,
-                                             token_budget=rc.budget_for(c.context)) for c in batch]
+                    params = [[SamplingParams(max_tokens=c.max_tokens, temperature=0.0,
+                                              token_budget=rc.budget_for(c.context)) for rc in v] for c, v in batch]
                     t0 = time.perf_counter()
-                    outs = eng.generate([c.prompt_ids for c in batch], params)
-                    dt = (time.perf_counter() - t0) / len(batch)
-                    for c, o, p in zip(batch, outs, params):
-                        rec = {"config": rc.name, "key": case_key(c), "task": c.task, "context": c.context,
-                               "depth": c.depth, "seed": c.seed, "budget": p.token_budget,
-                               "score": score(c, o.text), "answers": c.answers, "output": o.text,
-                               "seconds": round(dt, 2)}
-                        f.write(json.dumps(rec) + "\n")
-                        self._done[(rc.name, rec["key"])] = rec
+                    if self.fork:
+                        outs = generate_variants(eng, [c.prompt_ids for c, _ in batch], params)
+                    else:
+                        flat = eng.generate([c.prompt_ids for c, v in batch for _ in v], [p for ps in params for p in ps])
+                        it = iter(flat)
+                        outs = [[next(it) for _ in v] for _, v in batch]
+                    dt = time.perf_counter() - t0
+                    n_out = sum(len(v) for _, v in batch)
+                    for (c, v), os_, ps in zip(batch, outs, params):
+                        for rc, o, p in zip(v, os_, ps):
+                            rec = {"config": rc.name, "key": case_key(c), "task": c.task, "context": c.context,
+                                   "depth": c.depth, "seed": c.seed, "budget": p.token_budget,
+                                   "score": score(c, o.text), "answers": c.answers, "output": o.text,
+                                   "shared_prefill": self.fork and len(v) > 1,
+                                   "batch_seconds": round(dt, 2)}
+                            f.write(json.dumps(rec) + "\n")
+                            self._done[(rc.name, rec["key"])] = rec
                     f.flush()
                     if bar is not None:
-                        bar.update(len(batch))
-                        bar.set_postfix(config=rc.name, ctx=batch[-1].context)
+                        bar.update(n_out)
+                        bar.set_postfix(engine=rcs[0].name, ctx=batch[-1][0].context)
             del eng
         if bar is not None:
             bar.close()
