@@ -62,7 +62,7 @@ def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = 
         CPUs of the Ray cluster, to share out among replicas when ``num_cpus`` is 0.
     """
     from ray import serve
-    from ray.serve.config import BackpressureConfig, RequestRouterConfig
+    from ray.serve.config import RequestRouterConfig
 
     from lserve.serve.ray_router import PrefixAwareRequestRouter
     from lserve.serve.replica import EngineReplica
@@ -85,8 +85,9 @@ def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = 
         "ray_actor_options": {"num_cpus": s.replica_num_cpus(total_cpus), "num_gpus": s.replica_num_gpus(),
                               "runtime_env": {"env_vars": env}},
         "max_ongoing_requests": s.replica_max_ongoing,
-        "max_queued_requests": s.max_queued_requests,
-        "backpressure_config": BackpressureConfig(status_code=s.overload_status_code, retry_after_s=s.retry_after_s),
+        # The ingress admits at most replicas * max_ongoing + max_queued_requests at once and answers
+        # the rest with 429/503 itself (OpenAI-shaped); admitted requests may wait in the router.
+        "max_queued_requests": -1,
         "health_check_period_s": s.health_check_period_s,
         "health_check_timeout_s": s.health_check_timeout_s,
         "graceful_shutdown_timeout_s": 5.0,

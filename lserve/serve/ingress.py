@@ -47,31 +47,81 @@ from lserve.serve.protocol import (
     bad_request,
 )
 from lserve.serve.ray_router import ROUTE_KWARG
-from lserve.serve.router import prefix_hashes, routing_text
+from lserve.serve.router import prefix_hashes, routers_for, routing_text
 from lserve.serve.settings import API_KEY_ENV, ServeSettings
 
 log = logging.getLogger("lserve.serve")
 
 REPLICA_HEADER = "x-lserve-replica"
 _FINISH = {"stop": "stop", "length": "length"}
+GREEDY_BELOW = 1e-5
+MIN_TOP_P = 1e-6
 
 
 # -- the engine-facing side -------------------------------------------------------------------
-class SubRequest:
-    """One engine request (one choice) of an HTTP request, with its open event stream."""
+class Admission:
+    """Admission control: engine requests in flight through this ingress, against the capacity.
 
-    def __init__(self, index: int, stream, first: dict[str, Any]) -> None:
+    Capacity is what the engine replicas hold (``replicas * max_ongoing_requests``) plus the
+    queue allowance (``max_queued_requests``); requests beyond it are refused at once. Admitted
+    requests that find every replica busy wait in the router's queue. Counting admitted requests
+    (instead of Ray's count of requests not yet assigned, which a simultaneous burst fills even
+    when replicas have room) makes "queue full" mean what it says.
+
+    Parameters
+    ----------
+    per_replica, queue : int
+    replicas : callable
+        Returns the current number of engine replicas (changes with autoscaling and failures).
+    """
+
+    def __init__(self, per_replica: int, queue: int, replicas) -> None:
+        self.per_replica, self.queue, self.replicas = per_replica, queue, replicas
+        self.in_flight = 0
+
+    @property
+    def capacity(self) -> int:
+        if self.queue < 0:
+            return 1 << 62
+        return max(1, self.replicas()) * self.per_replica + self.queue
+
+    def acquire(self) -> bool:
+        if self.in_flight >= self.capacity:
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+
+
+class SubRequest:
+    """One engine request (one choice) of an HTTP request, with its open event stream.
+
+    ``cancel()`` (idempotent) stops the engine stream and gives the admission slot back.
+    """
+
+    def __init__(self, index: int, stream, first: dict[str, Any], admission: Admission) -> None:
         self.index, self.stream, self.first = index, stream, first
         self.text: list[str] = []
         self.finish_reason: str | None = None
         self.prompt_tokens = int(first.get("prompt_tokens", 0))
         self.completion_tokens = 0
+        self._admission: Admission | None = admission
 
     def cancel(self) -> None:
         try:
             self.stream.cancel()
         except Exception:  # noqa: BLE001 - already finished or gone
             pass
+        if self._admission is not None:
+            self._admission.release()
+            self._admission = None
+
+    def __del__(self) -> None:  # safety net: a response that was never iterated still frees its slot
+        if self._admission is not None:
+            self._admission.release()
+            self._admission = None
 
 
 class OpenAIServer:
@@ -95,6 +145,12 @@ class OpenAIServer:
         self.http_metrics = get_http_metrics(self.model_name, replica)
         self.created = int(time.time())
         self._max_model_len = settings.max_model_len or None
+        self.admission = Admission(settings.replica_max_ongoing, settings.max_queued_requests, self.num_replicas)
+
+    def num_replicas(self) -> int:
+        """Engine replicas the router currently knows (the configured count before the first request)."""
+        counts = [len(r.curr_replicas) for r in routers_for(self.settings.app_name)]
+        return max(counts) if counts else self.settings.replicas
 
     # -- checks -------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -144,8 +200,12 @@ class OpenAIServer:
                 if self._max_model_len and token_budget > self._max_model_len:
                     raise bad_request(f"lserve.token_budget ({token_budget}) exceeds the model's context length "
                                       f"({self._max_model_len})", "lserve.token_budget")
-        return {"max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
-                "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": req.top_k or 0, "seed": req.seed,
+        temperature = 1.0 if req.temperature is None else req.temperature
+        if temperature < GREEDY_BELOW:  # dividing logits by ~0 overflows: treat as greedy (like vLLM)
+            temperature = 0.0
+        # A top_p that rounds to 0 in float32 would drop every token: it means "the top token only".
+        top_p = 1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P)
+        return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": req.top_k or 0, "seed": req.seed,
                 "stop": stop, "ignore_eos": req.ignore_eos, "token_budget": token_budget}
 
     # -- engine calls -------------------------------------------------------------------------
@@ -154,44 +214,58 @@ class OpenAIServer:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+        retry = {"Retry-After": str(max(1, round(self.settings.retry_after_s)))}
+        if not self.admission.acquire():
+            raise OpenAIError(self.settings.overload_status_code,
+                              f"The server is at capacity ({self.admission.in_flight} requests in flight, capacity "
+                              f"{self.admission.capacity}); retry later.", "server_overloaded", None,
+                              "server_overloaded", retry)
         text = routing_text(payload["prompt"])
         route = {"prefix": prefix_hashes(text, self.settings.prefix_block_chars), "tokens": max(1, len(text) // 4)}
         stream = self.engine_stream.generate.remote(payload, **{ROUTE_KWARG: route})
-        retry = {"Retry-After": str(max(1, round(self.settings.retry_after_s)))}
         try:
-            first = await stream.__anext__()
-        except asyncio.CancelledError:  # the client went away while we waited
+            try:
+                first = await stream.__anext__()
+            except BackPressureError as e:
+                raise OpenAIError(self.settings.overload_status_code, f"The server is at capacity ({e}); retry later.",
+                                  "server_overloaded", None, "server_overloaded", retry) from None
+            except DeploymentUnavailableError:
+                raise OpenAIError(503, "The engine deployment is unavailable; retry later.", "service_unavailable",
+                                  None, "service_unavailable", retry) from None
+            except RayActorError:
+                raise OpenAIError(503, "The engine replica died while accepting the request; retry.",
+                                  "service_unavailable", None, "service_unavailable", retry) from None
+            except StopAsyncIteration:
+                raise OpenAIError(503, "The engine closed the request without an answer; retry.",
+                                  "service_unavailable", None, "service_unavailable", retry) from None
+            if first.get("type") == "error":
+                status = int(first.get("status", 500))
+                headers = retry if status in (429, 503) else None
+                etype = "invalid_request_error" if status == 400 else "service_unavailable"
+                raise OpenAIError(status, first.get("message", "engine error"), etype, first.get("param"),
+                                  first.get("code"), headers)
+        except BaseException:  # including the client going away while we waited
             stream.cancel()
+            self.admission.release()
             raise
-        except BackPressureError as e:
-            raise OpenAIError(self.settings.overload_status_code, f"The server is at capacity ({e}); retry later.",
-                              "server_overloaded", None, "server_overloaded", retry) from None
-        except DeploymentUnavailableError:
-            raise OpenAIError(503, "The engine deployment is unavailable; retry later.", "service_unavailable",
-                              None, "service_unavailable", retry) from None
-        except RayActorError:
-            raise OpenAIError(503, "The engine replica died while accepting the request; retry.", "service_unavailable",
-                              None, "service_unavailable", retry) from None
-        except StopAsyncIteration:
-            raise OpenAIError(503, "The engine closed the request without an answer; retry.", "service_unavailable",
-                              None, "service_unavailable", retry) from None
-        if first.get("type") == "error":
-            status = int(first.get("status", 500))
-            headers = retry if status in (429, 503) else None
-            etype = "invalid_request_error" if status == 400 else "service_unavailable"
-            raise OpenAIError(status, first.get("message", "engine error"), etype, first.get("param"),
-                              first.get("code"), headers)
-        return SubRequest(index, stream, first)
+        return SubRequest(index, stream, first, self.admission)
 
     async def open_all(self, payloads: list[dict[str, Any]]) -> list[SubRequest]:
-        """Open every choice's engine stream; on any failure, cancel the others and raise."""
-        results = await asyncio.gather(*(self._open(i, p) for i, p in enumerate(payloads)), return_exceptions=True)
-        subs = [r for r in results if isinstance(r, SubRequest)]
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
+        """Open every choice's engine stream; on any failure, cancel the opened ones and raise.
+
+        The streams are opened one after the other: Ray Serve gives every handle call made while
+        serving one HTTP request the same internal request id, and a router that matches replicas
+        to requests by that id (as ours does, to honour per-request decisions) must not see two of
+        them pending at once.
+        """
+        subs: list[SubRequest] = []
+        try:
+            for i, p in enumerate(payloads):
+                subs.append(await self._open(i, p))
+        except BaseException:
             for s in subs:
                 s.cancel()
-            raise errors[0]
+            raise
         return subs
 
     @staticmethod
@@ -382,8 +456,35 @@ class OpenAIServer:
         card = ModelCard(id=self.model_name, created=self.created, max_model_len=await self.max_model_len())
         return ModelList(data=[card])
 
-    async def engine_stats(self, timeout_s: float = 5.0) -> list[dict[str, Any] | str]:
-        """``engine_stats`` of every engine replica (an error string for one that did not answer)."""
+    def reported_stats(self) -> list[dict[str, Any]] | None:
+        """Every engine replica's last report to the router, if all are fresh (None otherwise).
+
+        Replicas report outside their request slots, so this never waits behind busy replicas.
+        """
+        fresh_s = max(5.0, 4 * self.settings.routing_stats_period_s)
+        now = time.time()
+        for router in routers_for(self.settings.app_name):
+            stats = [dict(r.routing_stats or {}) for r in router.curr_replicas.values()]
+            if stats and all(now - float(st.get("ts", 0.0)) < fresh_s for st in stats):
+                for st in stats:
+                    st["age_s"] = round(now - float(st.pop("ts")), 3)
+                return stats
+        return None
+
+    async def healthy_replicas(self) -> int:
+        """Engine replicas whose engine loop is alive."""
+        stats = await self.engine_stats(timeout_s=10.0)
+        return sum(1 for s in stats if isinstance(s, dict) and s.get("alive"))
+
+    async def engine_stats(self, timeout_s: float = 30.0) -> list[dict[str, Any] | str]:
+        """Engine state of every replica (an error string for one that did not answer).
+
+        From the replicas' reports to the router when there are fresh ones (before the first
+        request there are none), else asked of every replica.
+        """
+        reported = self.reported_stats()
+        if reported is not None:
+            return reported
         results = await self.engine.broadcast("engine_stats").results_async(timeout_s=timeout_s,
                                                                              return_exceptions=True)
         return [r if isinstance(r, dict) else f"{type(r).__name__}: {r}" for r in results]
@@ -447,14 +548,25 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
         if first.get("type") == "json_invalid":
-            msg, param = "The request body is not valid JSON.", None
-        else:
-            msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
-            if len(errs) > 1:
-                msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+            return error_response(bad_request("The request body is not valid JSON."), request.url.path)
+        locs = [[str(x) for x in err.get("loc", ()) if x != "body"] for err in errs] or [[]]
+        # A value matching none of a union's types gives one error per member, each with the member
+        # as an extra location step: report the field they share.
+        same_field = [loc for loc in locs if loc[:1] == locs[0][:1]]
+        loc = locs[0]
+        if len(same_field) > 1:
+            n = 0
+            while all(len(x) > n and x[n] == loc[n] for x in same_field):
+                n += 1
+            loc = loc[:n]
+        param = ".".join(loc) or None
+        msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        if len(same_field) > 1:
+            msg = f"{param or 'body'}: the value matches none of the accepted types ({first.get('msg', '')})"
+        others = len(errs) - len(same_field)
+        if others:
+            msg += f" (and {others} more problem{'s' if others > 1 else ''})"
         return error_response(bad_request(msg, param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
@@ -491,8 +603,7 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
     async def health() -> HealthResponse:
-        stats = await server.engine_stats(timeout_s=5.0)
-        alive = sum(1 for s in stats if isinstance(s, dict) and s.get("alive"))
+        alive = await server.healthy_replicas()
         if not alive:
             raise OpenAIError(503, "no healthy engine replica", "service_unavailable", None, "service_unavailable",
                               {"Retry-After": str(max(1, round(server.settings.retry_after_s)))})
@@ -508,7 +619,10 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
     async def admin_engines(request: Request) -> dict:
         """Engine state of every replica: running/waiting requests, KV pages in use (needs the API key)."""
         server.authorize(request)
-        return {"model": server.model_name, "replicas": await server.engine_stats()}
+        reported = server.reported_stats()
+        if reported is not None:
+            return {"model": server.model_name, "source": "reports", "replicas": reported}
+        return {"model": server.model_name, "source": "broadcast", "replicas": await server.engine_stats()}
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -93,12 +93,14 @@ class EngineMetrics:
         self.step_time = gauge("engine_step_seconds", "Duration of the engine's most recent step.")
         self.token_budget = gauge("sparsity_token_budget", "Decode token budget of dense heads (0: selection off).")
         self.streaming_heads = gauge("sparsity_streaming_heads_fraction", "Fraction of KV heads that are streaming heads.")
-        self.selected_pages = gauge("sparsity_selected_pages_per_step",
-                                    "KV pages the page selector kept per sequence and layer in the last step "
-                                    "(reported when the engine provides EngineStats.selected_pages_per_step).")
-        self.selector_time = gauge("sparsity_selector_seconds",
-                                   "Time the page selector took in the last step "
-                                   "(reported when the engine provides EngineStats.selector_seconds).")
+        self.selected_pages = gauge("sparsity_selected_pages_per_run",
+                                    "Mean KV pages kept per page-selector run (one run = one layer of one sequence) "
+                                    "over the last export interval.")
+        self.selector_runs = counter("sparsity_selector_runs", "Page-selector runs (per layer and sequence).")
+        self.selector_reuses = counter("sparsity_selection_reuses",
+                                       "Layer-steps that reused a stored page selection instead of selecting.")
+        self.selector_pages = counter("sparsity_selected_pages", "KV pages kept by page-selector runs.")
+        self.selector_time = counter("sparsity_selector_seconds", "Time spent in the page selector.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = counter("request_success", "Requests finished, by finish reason (stop, length, abort, error).",
@@ -110,7 +112,8 @@ class EngineMetrics:
     def init_series(self) -> None:
         """Create every series at zero, so counters and histograms are exported before the first event."""
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
-                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.aborts, self.steps):
+                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.aborts, self.steps,
+                       self.selector_runs, self.selector_reuses, self.selector_pages, self.selector_time):
             self.of(metric)
         for reason in ("stop", "length", "abort", "error"):
             self.of(self.finished, finished_reason=reason)

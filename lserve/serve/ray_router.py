@@ -9,30 +9,23 @@ It runs inside each caller of the engine deployment (the ingress), sees every ha
 * for calls made with ``lserve_target=<replica id>`` (admin and drill calls), picks that replica;
 * for anything else, ranks by load alone.
 
-A full first choice falls through to the next rank (Ray Serve's own queue-length check), and
+Replicas are matched to requests by Ray's internal request id (no FIFO mixin), so every request
+gets the replica chosen for it. Calls made while serving one HTTP request share that id, so the
+ingress issues them one at a time. A full first choice falls through to the next rank (Ray Serve's own queue-length check), and
 ``should_backoff`` is set so an all-full deployment waits instead of spinning.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from lserve.serve.router import PrefixAffinityPolicy, ReplicaLoad, RouteDecision
+from lserve.serve.router import PrefixAffinityPolicy, ReplicaLoad, RouteDecision, register_router
 
 ROUTE_KWARG = "lserve_route"
 TARGET_KWARG = "lserve_target"
-
-# Routers living in this process (one per deployment handle), for the ingress's admin views.
-_ROUTERS: weakref.WeakSet = weakref.WeakSet()
-
-
-def routers_for(app_name: str) -> list[PrefixAwareRequestRouter]:
-    """The prefix-aware routers of ``app_name`` alive in this process."""
-    return [r for r in list(_ROUTERS) if r.app_name == app_name]
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -45,11 +38,12 @@ class PrefixAwareRequestRouter(RequestRouter):
                          imbalance_ratio: float = 2.0, max_entries: int = 200_000, **_: object) -> None:
         """Build the policy (called by Ray Serve with ``request_router_kwargs``)."""
         self.policy = PrefixAffinityPolicy(min_prefix_blocks, imbalance_tokens, imbalance_ratio, max_entries)
-        # internal request id -> (replica unique id, prompt tokens, wall time sent)
-        self._inflight: dict[str, tuple[str, int, float]] = {}
+        # (internal request id, replica unique id) -> [(prompt tokens, wall time sent), ...]; calls made
+        # while serving one HTTP request share the internal id (n > 1 choices), hence the lists.
+        self._inflight: dict[tuple[str, str], list[tuple[int, float]]] = {}
         self._known: set[str] = set()
         self.decisions: deque[tuple[float, str, RouteDecision]] = deque(maxlen=256)
-        _ROUTERS.add(self)
+        register_router(self)
 
     # -- load ---------------------------------------------------------------------------------
     def replica_loads(self, candidates: list[RunningReplica]) -> list[ReplicaLoad]:
@@ -59,7 +53,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             rid = r.replica_id.unique_id
             stats = r.routing_stats or {}
             ts = float(stats.get("ts", 0.0))
-            pending = sum(tok for (dest, tok, sent) in self._inflight.values() if dest == rid and sent >= ts)
+            pending = sum(tok for (_, dest), sent_list in self._inflight.items() if dest == rid
+                          for tok, sent in sent_list if sent >= ts)
             loads.append(ReplicaLoad(rid, int(stats.get("queued_prompt_tokens", 0)), int(stats.get("kv_tokens", 0)),
                                      pending, bool(stats.get("alive", True))))
         return loads
@@ -95,8 +90,14 @@ class PrefixAwareRequestRouter(RequestRouter):
             return
         rid = replica_id.unique_id
         self.policy.record(route.get("prefix") or [], rid)
-        self._inflight[pending_request.metadata.internal_request_id] = (rid, int(route.get("tokens", 0)), time.time())
+        key = (pending_request.metadata.internal_request_id, rid)
+        self._inflight.setdefault(key, []).append((int(route.get("tokens", 0)), time.time()))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """Forget a finished request's pending tokens."""
-        self._inflight.pop(internal_request_id, None)
+        key = (internal_request_id, replica_id.unique_id)
+        sent = self._inflight.get(key)
+        if sent:
+            sent.pop(0)
+            if not sent:
+                del self._inflight[key]

@@ -174,11 +174,14 @@ class EngineReplica:
                 m.of(m.prefill).observe(max(0.0, first_token - first_sched))
 
     # -- health, routing, admin ---------------------------------------------------------------
-    def check_health(self) -> None:
-        """Raise if the engine loop has died (Ray Serve then restarts this replica)."""
+    def check_health(self, lserve_target: str | None = None) -> None:
+        """Raise if the engine loop has died (Ray Serve then restarts this replica).
+
+        ``lserve_target`` lets a handle call reach one given replica (drills, tests).
+        """
         self.engine.check_health()
 
-    def engine_stats(self) -> dict[str, Any]:
+    def engine_stats(self, lserve_target: str | None = None) -> dict[str, Any]:
         """This replica's engine state (for admin views and tests)."""
         st = self.engine.stats()
         core = self.engine.engine
@@ -195,10 +198,14 @@ class EngineReplica:
                 "page_size": self.page_size}
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Token load for the router: prompt tokens queued + KV tokens in use (Ray Serve calls this)."""
-        st = self.engine.stats()
-        return {"ts": time.time(), "alive": self.engine.is_alive, "queued_prompt_tokens": sum(self._queued.values()),
-                "kv_tokens": st.dense_pages_used * self.page_size, "running": st.running, "waiting": st.waiting}
+        """Token load for the router (prompt tokens queued + KV tokens in use) and the engine state.
+
+        Ray Serve calls this every ``routing_stats_period_s`` outside the request slots, so the
+        ingress's admin and health views read it without waiting behind busy requests.
+        """
+        stats = self.engine_stats()
+        stats.update(ts=time.time(), kv_tokens=stats["dense_pages_used"] * self.page_size)
+        return stats
 
     def kill_engine(self, lserve_target: str | None = None) -> str:
         """Failure drill: stop the engine loop as a crash would; returns this replica's id.
@@ -219,7 +226,8 @@ class EngineReplica:
 
     def _poll_stats(self) -> None:
         m = self.metrics
-        last = {"prompt": 0, "gen": 0, "pre": 0, "abort": 0, "steps": 0}
+        last: dict[str, float] = {"prompt": 0, "gen": 0, "pre": 0, "abort": 0, "steps": 0, "runs": 0, "reuses": 0,
+                                  "pages": 0, "seconds": 0.0}
         while not self._stop.wait(STATS_PERIOD_S):
             try:
                 st = self.engine.stats()
@@ -232,17 +240,24 @@ class EngineReplica:
                 info = self.engine.engine.last_step_info
                 if info:
                     m.of(m.step_time).set(info.get("seconds", 0.0))
-                for attr, gauge in (("selected_pages_per_step", m.selected_pages), ("selector_seconds", m.selector_time)):
-                    value = getattr(st, attr, None)
-                    if value is not None:
-                        m.of(gauge).set(value)
+                sel = getattr(self.engine.engine.backend, "selector_stats", None)
+                if sel is not None:
+                    runs, pages = sel.runs - last["runs"], sel.pages - last["pages"]
+                    if runs > 0:
+                        m.of(m.selected_pages).set(pages / runs)
+                    for key, counter in (("runs", m.selector_runs), ("reuses", m.selector_reuses),
+                                         ("pages", m.selector_pages), ("seconds", m.selector_time)):
+                        value = getattr(sel, key)
+                        if value > last[key]:
+                            m.of(counter).inc(value - last[key])
+                        last[key] = value
                 now = {"prompt": st.prompt_tokens, "gen": st.generation_tokens, "pre": st.num_preemptions,
                        "abort": self.engine.aborted, "steps": st.steps}
                 for key, counter in (("prompt", m.prompt_tokens), ("gen", m.generation_tokens),
                                      ("pre", m.preemptions), ("abort", m.aborts), ("steps", m.steps)):
                     if now[key] > last[key]:
                         m.of(counter).inc(now[key] - last[key])
-                last = now
+                last.update(now)
             except Exception:  # noqa: BLE001 - metrics must never take the replica down
                 log.exception("metrics poll failed")
 

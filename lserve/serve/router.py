@@ -15,12 +15,28 @@ block, so new prefixes spread over replicas deterministically.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 #: Most blocks hashed per prompt (longer prompts are matched on this many leading blocks).
 MAX_BLOCKS = 4096
+
+# Request routers alive in this process (one per deployment handle). Kept here, not in
+# lserve.serve.ray_router: Ray Serve ships a custom router's module by value, so globals there
+# would be private copies.
+_ROUTERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_router(router) -> None:
+    """Record a live request router (anything with ``app_name`` and ``curr_replicas``)."""
+    _ROUTERS.add(router)
+
+
+def routers_for(app_name: str) -> list:
+    """The registered routers of application ``app_name`` in this process."""
+    return [r for r in list(_ROUTERS) if r.app_name == app_name]
 
 
 def _h64(data: bytes) -> int:

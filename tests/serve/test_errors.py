@@ -1,0 +1,150 @@
+"""Every bad input gets its HTTP status and an OpenAI-shaped JSON error, never a stack trace."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.serve
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = "?", code: str | None = "?",
+                        contains: str = "") -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param != "?":
+        assert err["param"] == param, err
+    if code != "?":
+        assert err["code"] == code, err
+    assert contains in err["message"], err
+    return err
+
+
+def post(app, path: str, body, headers: dict | None = None, **kw) -> httpx.Response:
+    h = dict(app.headers) if headers is None else headers
+    return httpx.post(f"{app.url}{path}", json=body, headers=h, timeout=60, **kw)
+
+
+def comp(**kw) -> dict:
+    return {"model": "default", "prompt": "Hello", "max_tokens": 2, **kw}
+
+
+def chat(**kw) -> dict:
+    return {"model": "default", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, **kw}
+
+
+@pytest.mark.parametrize("body, param, contains", [
+    (comp(temperature=-0.5), "temperature", "greater than or equal to 0"),
+    (comp(temperature=2.5), "temperature", "less than or equal to 2"),
+    (comp(temperature="hot"), "temperature", "valid number"),
+    (comp(top_p=0), "top_p", "greater than 0"),
+    (comp(top_p=1.5), "top_p", "less than or equal to 1"),
+    (comp(top_k=-2), "top_k", "greater than or equal to -1"),
+    (comp(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+    (comp(max_tokens="10"), "max_tokens", "valid integer"),
+    (comp(n=0), "n", "greater than or equal to 1"),
+    (comp(n=9), "n", "less than or equal to 8"),
+    (comp(seed=-1), "seed", "greater than or equal to 0"),
+    (comp(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4 stop strings"),
+    (comp(stop=[""]), "stop", "1 to 256 characters"),
+    (comp(stream="yes"), "stream", "valid boolean"),
+    (comp(presence_penalty=0.5), "presence_penalty", "not supported"),
+    (comp(logprobs=2), "logprobs", "not supported"),
+    (comp(echo=True), "echo", "not supported"),
+    (comp(best_of=3), "best_of", "not supported"),
+    (comp(prompt=""), "prompt", "empty"),
+    (comp(prompt=[]), "prompt", "empty"),
+    (comp(prompt=[[1, 2], []]), "prompt", "empty"),
+    (comp(prompt=["a", "b", "c"], n=3), "n", "at most 8"),
+    (comp(prompt=None), "prompt", ""),
+    ({"model": "default", "max_tokens": 2}, "prompt", "Field required"),
+    (comp(lserve={"streaming": False}), "lserve.streaming", "not supported on this deployment"),
+    (comp(lserve={"token_budget": 10}), "lserve.token_budget", "at least two KV pages (128 tokens)"),
+    (comp(lserve={"token_budget": 4096}), "lserve.token_budget", "exceeds the model's context length (2048)"),
+    (comp(lserve={"token_budget": -1}), "lserve.token_budget", "greater than or equal to 0"),
+    (comp(lserve={"sparsity": 0.3}), "lserve.sparsity", "Extra inputs are not permitted"),
+    (comp(stream_options={"include_usage": "yes"}), "stream_options.include_usage", "valid boolean"),
+])
+def test_invalid_completion_parameters_are_400(app, body, param, contains):
+    assert_openai_error(post(app, "/v1/completions", body), 400, param=param, contains=contains)
+
+
+@pytest.mark.parametrize("body, param, contains", [
+    (chat(messages=[]), "messages", "at least 1 item"),
+    (chat(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role", "Input should be"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages.0.content", ""),
+    (chat(messages="hello"), "messages", "valid list"),
+    (chat(max_completion_tokens=0), "max_completion_tokens", "greater than or equal to 1"),
+    (chat(top_logprobs=3), "top_logprobs", "not supported"),
+    (chat(logit_bias={"50": 10}), "logit_bias", "not supported"),
+])
+def test_invalid_chat_parameters_are_400(app, body, param, contains):
+    assert_openai_error(post(app, "/v1/chat/completions", body), 400, param=param, contains=contains)
+
+
+def test_malformed_bodies_are_400(app):
+    h = {**app.headers, "content-type": "application/json"}
+    for raw in (b"{not json", b"[1, 2, 3]", b'"just a string"', b""):
+        r = httpx.post(f"{app.url}/v1/completions", content=raw, headers=h, timeout=30)
+        assert_openai_error(r, 400)
+
+
+def test_context_length_is_400_with_the_numbers(app):
+    r = post(app, "/v1/completions", comp(max_tokens=2040, prompt="one two three four five six seven eight nine"))
+    err = assert_openai_error(r, 400, param="prompt", code="context_length_exceeded",
+                              contains="maximum context length is 2048 tokens")
+    assert "2040 to generate" in err["message"] and "in the prompt" in err["message"]
+    long_prompt = "word " * 2100  # > 2048 tokens by itself
+    r = post(app, "/v1/chat/completions", chat(messages=[{"role": "user", "content": long_prompt}], max_tokens=None))
+    assert_openai_error(r, 400, param="messages", code="context_length_exceeded", contains="2048")
+
+
+def test_unknown_model_is_404(app):
+    err = assert_openai_error(post(app, "/v1/completions", comp(model="gpt-17")), 404, param="model",
+                              code="model_not_found", contains="gpt-17")
+    assert "default" in err["message"]
+    assert_openai_error(post(app, "/v1/chat/completions", chat(model="nope")), 404, param="model")
+
+
+def test_unknown_route_and_method_are_json(app):
+    assert_openai_error(httpx.get(f"{app.url}/v2/whatever", headers=app.headers), 404)
+    assert_openai_error(httpx.get(f"{app.url}/v1/completions", headers=app.headers), 405)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key-lserve"},
+                                     {"Authorization": "Basic dGVzdA=="}])
+def test_missing_or_wrong_api_key_is_401(app, headers):
+    for method, path, body in (("POST", "/v1/completions", comp()), ("POST", "/v1/chat/completions", chat()),
+                               ("GET", "/v1/models", None), ("GET", "/admin/engines", None)):
+        r = httpx.request(method, f"{app.url}{path}", json=body, headers=headers, timeout=30)
+        assert_openai_error(r, 401, code="invalid_api_key")
+        assert r.headers.get("www-authenticate") == "Bearer"
+    # probes and scrapers do not need the key
+    assert httpx.get(f"{app.url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{app.url}/metrics", timeout=30).status_code == 200
+
+
+def test_oversized_bodies_are_413(app):
+    limit = app.settings.max_body_bytes
+    big = comp(prompt="x" * (limit + 10))
+    assert_openai_error(post(app, "/v1/completions", big), 413, code="request_too_large", contains=str(limit))
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for _ in range(limit // 1024 + 2):
+            yield b" " * 1024
+
+    r = httpx.post(f"{app.url}/v1/completions", content=chunks(),
+                   headers={**app.headers, "content-type": "application/json"}, timeout=60)
+    assert_openai_error(r, 413, contains=str(limit))
+
+
+def test_errors_do_not_leave_requests_behind(app):
+    post(app, "/v1/completions", comp(max_tokens=5000))
+    post(app, "/v1/completions", comp(lserve={"streaming": False}))
+    app.wait_idle(timeout=10)

@@ -1,0 +1,70 @@
+"""Schemathesis against the app's own OpenAPI schema: no 5xx, every response as documented.
+
+Cases come from schemathesis' Hypothesis strategies (valid and invalid data per operation) and
+are run here with plain Hypothesis: schemathesis' lazy pytest fixture loader does not work with
+the pytest this project uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          response_headers_conformance]
+# Keep generation cheap on a CPU: valid requests get at most this many tokens and choices.
+CAPS = {"max_tokens": 2, "max_completion_tokens": 2, "n": 2}
+EXAMPLES = {"POST": 45, "GET": 5}  # per operation and generation mode (GET operations take no input)
+
+
+def cap(case) -> None:
+    if isinstance(case.body, dict):
+        for key, limit in CAPS.items():
+            value = case.body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                case.body[key] = limit
+        prompt = case.body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            case.body["prompt"] = prompt[:2]  # at most two prompts of a batch
+
+
+def test_openapi_fuzz(serve_app):
+    schema = schemathesis.openapi.from_url(f"{serve_app.url}/openapi.json", timeout=30)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    paths = {(op.method.upper(), op.path) for op in operations}
+    assert {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+            ("GET", "/health"), ("GET", "/metrics")} <= paths
+    statuses: dict[tuple[str, str], set[int]] = {}
+    calls = 0
+    for op in operations:
+        # operations without parameters or body have no invalid input to generate
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if op.method.upper() == "POST" else [])
+        for mode in modes:
+
+            @given(case=op.as_strategy(generation_mode=mode))
+            @settings(max_examples=EXAMPLES[op.method.upper()], deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
+            def run(case):
+                nonlocal calls
+                cap(case)
+                response = case.call_and_validate(headers=serve_app.headers, checks=CHECKS, timeout=120)
+                statuses.setdefault((case.method.upper(), case.path), set()).add(response.status_code)
+                calls += 1
+
+            run()
+    assert calls >= 150
+    # the fuzzer reached both the engine (200) and the validation (400) of the generation endpoints
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert {200, 400} <= statuses[("POST", path)], statuses
+    serve_app.wait_idle(timeout=60)
