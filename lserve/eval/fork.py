@@ -72,7 +72,49 @@ def fork_sequence(engine, src: Sequence, params: SamplingParams, request_id: str
     return seq
 
 
-def generate_variants(engine, prompts: list[list[int]], variants: list[list[SamplingParams]]) -> list[list[RequestOutput]]:
+class ReuseOverride:
+    """Per-sequence reuse interval C' on an engine whose planner runs with its own C.
+
+    Before each step, for every overridden sequence that is decoding, the planner's record of
+    its last selection is either dropped (the selector may run now: never ran, or step - last
+    >= C') or set to the coming step (the last selection is reused). After the step, a selection
+    counts only if the planner really made one (it does only while selection is active). This
+    is the planner's own rule with C' in place of C.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.planner = engine.backend.planner
+        self.interval: dict[int, int] = {}  # seq_id -> C'
+        self.last: dict[int, int] = {}  # seq_id -> decode step of its last real selection
+        self._allowed: dict[int, int] = {}  # seq_id -> step at which selection was allowed
+
+    def set(self, seq: Sequence, interval: int) -> None:
+        self.interval[seq.seq_id] = interval
+
+    def before_step(self) -> None:
+        pl = self.planner
+        self._allowed = {}
+        for seq in self.engine.scheduler.running:
+            c = self.interval.get(seq.seq_id)
+            if c is None or not seq.in_decode:
+                continue
+            step = pl._decode_steps.get(seq.seq_id, 0)  # index the coming decode step will get
+            last = self.last.get(seq.seq_id)
+            if last is None or step - last >= c:
+                pl._last_select.pop(seq.seq_id, None)
+                self._allowed[seq.seq_id] = step
+            else:
+                pl._last_select[seq.seq_id] = step
+
+    def after_step(self) -> None:
+        for seq_id, step in self._allowed.items():
+            if self.planner._last_select.get(seq_id) == step:
+                self.last[seq_id] = step
+
+
+def generate_variants(engine, prompts: list[list[int]], variants: list[list[SamplingParams]],
+                      reuse: list[list[int | None]] | None = None) -> list[list[RequestOutput]]:
     """Run each prompt once through prefill and decode it under every one of its variants.
 
     Parameters
@@ -81,6 +123,9 @@ def generate_variants(engine, prompts: list[list[int]], variants: list[list[Samp
     variants : list of lists of SamplingParams
         ``variants[i]`` are the decode settings of prompt ``i`` (same ``max_tokens`` and
         greedy sampling expected: the first token comes from the shared prefill).
+    reuse : list of lists of int or None, optional
+        ``reuse[i][j]``: page-selection reuse interval of variant ``j`` of prompt ``i``
+        (None: the engine's).
 
     Returns
     -------
@@ -89,12 +134,19 @@ def generate_variants(engine, prompts: list[list[int]], variants: list[list[Samp
     """
     if len(prompts) != len(variants) or any(not v for v in variants):
         raise ValueError("need one non-empty list of variants per prompt")
+    reuse = reuse or [[None] * len(v) for v in variants]
+    override = ReuseOverride(engine)
     src_ids = [engine.add_request(p, v[0]) for p, v in zip(prompts, variants)]
+    for i, src in enumerate(src_ids):
+        if reuse[i][0] is not None:
+            override.set(engine._seqs[src], reuse[i][0])
     rids = [[src] + [f"{src}/v{j}" for j in range(1, len(v))] for src, v in zip(src_ids, variants)]
     forked = [len(v) == 1 for v in variants]
     final: dict[str, RequestOutput] = {}
     while len(final) < sum(len(r) for r in rids):
+        override.before_step()
         outs = engine.step()
+        override.after_step()
         for o in outs:
             if o.finished:
                 final[o.request_id] = o
@@ -109,8 +161,10 @@ def generate_variants(engine, prompts: list[list[int]], variants: list[list[Samp
                     forked[i] = True
                 continue
             if seq.in_decode and len(seq.output_ids) == 1:
-                for rid, params in zip(rids[i][1:], variants[i][1:]):
-                    fork_sequence(engine, seq, params, rid)
+                for rid, params, c in zip(rids[i][1:], variants[i][1:], reuse[i][1:]):
+                    copy = fork_sequence(engine, seq, params, rid)
+                    if c is not None:
+                        override.set(copy, c)
                 forked[i] = True
         if not outs and not engine.has_unfinished() and len(final) < sum(len(r) for r in rids):
             raise RuntimeError("engine stopped before every variant finished")

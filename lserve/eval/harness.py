@@ -69,23 +69,18 @@ class RunConfig:
     def budget_label(self) -> str:
         return "0" if Fraction(self.budget) == 0 else self.budget
 
-    def engine_key(self) -> tuple:
-        """Settings fixed per engine; configurations equal here differ only in the decode budget."""
+    def engine_key(self, with_reuse: bool = True) -> tuple:
+        """Settings fixed per engine; configurations equal here differ only at decode (budget, and
+        the reuse interval when ``with_reuse`` is False: forked variants can override it)."""
         random_seed = self.pattern_seed if self.pattern == "random" else None
-        return (self.pattern, self.static_sparsity if self.pattern else 0.0, random_seed, self.reuse_interval,
-                self.select_mode, self.dense_layers, self.kv_quant)
+        return (self.pattern, self.static_sparsity if self.pattern else 0.0, random_seed,
+                self.reuse_interval if with_reuse else None, self.select_mode, self.dense_layers, self.kv_quant)
 
     def sparsity(self, model_name: str) -> SparsityConfig:
         """The engine's :class:`SparsityConfig` (budgets are set per request)."""
-        pattern = self.pattern
-        if pattern == "learned":
-            from lserve.sparsity.classifier import default_pattern_for
+        from lserve.sparsity.classifier import resolve_pattern
 
-            path = default_pattern_for(model_name)
-            if path is None:
-                raise ConfigError(f"no learned pattern ships for model {model_name!r}: train one with "
-                                  f"`lserve classify-heads` and pass its directory as pattern=DIR")
-            pattern = str(path)
+        pattern = None if self.pattern is None else resolve_pattern(self.pattern, model_name)
         return SparsityConfig(pattern=pattern, static_sparsity=self.static_sparsity if pattern else 0.0,
                               token_budget=0, reuse_interval=self.reuse_interval, select_mode=self.select_mode,
                               dense_layers=self.dense_layers, pattern_seed=self.pattern_seed)
@@ -245,7 +240,7 @@ class Harness:
             bar = tqdm(total=todo, desc="eval", unit="case", dynamic_ncols=True)
         groups: dict[tuple, list[RunConfig]] = {}
         for rc in configs:
-            groups.setdefault(rc.engine_key(), []).append(rc)
+            groups.setdefault(rc.engine_key(with_reuse=not self.fork), []).append(rc)
         # Shortest contexts first, every engine group at each length, so that a cut run still
         # holds complete comparisons at the lengths it reached.
         for ctx, rcs in [(x, g) for x in sorted({c.context for c in cases}) for g in groups.values()]:
@@ -263,7 +258,8 @@ class Harness:
                                               token_budget=rc.budget_for(c.context)) for rc in v] for c, v in batch]
                     t0 = time.perf_counter()
                     if self.fork:
-                        outs = generate_variants(eng, [c.prompt_ids for c, _ in batch], params)
+                        reuse = [[rc.reuse_interval for rc in v] for _, v in batch]
+                        outs = generate_variants(eng, [c.prompt_ids for c, _ in batch], params, reuse)
                     else:
                         flat = eng.generate([c.prompt_ids for c, v in batch for _ in v], [p for ps in params for p in ps])
                         it = iter(flat)

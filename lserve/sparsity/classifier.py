@@ -75,6 +75,35 @@ def default_pattern_for(model_name: str) -> Path | None:
     return None
 
 
+LEARNED_ALIASES = ("learned", "default")
+
+
+def resolve_pattern(spec: str, model: str) -> str:
+    """A pattern spec as ``SparsityConfig.pattern`` holds it, with ``"learned"`` made concrete.
+
+    Parameters
+    ----------
+    spec : str
+        ``"learned"`` (or ``"default"``): the pattern shipped for ``model``; anything else
+        (a directory, a TSV, ``"random"``) is returned unchanged.
+    model : str
+        The engine's model spec (``"default"``, a GGUF file, a Hugging Face directory) or name.
+
+    Raises
+    ------
+    ConfigError
+        If ``spec`` asks for the learned pattern and none ships for ``model``.
+    """
+    if spec not in LEARNED_ALIASES:
+        return spec
+    path = default_pattern_for(model)
+    if path is None:
+        shipped = ", ".join(sorted(SHIPPED_PATTERNS))
+        raise ConfigError(f"no learned head pattern ships for model {model!r} (shipped: {shipped}); train one with "
+                          f"`lserve classify-heads --model ... --out DIR` and pass --pattern DIR")
+    return str(path)
+
+
 # ----------------------------------------------------------------------------------------------
 # Differentiable forward
 # ----------------------------------------------------------------------------------------------

@@ -56,3 +56,18 @@ def test_single_variant_and_eos_at_first_token(tiny):
     assert one[0][0].token_ids == two[0][0].token_ids == two[0][1].token_ids
     with pytest.raises(ValueError):
         generate_variants(eng, [p], [[]])
+
+
+def test_reuse_interval_override_equals_engine_setting(tiny):
+    """Variants decoding with C' = 1, 3 on an engine run with C = 2 match engines run with C' itself."""
+    p = [random.Random(3).randrange(256) for _ in range(280)]
+    sp = SamplingParams(max_tokens=14, temperature=0, token_budget=48, ignore_eos=True)
+    eng = _engine(tiny, reuse=2)
+    out = generate_variants(eng, [p], [[sp, sp, sp]], reuse=[[1, None, 3]])[0]
+    runs = 0
+    for c, o in zip((1, 2, 3), out):
+        ref = _engine(tiny, reuse=c)
+        assert o.token_ids == ref.generate([p], sp)[0].token_ids, f"C={c}"
+        runs += ref.backend.selector_stats.runs
+    # The variants' selector runs add up to those of the three reference engines (C' is not ignored).
+    assert eng.backend.selector_stats.runs == runs
