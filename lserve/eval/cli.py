@@ -48,7 +48,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
     plan = EvalPlan(tasks=a.tasks, contexts=a.contexts, depths=a.depths, samples=a.samples, seed=a.seed,
                     haystack=a.haystack)
     h = Harness(model=a.model, out=a.out, device=a.device, dtype=a.dtype, backend=a.backend, batch_size=a.batch_size,
-                max_batched_tokens=a.max_batched_tokens, command="lserve " + shlex.join(sys.argv[1:]),
+                max_batched_tokens=a.max_batched_tokens,
+                command="" if a.summarize_only else "lserve " + shlex.join(sys.argv[1:]),
                 progress=not a.quiet, fork=a.fork)
     summary = h.summarize(configs, plan, plan.cases(_tokenizer(h))) if a.summarize_only else h.run(configs, plan)
     print_table(summary)

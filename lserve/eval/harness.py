@@ -285,14 +285,18 @@ class Harness:
         return self.summarize(configs, plan, cases)
 
     def summarize(self, configs: list[RunConfig], plan: EvalPlan, cases: list[EvalCase] | None = None) -> dict:
-        """Aggregate the cases file into ``<out>.json`` and the plots; returns the summary."""
-        if not self._done:
-            self._load_done()
-        keys = {case_key(c) for c in cases} if cases is not None else None
+        """Aggregate the cases file into ``<out>.json`` and the plots; returns the summary.
+
+        Rows aggregate every scored case of the listed configurations in the cases file, also
+        those of earlier commands with other grids (each row says its ``n``); ``status`` says
+        whether the current plan's cases are all done, and ``commands`` lists every command
+        that wrote to this output.
+        """
+        self._load_done()
+        keys = {case_key(c) for c in cases} if cases is not None else set()
         rows, depth_rows = [], []
-        expected = 0
         for rc in configs:
-            recs = [r for (name, k), r in self._done.items() if name == rc.name and (keys is None or k in keys)]
+            recs = [r for (name, _), r in self._done.items() if name == rc.name]
             groups: dict[tuple, list] = {}
             dgroups: dict[tuple, list] = {}
             for r in recs:
@@ -307,12 +311,17 @@ class Harness:
             for (task, ctx, d), rs in sorted(dgroups.items()):
                 depth_rows.append({"config": rc.name, "task": task, "context": ctx, "depth": d,
                                    "accuracy": round(sum(r["score"] for r in rs) / len(rs), 2), "n": len(rs)})
-        expected = len(configs) * (len(cases) if cases is not None else 0)
-        got = sum(r["n"] for r in rows)
+        expected = len(configs) * len(keys)
+        got = sum(1 for rc in configs for k in keys if (rc.name, k) in self._done)
+        previous = Path(self.out + ".json")
+        commands = json.loads(previous.read_text()).get("commands", []) if previous.is_file() else []
+        if self.command and self.command not in commands:
+            commands.append(self.command)
         summary = {
-            "command": self.command,
+            "command": commands[0] if commands else self.command,  # the first (the documented grid)
+            "commands": commands,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "status": "complete" if cases is not None and got >= expected else f"partial: {got} of {expected} cases",
+            "status": "complete" if got >= expected else f"partial: {got} of {expected} cases of this command's grid",
             "model": getattr(getattr(self.loaded, "config", None), "name", self.model),
             "device": self.device if not self.device.startswith("cuda") else
             f"{self.device} ({torch.cuda.get_device_name() if torch.cuda.is_available() else '?'})",
