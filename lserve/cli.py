@@ -135,7 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--replicas", type=int, default=1, help="engine replicas (the initial count with --autoscaling)")
+    s.add_argument("--autoscaling", action="store_true",
+                   help="let Ray Serve scale engine replicas between --min-replicas and --max-replicas")
+    s.add_argument("--min-replicas", type=int, default=1)
+    s.add_argument("--max-replicas", type=int, default=1)
+    s.add_argument("--max-ongoing-requests", type=int, default=0,
+                   help="requests one engine replica holds at once (0: 2 x --max-num-seqs)")
+    s.add_argument("--max-queued-requests", type=int, default=64,
+                   help="requests admitted beyond what the replicas hold; more get 429 + Retry-After")
+    s.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model value)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -180,3 +181,5 @@ def serve_main(args: argparse.Namespace) -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
+            if settings.metrics_dir:
+                shutil.rmtree(settings.metrics_dir, ignore_errors=True)

@@ -536,20 +536,21 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=server.settings.max_body_bytes)
     hm = server.http_metrics
 
-    def error_response(e: OpenAIError, endpoint: str) -> JSONResponse:
-        hm.count(endpoint, e.status)
+    def error_response(e: OpenAIError, request: Request) -> JSONResponse:
+        route = request.scope.get("route")  # label by route, not raw path: scanners must not explode cardinality
+        hm.count(getattr(route, "path", "unmatched"), e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-        return error_response(e, request.url.path)
+        return error_response(e, request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
         if first.get("type") == "json_invalid":
-            return error_response(bad_request("The request body is not valid JSON."), request.url.path)
+            return error_response(bad_request("The request body is not valid JSON."), request)
         locs = [[str(x) for x in err.get("loc", ()) if x != "body"] for err in errs] or [[]]
         # A value matching none of a union's types gives one error per member, each with the member
         # as an extra location step: report the field they share.
@@ -567,19 +568,19 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
         others = len(errs) - len(same_field)
         if others:
             msg += f" (and {others} more problem{'s' if others > 1 else ''})"
-        return error_response(bad_request(msg, param), request.url.path)
+        return error_response(bad_request(msg, param), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
         err = OpenAIError(e.status_code, str(e.detail), "invalid_request_error", None, kind, dict(e.headers or {}))
-        return error_response(err, request.url.path)
+        return error_response(err, request)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
         return error_response(OpenAIError(500, "Internal server error.", "server_error", None, "internal_error"),
-                              request.url.path)
+                              request)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**_ERRORS, 200: {"content": _STREAMING_200}})

@@ -94,8 +94,8 @@ class EngineMetrics:
         self.token_budget = gauge("sparsity_token_budget", "Decode token budget of dense heads (0: selection off).")
         self.streaming_heads = gauge("sparsity_streaming_heads_fraction", "Fraction of KV heads that are streaming heads.")
         self.selected_pages = gauge("sparsity_selected_pages_per_run",
-                                    "Mean KV pages kept per page-selector run (one run = one layer of one sequence) "
-                                    "over the last export interval.")
+                                    "Mean KV pages kept per page-selector run (one run = one layer of one sequence, "
+                                    "pages summed over its dense KV heads) over the last export interval.")
         self.selector_runs = counter("sparsity_selector_runs", "Page-selector runs (per layer and sequence).")
         self.selector_reuses = counter("sparsity_selection_reuses",
                                        "Layer-steps that reused a stored page selection instead of selecting.")

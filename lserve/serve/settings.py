@@ -102,7 +102,7 @@ class ServeSettings:
     max_num_seqs: int = 16
     max_batched_tokens: int = 2048
     seed: int = 0
-    pattern: str | None = None
+    pattern: str | None = "auto"
     static_sparsity: float = 0.5
     sink: int = 128
     local: int = 256

@@ -42,10 +42,16 @@ def test_metrics_after_traffic(app):
             assert s.status_code == 200
             s.read()
         assert c.post("/v1/completions", json={"prompt": "x", "temperature": 9}).status_code == 400
-        # a per-request token budget below the context turns page selection on for this request
-        r = c.post("/v1/completions", json={"prompt": "The quick brown fox jumps over the lazy dog. " * 30,
-                                            "max_tokens": 6, "ignore_eos": True, "lserve": {"token_budget": 128}})
-        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 256
+        # a per-request token budget below the context turns page selection on for this request;
+        # the selector keeps budget/page_size pages per dense head, so twice the budget, twice the pages
+        per_run = {}
+        for budget in (128, 256):
+            r = c.post("/v1/completions", json={"prompt": "The quick brown fox jumps over the lazy dog. " * 40,
+                                                "max_tokens": 6, "ignore_eos": True, "lserve": {"token_budget": budget}})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 300
+            time.sleep(1.5)
+            fam = scrape(app)[1]["lserve:sparsity_selected_pages_per_run"]
+            per_run[budget] = total(fam, replica=r.headers["x-lserve-replica"])
     time.sleep(1.5)  # replicas export engine gauges/counters twice a second
     text, fams = scrape(app)
     assert all(name.startswith("lserve:") for name in fams)
@@ -68,8 +74,7 @@ def test_metrics_after_traffic(app):
     runs_before = total(before["lserve:sparsity_selector_runs"], "_total") if "lserve:sparsity_selector_runs" in before else 0
     assert total(fams["lserve:sparsity_selector_runs"], "_total") > runs_before  # the budgeted request selected pages
     assert total(fams["lserve:sparsity_selected_pages"], "_total") > 0
-    per_run = [s.value for s in fams["lserve:sparsity_selected_pages_per_run"].samples if s.value > 0]
-    assert per_run and all(v <= 128 // app.settings.page_size for v in per_run)  # never more than the budget
+    assert per_run[128] > 0 and per_run[256] == pytest.approx(2 * per_run[128]), per_run
     ok = total(fams["lserve:http_responses"], "_total", endpoint="/v1/completions", status="200")
     bad = total(fams["lserve:http_responses"], "_total", endpoint="/v1/completions", status="400")
     assert ok >= 3 and bad >= 1

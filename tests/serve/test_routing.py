@@ -30,8 +30,8 @@ def test_shared_long_prefix_sticks_to_one_replica(app):
 def test_distinct_prefixes_spread_over_both_replicas(app):
     with app.client() as c:
         seen = set()
-        for i in range(16):
-            prompt = (f"Document {i} about topic {i * 7919 % 104729}. " * 40)[:700] + " Summary:"
+        for i in range(14):
+            prompt = (f"Document {i} about topic {i * 7919 % 104729}. " * 12)[:300] + " Summary:"
             r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
             assert r.status_code == 200, r.text
             seen.add(r.headers["x-lserve-replica"])
