@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests admitted beyond what the replicas hold; more get 429 + Retry-After")
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model value)")
     add_engine_args(s)
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, device="auto")  # serving: one GPU per replica when there is one
 
     from lserve.eval.cli import register as register_eval  # classify-heads, eval
 

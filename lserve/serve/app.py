@@ -150,6 +150,7 @@ def serve_main(args: argparse.Namespace) -> int:
         if gpus < settings.replicas:
             raise ConfigError(f"{settings.replicas} GPU replicas asked for but {gpus} CUDA GPU(s) are visible")
     quiet = os.environ.get("LSERVE_LOG", "WARNING").upper()
+    logging.getLogger("ray.serve").setLevel(quiet)
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, namespace="lserve",
              logging_level=quiet, configure_logging=True)
 

@@ -165,6 +165,7 @@ class OpenAIServer:
                               {"WWW-Authenticate": "Bearer"})
 
     def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is the served model (or left out)."""
         if model is not None and model != self.model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                               "invalid_request_error", "model", "model_not_found")
@@ -205,8 +206,8 @@ class OpenAIServer:
             temperature = 0.0
         # A top_p that rounds to 0 in float32 would drop every token: it means "the top token only".
         top_p = 1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P)
-        return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": req.top_k or 0, "seed": req.seed,
-                "stop": stop, "ignore_eos": req.ignore_eos, "token_budget": token_budget}
+        return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": req.top_k or 0,
+                "seed": req.seed, "stop": stop, "ignore_eos": req.ignore_eos, "token_budget": token_budget}
 
     # -- engine calls -------------------------------------------------------------------------
     async def _open(self, index: int, payload: dict[str, Any]) -> SubRequest:
@@ -305,6 +306,7 @@ class OpenAIServer:
 
     @staticmethod
     def stream_error(e: BaseException) -> dict[str, Any]:
+        """The in-band SSE error event for a stream that fails after its 200 was sent."""
         if isinstance(e, OpenAIError):
             return e.body()
         return {"error": {"message": "the engine failed while generating; retry", "type": "service_unavailable",
@@ -324,8 +326,10 @@ class OpenAIServer:
         return out
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        """``POST /v1/completions``: JSON, or SSE chunks when ``stream`` is set."""
         self.authorize(request)
         self.check_model(req.model)
+        await self.max_model_len()  # known once, for the token_budget bound
         prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompts = [prompt]
@@ -346,8 +350,10 @@ class OpenAIServer:
         return JSONResponse(body.model_dump(), headers={REPLICA_HEADER: subs[0].first.get("replica", "")})
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        """``POST /v1/chat/completions`` (the model's chat template): JSON, or SSE chunks when ``stream`` is set."""
         self.authorize(request)
         self.check_model(req.model)
+        await self.max_model_len()
         messages = []
         for m in req.messages:
             content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
@@ -443,6 +449,7 @@ class OpenAIServer:
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
     async def max_model_len(self) -> int | None:
+        """The engine's context length (configured, or asked of a replica once; None if none answers)."""
         if self._max_model_len is None:
             try:
                 info = await asyncio.wait_for(self.engine.info.remote(), timeout=10)
@@ -452,6 +459,7 @@ class OpenAIServer:
         return self._max_model_len
 
     async def models(self, request: Request) -> ModelList:
+        """``GET /v1/models``."""
         self.authorize(request)
         card = ModelCard(id=self.model_name, created=self.created, max_model_len=await self.max_model_len())
         return ModelList(data=[card])
@@ -527,7 +535,11 @@ class BodyLimitMiddleware:
 
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
-_STREAMING_200 = {"text/event-stream": {"schema": {"type": "string"}}}
+# OpenAPI 3.1: a sequential media type's schema describes each event. Each `data` is one JSON chunk
+# (chat.completion.chunk / text_completion, or an {"error": ...} object) and the last is "[DONE]".
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
+_STREAMING_200 = {"text/event-stream": {"schema": _SSE_EVENT}}
 
 
 def build_openai_app(server: OpenAIServer) -> FastAPI:

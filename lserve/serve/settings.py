@@ -57,7 +57,8 @@ class ServeSettings:
     Parameters
     ----------
     model ... max_cache_tokens
-        Engine settings, as the ``lserve`` flags of the same names.
+        Engine settings, as the ``lserve`` flags of the same names. ``device="auto"`` (the serving
+        default) becomes ``"cuda"`` (one GPU per replica) when a CUDA GPU is visible, else ``"cpu"``.
     served_model_name : str or None
         The ``model`` id clients send and ``/v1/models`` lists (default: the ``model`` string).
     replicas : int
@@ -95,7 +96,7 @@ class ServeSettings:
 
     # -- engine (CLI flag names) --------------------------------------------------------------
     model: str = "default"
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str = "auto"
     backend: str = "torch"
     max_model_len: int = 0
@@ -147,6 +148,10 @@ class ServeSettings:
     metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.device == "auto":  # one GPU per replica when this machine has one, else the CPU
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check(1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}")
         _check(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
         if self.autoscaling:

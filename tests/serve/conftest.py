@@ -88,7 +88,7 @@ def serve_app():
     from lserve.serve.settings import API_KEY_ENV, ServeSettings
 
     settings = ServeSettings(
-        replicas=2, num_cpus=0.5, ingress_num_cpus=0.2, torch_threads=1,
+        device="cpu", replicas=2, num_cpus=0.5, ingress_num_cpus=0.2, torch_threads=1,
         max_num_seqs=12, max_ongoing_requests=12, max_queued_requests=6, retry_after_s=2.0,
         max_cache_tokens=8192, max_model_len=2048, token_budget=0,
         health_check_period_s=1.0, health_check_timeout_s=2.0, routing_stats_period_s=0.5,

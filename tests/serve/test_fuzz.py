@@ -26,7 +26,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # Keep generation cheap on a CPU: valid requests get at most this many tokens and choices.
 CAPS = {"max_tokens": 1, "max_completion_tokens": 1, "n": 1}
 # Examples per operation and generation mode: invalid requests are cheap, valid ones run the model.
-EXAMPLES = {("POST", GenerationMode.POSITIVE): 30, ("POST", GenerationMode.NEGATIVE): 60,
+EXAMPLES = {("POST", GenerationMode.POSITIVE): 20, ("POST", GenerationMode.NEGATIVE): 70,
             ("GET", GenerationMode.POSITIVE): 5}
 
 
