@@ -68,6 +68,15 @@ def test_cancelling_20_streams_mid_stream_frees_every_page(app):
     assert freed_in < 15
 
 
+def test_a_client_giving_up_on_a_non_streaming_request_aborts_it(app):
+    before = sum(r["aborted"] for r in app.engines())
+    body = {"prompt": "Write a very long essay about rivers.", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{app.url}/v1/completions", json=body, headers=app.headers, timeout=4)
+    after = app.wait_idle(timeout=20)
+    assert sum(r["aborted"] for r in after) == before + 1
+
+
 def test_burst_beyond_capacity_is_served_or_refused_never_hung(app):
     s = app.settings
     capacity = s.replicas * s.replica_max_ongoing + s.max_queued_requests
