@@ -31,8 +31,12 @@ def device_name() -> str:
 
 def header() -> dict:
     """The fields every benchmark JSON starts with."""
+    import os
+
     return {"command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "device": device_name(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+            "device": device_name(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            # Other work on the machine skews CPU timings: keep the load next to the numbers.
+            "load_average_1m": round(os.getloadavg()[0], 2)}
 
 
 def write_json(path: str | Path, report: dict) -> Path:

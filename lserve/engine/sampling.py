@@ -69,6 +69,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         probs = torch.softmax(sorted_x, dim=-1)
         # Drop a token once the mass before it already reaches top_p (the first always stays).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False  # the most likely token always stays, however small top_p rounds
         x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = torch.softmax(x, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
