@@ -122,7 +122,7 @@ def register(sub) -> None:
                        description="Configurations: presets (dense, static, static-random-pattern, dynamic, lserve, "
                                    "lserve-no-reuse, lserve-random-pattern, lserve-query-select), NAME@BUDGET, or "
                                    "NAME:key=value,... (keys: pattern, static_sparsity, budget, min_budget, "
-                                   "reuse_interval, select_mode, dense_layers, pattern_seed, kv_quant).")
+                                   "reuse_interval, select_mode, dense_layers, pattern_seed, kv_quant, logical_page_size).")
     e.add_argument("--model", default="default")
     e.add_argument("--tasks", nargs="+", default=["passkey", "niah"],
                    choices=["passkey", "niah", "niah-multikey", "niah-multivalue", "vt", "cwe"])

@@ -45,6 +45,8 @@ class RunConfig:
         Floor of a fractional budget (the paper's budget is never below a few pages).
     reuse_interval : int
         Page selection runs every this many decode steps.
+    logical_page_size : int
+        N_L of the key statistics the selector scores (the physical page stays 64 tokens).
     """
 
     name: str
@@ -57,6 +59,7 @@ class RunConfig:
     dense_layers: int = 0
     pattern_seed: int = 0
     kv_quant: str = "none"
+    logical_page_size: int = 16
 
     def budget_for(self, context: int, page_size: int = 64) -> int:
         """Token budget at ``context`` tokens: 0 = off, else at least two pages and ``min_budget``."""
@@ -74,7 +77,8 @@ class RunConfig:
         the reuse interval when ``with_reuse`` is False: forked variants can override it)."""
         random_seed = self.pattern_seed if self.pattern == "random" else None
         return (self.pattern, self.static_sparsity if self.pattern else 0.0, random_seed,
-                self.reuse_interval if with_reuse else None, self.select_mode, self.dense_layers, self.kv_quant)
+                self.reuse_interval if with_reuse else None, self.select_mode, self.dense_layers, self.kv_quant,
+                self.logical_page_size)
 
     def sparsity(self, model_name: str) -> SparsityConfig:
         """The engine's :class:`SparsityConfig` (budgets are set per request)."""
@@ -212,7 +216,8 @@ class Harness:
         from lserve.engine import LLMEngine
 
         name = self.model if self.loaded is None else self.loaded.config.name
-        cc = CacheConfig(max_tokens=num_seqs * (max_len + 64), kv_quant=rc.kv_quant)
+        cc = CacheConfig(max_tokens=num_seqs * (max_len + 64), kv_quant=rc.kv_quant,
+                         logical_page_size=rc.logical_page_size)
         cfg = EngineConfig(model=self.model, sparsity=rc.sparsity(name), cache=cc, backend=self.backend,
                            device=self.device, dtype=self.dtype, max_num_seqs=num_seqs,
                            max_batched_tokens=self.max_batched_tokens, max_model_len=max_len)

@@ -43,15 +43,24 @@ def test_metrics_after_traffic(app):
             s.read()
         assert c.post("/v1/completions", json={"prompt": "x", "temperature": 9}).status_code == 400
         # a per-request token budget below the context turns page selection on for this request;
-        # the selector keeps budget/page_size pages per dense head, so twice the budget, twice the pages
+        # the selector keeps budget/page_size pages per dense head, so twice the budget, twice the pages.
+        # Measured from the counters over whole requests: the per-run gauge covers one export period,
+        # which can end mid-step, and layers differ in their number of dense heads.
         per_run = {}
         for budget in (128, 256):
+            fams0 = scrape(app)[1]
             r = c.post("/v1/completions", json={"prompt": "The quick brown fox jumps over the lazy dog. " * 40,
                                                 "max_tokens": 6, "ignore_eos": True, "lserve": {"token_budget": budget}})
             assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 300
             time.sleep(1.5)
-            fam = scrape(app)[1]["lserve:sparsity_selected_pages_per_run"]
-            per_run[budget] = total(fam, replica=r.headers["x-lserve-replica"])
+            fams1 = scrape(app)[1]
+            rep = r.headers["x-lserve-replica"]
+            delta = {n: total(fams1[n], "_total", replica=rep)
+                     - (total(fams0[n], "_total", replica=rep) if n in fams0 else 0)
+                     for n in ("lserve:sparsity_selected_pages", "lserve:sparsity_selector_runs")}
+            assert delta["lserve:sparsity_selector_runs"] > 0, budget
+            per_run[budget] = delta["lserve:sparsity_selected_pages"] / delta["lserve:sparsity_selector_runs"]
+            assert total(fams1["lserve:sparsity_selected_pages_per_run"], replica=rep) > 0
     time.sleep(1.5)  # replicas export engine gauges/counters twice a second
     text, fams = scrape(app)
     assert all(name.startswith("lserve:") for name in fams)
