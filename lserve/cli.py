@@ -34,7 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--local", type=int, default=256, help="streaming heads: local window tokens")
     s.add_argument("--token-budget", type=int, default=4096, help="dense heads' decode budget (0: off)")
     s.add_argument("--reuse-interval", type=int, default=4, help="run the page selector every C steps")
-    s.add_argument("--dynamic-threshold", type=int, default=0, help="context below which selection is off")
+    s.add_argument("--dynamic-threshold", type=int, default=-1,
+                   help="context below which selection is off (-1: the profiled length for this device, "
+                        "see lserve bench profile-threshold)")
     s.add_argument("--dense-layers", type=int, default=0, help="first N layers stay fully dense")
     s.add_argument("--select-mode", default="kv", choices=["kv", "query"])
     c = p.add_argument_group("cache")
@@ -85,8 +87,22 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.what == "e2e":
         from lserve.bench.e2e import run_e2e_bench
 
-        run_e2e_bench(a.out, model=a.model, device=a.device, backend=a.backend, contexts=a.contexts,
-                      decode_steps=a.decode_tokens, hf=not a.no_hf, name=a.name)
+        run_e2e_bench(a.out, model=a.model or "llama3-8b", device=a.device or "cuda", backend=a.backend or "cupy",
+                      contexts=a.contexts or [8192, 32768, 65536, 131072, 262144], decode_steps=a.decode_tokens,
+                      hf=not a.no_hf, name=a.name or "e2e_h200")
+    elif a.what == "profile-threshold":
+        import torch
+
+        from lserve.bench.threshold import run_profile_threshold
+
+        device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        gpu = device.startswith("cuda")
+        if a.budget < 128:
+            raise ConfigError(f"--budget must be at least two pages (128 tokens), got {a.budget}")
+        run_profile_threshold(model=a.model or ("llama3-8b" if gpu else "default"), device=device,
+                              backend=a.backend or ("cupy" if gpu else "torch"), budget=a.budget,
+                              contexts=a.contexts, decode_steps=a.decode_tokens, out_dir=a.out, name=a.name,
+                              profile_file=a.profile_file, save=not a.no_save)
     elif a.what == "kernels":
         from lserve.bench.kernels import run_kernel_bench
 
@@ -120,16 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON + PNG under benchmarks/")
-    b.add_argument("what", choices=["cpu", "kernels", "e2e"])
+    b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold"])
     b.add_argument("--out", default="benchmarks")
     b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096], help="cpu: prompt lengths")
     b.add_argument("--decode-tokens", type=int, default=32, help="decode steps measured per point")
-    b.add_argument("--model", default="llama3-8b", help="e2e: model or preset")
-    b.add_argument("--device", default="cuda", help="e2e: device")
-    b.add_argument("--backend", default="cupy", choices=["torch", "cupy"], help="e2e: attention backend")
-    b.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072, 262144], help="e2e")
+    b.add_argument("--model", default=None,
+                   help="e2e / profile-threshold: model or preset (default llama3-8b on a GPU, else default)")
+    b.add_argument("--device", default=None, help="e2e (default cuda) / profile-threshold (default: cuda if present)")
+    b.add_argument("--backend", default=None, choices=["torch", "cupy"],
+                   help="attention backend (default cupy on a GPU, torch on a CPU)")
+    b.add_argument("--contexts", type=int, nargs="+", default=None,
+                   help="e2e (default 8k..256k) / profile-threshold (default multiples of the budget)")
     b.add_argument("--no-hf", action="store_true", help="e2e: skip the transformers peer")
-    b.add_argument("--name", default="e2e_h200", help="e2e: output file stem")
+    b.add_argument("--name", default=None, help="output file stem")
+    b.add_argument("--budget", type=int, default=4096, help="profile-threshold: token budget")
+    b.add_argument("--profile-file", default=None,
+                   help="profile-threshold: where to save (default $LSERVE_CACHE_DIR/dynamic_threshold.json)")
+    b.add_argument("--no-save", action="store_true", help="profile-threshold: measure and report only")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)")

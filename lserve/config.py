@@ -87,7 +87,9 @@ class SparsityConfig:
     reuse_interval : int
         Run the page selector every ``reuse_interval`` decode steps (C in the paper).
     dynamic_threshold : int
-        Context length below which dynamic selection is off (dense heads read every page).
+        Context length below which dynamic selection is off (dense heads read every page);
+        -1 ("auto"): the length profiled for this device and model shape by ``lserve bench
+        profile-threshold`` (:mod:`lserve.sparsity.threshold`), 0 when none is on record.
     dense_layers : int
         The first ``dense_layers`` layers keep every head dense and unselected.
     select_mode : str
@@ -100,7 +102,7 @@ class SparsityConfig:
     local_tokens: int = 256
     token_budget: int = 4096
     reuse_interval: int = 4
-    dynamic_threshold: int = 0
+    dynamic_threshold: int = -1
     dense_layers: int = 0
     select_mode: str = "kv"
     pattern_seed: int = 0
@@ -112,7 +114,8 @@ class SparsityConfig:
                f"sink_tokens must be >= 0 and local_tokens >= 1, got {self.sink_tokens}/{self.local_tokens}")
         _check(self.token_budget >= 0, f"token_budget must be >= 0, got {self.token_budget}")
         _check(self.reuse_interval >= 1, f"reuse_interval must be >= 1, got {self.reuse_interval}")
-        _check(self.dynamic_threshold >= 0, f"dynamic_threshold must be >= 0, got {self.dynamic_threshold}")
+        _check(self.dynamic_threshold >= -1,
+               f"dynamic_threshold must be >= 0 (or -1: auto), got {self.dynamic_threshold}")
         _check(self.dense_layers >= 0, f"dense_layers must be >= 0, got {self.dense_layers}")
         _check(self.select_mode in SELECT_MODES,
                f"select_mode must be one of {SELECT_MODES}, got {self.select_mode!r}")

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# Hermetic thresholds: engines with dynamic_threshold "auto" see the shipped profiles only, never
+# one that `lserve bench profile-threshold` left on this machine (subprocesses inherit this).
+os.environ.setdefault("LSERVE_THRESHOLD_FILE", os.path.join(tempfile.gettempdir(), "lserve-tests-no-profile.json"))
 
 
 @pytest.fixture(scope="session")

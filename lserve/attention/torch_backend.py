@@ -30,6 +30,36 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.bmm(p, v.float()).view(h, g, nq, d).to(q.dtype)
 
 
+def _attend_pages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+    """One query token against whole pages in pool layout, without a head-major copy.
+
+    q: [H, G, D]; k, v: [n, H, N, D] (the first ``length`` of the n*N tokens are valid)
+    -> [H, G, D]. A decode step is memory-bound: K and V are read once, in place. With few
+    KV heads, every query head is scored against every head's keys in one plain GEMM (H times
+    the FLOPs of the useful blocks, which CPUs stream faster than many tiny batched GEMMs);
+    the useful diagonal blocks are then picked out.
+    """
+    n, h, N, d = k.shape
+    g = q.shape[1]
+    qf = q.float()
+    kf, vf = k.float(), v.float()
+    if h <= 4:
+        s_all = torch.mm(qf.reshape(h * g, d), kf.reshape(n * h * N, d).t())  # [H*G, n*H*N]
+        s = s_all.view(h, g, n, h, N).diagonal(dim1=0, dim2=3)  # [G, n, N, H]
+        s = s.permute(3, 0, 1, 2).reshape(h, g, n * N)
+    else:
+        s = torch.matmul(kf, qf.transpose(1, 2)).permute(1, 3, 0, 2).reshape(h, g, n * N)  # [H, G, n*N]
+    p = torch.softmax(s[:, :, :length].mul_(scale), dim=-1)
+    if length < n * N:
+        p = F.pad(p, (0, n * N - length))
+    if h <= 4:
+        p_all = p.new_zeros(h, g, n, h, N)
+        p_all.diagonal(dim1=0, dim2=3).copy_(p.view(h, g, n, N).permute(1, 2, 3, 0))
+        return torch.mm(p_all.view(h * g, n * h * N), vf.reshape(n * h * N, d)).view(h, g, d).to(q.dtype)
+    p = p.view(h, g, n, N).permute(2, 0, 1, 3)  # [n, H, G, N]
+    return torch.matmul(p, vf).sum(0).to(q.dtype)  # [H, G, D]
+
+
 class TorchBackend(AttentionBackend):
     """The oracle backend. Holds the reused page selections per (layer, sequence)."""
 
@@ -110,8 +140,8 @@ class TorchBackend(AttentionBackend):
                 qd = q[: nd * G].view(rows, -1, 1, d)  # kv mode: [Hd, G, 1, D]; query mode: [Hd*G, 1, 1, D]
                 o = _attend(qd, k.view(rows, -1, d), v.view(rows, -1, d), pos < sp.length, self.scale)
             else:
-                k, v = self._dense_kv(layer, sp.pages, sp.length)
-                o = _attend(q[: nd * G].view(nd, G, 1, d), k, v, None, self.scale)
+                k, v = self.cache.dense[layer].pages_view(sp.pages, sp.step.dense_pages)
+                o = _attend_pages(q[: nd * G].view(nd, G, d), k, v, sp.length, self.scale)
             out[: nd * G] = o.reshape(nd * G, d)
         if nd < self.model.num_kv_heads:
             hs = self.model.num_kv_heads - nd

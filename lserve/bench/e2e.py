@@ -60,12 +60,15 @@ def _engine(loaded: LoadedModel, model: str, sp: SparsityConfig, context: int, d
     return LLMEngine(cfg, loaded)
 
 
-def measure_engine(engine: LLMEngine, context: int, decode_steps: int, seed: int = 0) -> tuple[float, float]:
-    """(TTFT seconds, median decode seconds per token) for one random prompt of ``context`` tokens."""
+def measure_engine(engine: LLMEngine, context: int, decode_steps: int, seed: int = 0,
+                   token_budget: int | None = None) -> tuple[float, float]:
+    """(TTFT seconds, median decode seconds per token) for one random prompt of ``context`` tokens
+    (``token_budget``: a per-request budget, None for the engine's)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, engine.model_config.vocab_size - 2, (context,), generator=g).tolist()
     dev = engine.config.device
-    engine.add_request(ids, SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
+    engine.add_request(ids, SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True,
+                                           token_budget=token_budget))
     _sync(dev)
     t0 = time.perf_counter()
     while not any(o.token_ids for o in engine.step()):

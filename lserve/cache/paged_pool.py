@@ -75,6 +75,19 @@ class PagedPool:
 
         return one(self.k, self.k_scale, self.k_zero), one(self.v, self.v_scale, self.v_zero)
 
+    def pages_view(self, pages: torch.Tensor, page_list: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V of whole pages in pool layout: two [n, H, N_P, D].
+
+        A view of the pool (no copy) when the pages are consecutive and unquantized, which
+        ``page_list`` (the same ids on the host) lets us check without a device sync.
+        """
+        n = pages.numel()
+        if self.kv_quant == "none" and page_list is not None and n:
+            p0 = page_list[0]
+            if page_list[n - 1] - p0 == n - 1 and all(b - a == 1 for a, b in zip(page_list[: n - 1], page_list[1:n])):
+                return self.k[p0: p0 + n], self.v[p0: p0 + n]
+        return self.read(pages)
+
     def read(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of whole pages. pages: [n] long -> two [n, H, N_P, D] tensors."""
         return self._read(self.k, self.k_scale, self.k_zero, pages), self._read(self.v, self.v_scale, self.v_zero, pages)

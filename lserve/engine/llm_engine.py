@@ -23,6 +23,7 @@ from lserve.models.llama import LlamaModel
 from lserve.models.loader import LoadedModel, load_model
 from lserve.sparsity.patterns import HeadLayout, load_pattern, random_pattern
 from lserve.sparsity.plan import SeqStep
+from lserve.sparsity.threshold import lookup_ratio, profile_key
 
 log = logging.getLogger("lserve")
 
@@ -87,6 +88,11 @@ class LLMEngine:
         self.cache = KVCache(mc, config.cache, self.layout.n_dense(), sp.sink_tokens, sp.local_tokens,
                              config.max_num_seqs, dtype, config.device)
         self.backend = make_backend(config.backend, mc, sp, self.cache)
+        self.threshold_source = None
+        if sp.dynamic_threshold < 0:  # auto: the profile of this device and model shape, if any
+            found = lookup_ratio(profile_key(config.device, mc, dtype))
+            if found is not None:
+                self.backend.planner.threshold_ratio, self.threshold_source = found
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batched_tokens, self.backend.release)
         self.eos_ids = tuple(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self._seqs: dict[str, Sequence] = {}

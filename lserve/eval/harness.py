@@ -87,7 +87,8 @@ class RunConfig:
         pattern = None if self.pattern is None else resolve_pattern(self.pattern, model_name)
         return SparsityConfig(pattern=pattern, static_sparsity=self.static_sparsity if pattern else 0.0,
                               token_budget=0, reuse_interval=self.reuse_interval, select_mode=self.select_mode,
-                              dense_layers=self.dense_layers, pattern_seed=self.pattern_seed)
+                              dense_layers=self.dense_layers, pattern_seed=self.pattern_seed,
+                              dynamic_threshold=0)  # accuracy of selection itself, at every context
 
 
 # Named configurations; "<base>@<budget>" derives a budget variant (see parse_config).

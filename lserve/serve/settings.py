@@ -109,7 +109,7 @@ class ServeSettings:
     local: int = 256
     token_budget: int = 4096
     reuse_interval: int = 4
-    dynamic_threshold: int = 0
+    dynamic_threshold: int = -1
     dense_layers: int = 0
     select_mode: str = "kv"
     page_size: int = 64

@@ -9,6 +9,7 @@ Backends turn this into their own tables (torch: index tensors; cupy: int32 devi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +77,15 @@ class StepPlanner:
         self.device = device
         self._decode_steps: dict[int, int] = {}
         self._last_select: dict[int, int] = {}
+        # dynamic_threshold -1 (auto): selection runs from ratio * budget tokens (set by the
+        # engine from the device's profile; 0 = whenever the context exceeds the budget).
+        self.threshold_ratio = 0.0
+
+    def threshold(self, budget: int) -> int:
+        """Context length from which dynamic selection runs for ``budget``."""
+        if self.sp.dynamic_threshold >= 0:
+            return self.sp.dynamic_threshold
+        return math.ceil(self.threshold_ratio * budget)
 
     def release(self, seq_id: int) -> None:
         """Forget a finished, aborted or preempted sequence."""
@@ -123,7 +133,7 @@ class StepPlanner:
         n_pages = -(-length // N)
         budget = self.sp.token_budget if s.token_budget is None else s.token_budget
         k = max(budget // N, 1)  # a budget under one page still keeps the last page
-        dynamic = (s.decode and budget > 0 and length >= self.sp.dynamic_threshold and n_pages > k)
+        dynamic = (s.decode and budget > 0 and length >= self.threshold(budget) and n_pages > k)
         select = False
         if s.decode:
             step = self._decode_steps.get(s.seq_id, 0)

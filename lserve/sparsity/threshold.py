@@ -1,0 +1,102 @@
+"""Where dynamic page selection starts to pay: profiled per (device, model shape).
+
+Below some context length the selector (scoring every page, top-k) costs more than the pages
+it lets the dense heads skip (SPEC.md section 4). ``lserve bench profile-threshold`` measures
+that length on the current device and writes it here; engines whose ``dynamic_threshold`` is
+``-1`` ("auto") look it up at start-up.
+
+The threshold is stored as a ratio of context to token budget (selection pays once the context
+is ``ratio`` times the budget), so one profile serves every budget, per-request ones included.
+
+Lookup order: the user's profile file (``$LSERVE_THRESHOLD_FILE``, default
+``$LSERVE_CACHE_DIR/dynamic_threshold.json``), then the profiles shipped in
+``lserve/profiles/dynamic_threshold.json``. No entry: ratio 0 (select whenever the context
+exceeds the budget).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+SHIPPED = Path(__file__).resolve().parent.parent / "profiles" / "dynamic_threshold.json"
+
+
+def user_file() -> Path:
+    """The profile file ``profile-threshold`` writes and engines read first."""
+    env = os.environ.get("LSERVE_THRESHOLD_FILE")
+    if env:
+        return Path(env)
+    from lserve.models.loader import cache_root
+
+    return cache_root() / "dynamic_threshold.json"
+
+
+def device_name(device: str) -> str:
+    """A stable name for the device kind: the GPU's name, or ``cpu``."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def profile_key(device: str, model_cfg, dtype) -> str:
+    """Key of a profile: device kind + the shape that decides attention cost (not the weights)."""
+    c = model_cfg
+    dt = str(dtype).replace("torch.", "")
+    return f"{device_name(device)}|L{c.num_layers}-H{c.num_heads}-KV{c.num_kv_heads}-D{c.head_dim}-{dt}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def lookup_ratio(key: str) -> tuple[float, str] | None:
+    """(ratio, source file) of the profile for ``key``, user file first; None if unprofiled."""
+    for path in (user_file(), SHIPPED):
+        entry = _read(path).get(key)
+        if entry is not None and entry.get("ratio") is not None:
+            return float(entry["ratio"]), str(path)
+    return None
+
+
+def save_profile(key: str, entry: dict, path: Path | None = None) -> Path:
+    """Merge ``entry`` (with a ``ratio``) under ``key`` into the profile file; returns its path."""
+    path = Path(path) if path is not None else user_file()
+    data = _read(path)
+    data[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def threshold_tokens(ratio: float, budget: int) -> int:
+    """Context length (tokens) from which selection runs for a given budget."""
+    return math.ceil(ratio * budget)
+
+
+def choose_ratio(rows: list[dict], budget: int) -> tuple[float, int | None]:
+    """The ratio from a sweep of ``{"context", "dense_ms", "dynamic_ms"}`` rows.
+
+    The threshold is the smallest measured context from which dynamic selection is faster at
+    every larger measured context too. If it never pays within the sweep, the ratio is twice
+    the largest measured one (selection stays off as far as we know) and the threshold None.
+    """
+    rows = sorted(rows, key=lambda r: r["context"])
+    threshold = None
+    for r in reversed(rows):
+        if r["dynamic_ms"] < r["dense_ms"]:
+            threshold = r["context"]
+        else:
+            break
+    if threshold is None:
+        return 2.0 * rows[-1]["context"] / budget, None
+    return threshold / budget, threshold
