@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
     g.add_argument("--seed", type=int, default=0, help="seed for random-weight presets")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay decode steps as CUDA graphs (cupy backend)")
     s = p.add_argument_group("sparsity")
     s.add_argument("--pattern", default="auto",
                    help="head pattern: 'auto' (the model's shipped learned pattern, if any), 'none', 'random' "
@@ -56,7 +58,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                      max_tokens=a.max_cache_tokens)
     return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
                         max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
-                        max_model_len=a.max_model_len, seed=a.seed)
+                        max_model_len=a.max_model_len, seed=a.seed, cuda_graphs=a.cuda_graphs)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -79,17 +81,28 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _batched(spec: str) -> tuple[int, int] | None:
+    """``--batched 8x32768`` -> (8, 32768); ``none`` -> None."""
+    if spec in ("none", ""):
+        return None
+    n, x, ctx = spec.partition("x")
+    if not (x and n.isdigit() and ctx.isdigit() and int(n) >= 1 and int(ctx) >= 16):
+        raise ConfigError(f"--batched must look like 8x32768 (sequences x context) or none, got {spec!r}")
+    return int(n), int(ctx)
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     if a.what == "cpu":
         from lserve.bench.cpu import run_cpu_bench
 
-        run_cpu_bench(a.out, prompt_lens=a.prompt_lens, decode_tokens=a.decode_tokens)
+        run_cpu_bench(a.out, prompt_lens=a.prompt_lens, decode_tokens=a.decode_tokens or 32)
     elif a.what == "e2e":
         from lserve.bench.e2e import run_e2e_bench
 
         run_e2e_bench(a.out, model=a.model or "llama3-8b", device=a.device or "cuda", backend=a.backend or "cupy",
-                      contexts=a.contexts or [8192, 32768, 65536, 131072, 262144], decode_steps=a.decode_tokens,
-                      hf=not a.no_hf, name=a.name or "e2e_h200")
+                      contexts=a.contexts or [8192, 32768, 65536, 131072, 262144],
+                      decode_steps=a.decode_tokens or 64, hf=not a.no_hf, name=a.name or "e2e_h200",
+                      batched=_batched(a.batched))
     elif a.what == "profile-threshold":
         import torch
 
@@ -101,7 +114,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             raise ConfigError(f"--budget must be at least two pages (128 tokens), got {a.budget}")
         run_profile_threshold(model=a.model or ("llama3-8b" if gpu else "default"), device=device,
                               backend=a.backend or ("cupy" if gpu else "torch"), budget=a.budget,
-                              contexts=a.contexts, decode_steps=a.decode_tokens, out_dir=a.out, name=a.name,
+                              contexts=a.contexts, decode_steps=a.decode_tokens or 32, out_dir=a.out, name=a.name,
                               profile_file=a.profile_file, save=not a.no_save)
     elif a.what == "kernels":
         from lserve.bench.kernels import run_kernel_bench
@@ -139,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold"])
     b.add_argument("--out", default="benchmarks")
     b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096], help="cpu: prompt lengths")
-    b.add_argument("--decode-tokens", type=int, default=32, help="decode steps measured per point")
+    b.add_argument("--decode-tokens", type=int, default=None,
+                   help="decode steps measured per point (default 64 for e2e, else 32)")
     b.add_argument("--model", default=None,
                    help="e2e / profile-threshold: model or preset (default llama3-8b on a GPU, else default)")
     b.add_argument("--device", default=None, help="e2e (default cuda) / profile-threshold (default: cuda if present)")
@@ -148,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", type=int, nargs="+", default=None,
                    help="e2e (default 8k..256k) / profile-threshold (default multiples of the budget)")
     b.add_argument("--no-hf", action="store_true", help="e2e: skip the transformers peer")
+    b.add_argument("--batched", default="8x32768", help="e2e: the batched decode point, SEQSxCONTEXT or none")
     b.add_argument("--name", default=None, help="output file stem")
     b.add_argument("--budget", type=int, default=4096, help="profile-threshold: token budget")
     b.add_argument("--profile-file", default=None,

@@ -179,6 +179,9 @@ class EngineConfig:
         Sequences running at once (decode batch).
     max_batched_tokens : int
         Tokens per step; longer prompts are prefilled in chunks of this size.
+    cuda_graphs : bool
+        Replay decode-only steps as CUDA graphs (cupy backend; see
+        :mod:`lserve.engine.cuda_graphs`).
     """
 
     model: str = "default"
@@ -191,6 +194,7 @@ class EngineConfig:
     max_batched_tokens: int = 2048
     max_model_len: int = 0  # 0 -> model's max_position_embeddings
     seed: int = 0
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# On a CUDA machine: the GPU tests and the kernel benchmark, in one go.
-#   OUT=/some/dir bash scripts/gpu_run.sh      (default OUT: ./gpu_out)
-# Writes $OUT/gpu_tests.log, $OUT/kernels_h200.{json,png}, $OUT/kernels_bench.log,
-# $OUT/gpu_info.txt, and prints a short table last.
+# On a CUDA machine: the GPU tests and the benchmarks, in one go.
+#   OUT=/some/dir bash scripts/gpu_run.sh            (default OUT: ./gpu_out)
+#   PARTS="tests threshold e2e" bash scripts/gpu_run.sh   (default: tests kernels threshold e2e)
+# Parts and what they write under $OUT:
+#   tests      gpu_tests.log (pytest -m gpu; TESTS=... narrows it)
+#   kernels    kernels_h200.{json,png}, kernels_bench.log (one layer: kernels vs SDPA)
+#   threshold  threshold_h200.{json,png}, threshold.log (lserve bench profile-threshold; the
+#              profile it saves is what the e2e engines then use)
+#   e2e        e2e_h200.{json,png}, e2e.log (lserve bench e2e; E2E_ARGS adds flags)
+# plus gpu_info.txt, and a short summary last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
+PARTS="${PARTS:-tests kernels threshold e2e}"
 mkdir -p "$OUT"
 PY="${PY:-python3}"
 export PYTHONUNBUFFERED=1
+export LSERVE_CACHE_DIR="${LSERVE_CACHE_DIR:-$OUT/cache}"
 
 # lserve.kernels is the kernels/ directory (setuptools package-dir mapping): install editable,
 # or, on a throwaway checkout where that fails, link it into place.
@@ -25,17 +33,35 @@ fi
     "$PY" -c "import torch, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cupy', cupy.__version__)"
 } 2>&1 | tee "$OUT/gpu_info.txt"
 
-timeout "${TEST_TIMEOUT:-480}" "$PY" -m pytest tests/gpu -m gpu -q -rA --tb=short -p no:cacheprovider \
-    -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_tests.log"
-test_rc=${PIPESTATUS[0]}
-
-LSERVE_BENCH_COMMAND="bash scripts/gpu_run.sh  (python -m lserve.bench.kernels \$OUT)" \
-    timeout "${BENCH_TIMEOUT:-480}" "$PY" -m lserve.bench.kernels "$OUT" 2>&1 | tee "$OUT/kernels_bench.log"
-bench_rc=${PIPESTATUS[0]}
+rc=0
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+if has tests; then
+    timeout "${TEST_TIMEOUT:-480}" "$PY" -m pytest ${TESTS:-tests/gpu} -m gpu -q -rA --tb=short -p no:cacheprovider \
+        -o faulthandler_timeout=300 2>&1 | tee "$OUT/gpu_tests.log"
+    test_rc=${PIPESTATUS[0]}; rc=$((rc | (test_rc != 0)))
+fi
+if has kernels; then
+    LSERVE_BENCH_COMMAND="bash scripts/gpu_run.sh  (python -m lserve.bench.kernels \$OUT)" \
+        timeout "${BENCH_TIMEOUT:-480}" "$PY" -m lserve.bench.kernels "$OUT" 2>&1 | tee "$OUT/kernels_bench.log"
+    rc=$((rc | (PIPESTATUS[0] != 0)))
+fi
+if has threshold; then
+    timeout "${THRESHOLD_TIMEOUT:-300}" "$PY" -m lserve bench profile-threshold --out "$OUT" --name threshold_h200 \
+        2>&1 | tee "$OUT/threshold.log"
+    rc=$((rc | (PIPESTATUS[0] != 0)))
+fi
+if has e2e; then
+    # shellcheck disable=SC2086
+    timeout "${E2E_TIMEOUT:-570}" "$PY" -m lserve bench e2e --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
+    rc=$((rc | (PIPESTATUS[0] != 0)))
+fi
 
 echo
-echo "== GPU tests (rc=$test_rc): $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$OUT/gpu_tests.log" | tail -n 1)"
-grep -E '^(FAILED|ERROR) ' "$OUT/gpu_tests.log" | head -n 20
-echo "== kernel benchmark (rc=$bench_rc)"
-sed -n '/^copy bandwidth/,$p' "$OUT/kernels_bench.log"
-exit $(( test_rc != 0 || bench_rc != 0 ))
+if has tests; then
+    echo "== GPU tests (rc=$test_rc): $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$OUT/gpu_tests.log" | tail -n 1)"
+    grep -E '^(FAILED|ERROR) ' "$OUT/gpu_tests.log" | head -n 20
+fi
+has kernels && { echo "== kernel benchmark"; sed -n '/^copy bandwidth/,$p' "$OUT/kernels_bench.log"; }
+has threshold && { echo "== threshold"; tail -n 1 "$OUT/threshold.log"; }
+has e2e && { echo "== e2e"; sed -n '/^weight floor/,$p' "$OUT/e2e.log"; }
+exit $rc

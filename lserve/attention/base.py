@@ -53,9 +53,9 @@ class AttentionBackend(ABC):
         self.planner = StepPlanner(sparsity, cache, device)
         self.selector_stats = SelectorStats()
 
-    def plan(self, steps: list[SeqStep]) -> StepPlan:
-        """Host-side metadata for one forward step."""
-        return self.planner.plan(steps)
+    def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
+        """Host-side metadata for one forward step (``host``: its tensors stay on the CPU)."""
+        return self.planner.plan(steps, host)
 
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state (selection reuse) of a finished/aborted/preempted sequence."""

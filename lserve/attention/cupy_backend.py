@@ -110,6 +110,10 @@ class _Step:
     seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
     n_tiles: int = 0
     units: dict = field(default_factory=dict)
+    # CUDA-graph steps: entry-count upper bounds the split-K units are planned for (so every
+    # step with the same key shares one unit table), else None (planned for this step exactly)
+    bounds: tuple[np.ndarray, np.ndarray, int] | None = None  # (dense dynamic [nb], dense all [nb], ring)
+    key: tuple | None = None
 
 
 class CupyBackend(AttentionBackend):
@@ -177,6 +181,9 @@ class CupyBackend(AttentionBackend):
         self._cap_slots = 0
         self._cap_u = 0
         self._step: _Step | None = None
+        self._static: torch.Tensor | None = None  # int32 tables of CUDA-graph steps
+        self._static_units: dict = {}  # step key -> {(nd, selects, impl): _Units}
+        self.static_generation = 0  # bumped when a buffer graphs point into is reallocated
         self._scores_buf: torch.Tensor | None = None  # last page-score buffer (benchmarks time top-k alone)
 
     def _check_device(self) -> None:
@@ -227,11 +234,78 @@ class CupyBackend(AttentionBackend):
                 msk[:, :s, :, :u] = self._sel_mask
         self._sel_idx, self._sel_cnt, self._sel_mask = idx, cnt, msk
         self._cap_slots, self._cap_u = slots, cap_u
+        self.static_generation += 1  # captured graphs point at the old buffers
+        self._static_units.clear()
 
     # -- per-step tables ------------------------------------------------------------------------
     def _tables(self, plan: StepPlan) -> _Step:
         if self._step is not None and self._step.plan is plan:
             return self._step
+        st, chunks = self._host_tables(plan)
+        if chunks:
+            flat = np.concatenate([a.reshape(-1) for _, a in chunks])
+            self._bind(st, chunks, torch.from_numpy(flat).to(self.device, non_blocking=False))
+        self._step = st
+        return st
+
+    @staticmethod
+    def _bind(st: _Step, chunks: list[tuple[str, np.ndarray]], dev: torch.Tensor) -> None:
+        """Point the step's device tables at consecutive slices of ``dev`` (int32)."""
+        o = 0
+        for name, a in chunks:
+            setattr(st, name, dev[o: o + a.size].view(a.shape))
+            o += a.size
+
+    # -- CUDA-graph steps -----------------------------------------------------------------------
+    def static_tables(self, plan: StepPlan) -> tuple[tuple, np.ndarray] | None:
+        """Tables of a decode-only step in a capturable form, or None (run it eagerly).
+
+        Page tables are padded to a bucket of the longest sequence (powers of two in steps of
+        1/8), ring tables to the ring's size, and the split-K units are planned for entry-count
+        upper bounds, so consecutive steps share a key, and with it one CUDA graph. Returns
+        (key, int32 host tables); the step is bound to :attr:`static_buffer`, which the caller
+        fills with the host tables before the graph (or its eager warm-up) runs.
+        """
+        if not plan.seqs or any(not s.step.decode for s in plan.seqs):
+            return None
+        st, chunks = self._host_tables(plan, static=True)
+        if st.bounds is None:
+            return None
+        flat = np.concatenate([a.reshape(-1) for _, a in chunks])
+        if self._static is None or self._static.numel() < flat.size:
+            self._static = torch.empty(max(flat.size, 2 * (0 if self._static is None else self._static.numel()),
+                                           4096), dtype=torch.int32, device=self.device)
+            self.static_generation += 1
+        self._bind(st, chunks, self._static)
+        st.units = self._static_units.setdefault(st.key, {})
+        self._step = st
+        return (st.key, self.static_generation), flat
+
+    @property
+    def static_buffer(self) -> torch.Tensor:
+        """The device buffer every CUDA-graph step's tables live in (int32)."""
+        return self._static
+
+    def _static_bounds(self, st: _Step, npages: list[int]) -> int | None:
+        """Set ``st.bounds``; returns the padded page-table stride, or None if a bound fails."""
+        N = self.cache.page_size
+        h = st.host
+        longest = max(npages)
+        step = max(1, 1 << max(0, longest.bit_length() - 4))  # 1/8..1/16 of the length
+        pstride = -(-longest // step) * step
+        n_sel = (h["kk"] - 1) * (self.group if self.qmode else 1)
+        # pages appended since the last selection: at most ceil((C - 1) / N) + 1
+        fresh = -(-(self.sp.reuse_interval - 1) // N) + 1
+        dyn_ub = np.minimum(n_sel + fresh + 1, pstride)
+        actual = n_sel + h["npages"] - h["nsel"] + 1
+        if np.any((h["dyn"] != 0) & (actual > dyn_ub)):
+            return None
+        ring = self.cache.ring.num_slots if self.cache.has_streaming else 0
+        st.bounds = (dyn_ub.astype(np.int64), np.full(st.nb, pstride, dtype=np.int64), ring)
+        return pstride
+
+    def _host_tables(self, plan: StepPlan, static: bool = False) -> tuple[_Step, list[tuple[str, np.ndarray]]]:
+        """Host side of :meth:`_tables`: the step's metadata and its int32 tables, not uploaded."""
         N = self.cache.page_size
         dec = [s for s in plan.seqs if s.step.decode]
         pre = [s for s in plan.seqs if not s.step.decode]
@@ -242,16 +316,16 @@ class CupyBackend(AttentionBackend):
         if nb:
             npages = [-(-s.length // N) for s in dec]
             pstride = max(npages)
-            pages = np.zeros((nb, pstride), dtype=np.int32)
             rings = []
-            for b, s in enumerate(dec):
-                pages[b, : npages[b]] = s.step.dense_pages[: npages[b]]
+            for s in dec:
                 if self.cache.has_streaming:
                     slots = self.cache.ring.page_in_slot(s.length)
                     rings.append([(s.step.stream_pages[r], i * N) for r, i in enumerate(slots) if i >= 0])
                 else:
                     rings.append([])
             rstride = max(1, max(len(r) for r in rings))
+            if static:
+                rstride = max(1, self.cache.ring.num_slots if self.cache.has_streaming else 1)
             ring_pages = np.zeros((nb, rstride), dtype=np.int32)
             ring_pos = np.zeros((nb, rstride), dtype=np.int32)
             sel_rows = []
@@ -274,6 +348,13 @@ class CupyBackend(AttentionBackend):
                     host["nsel"][b] = self._nsel[sid]
                     u_needed = max(u_needed, (s.budget_pages - 1) * (self.group if self.qmode else 1))
             self._ensure_state(len(self._slots) + len(self._free_slots) + 1, u_needed)
+            if static:
+                pstride = self._static_bounds(st, npages)
+                if pstride is None:
+                    return st, []
+            pages = np.zeros((nb, pstride), dtype=np.int32)
+            for b, s in enumerate(dec):
+                pages[b, : npages[b]] = s.step.dense_pages[: npages[b]]
             meta = np.stack([host[f] for f in META_FIELDS]).reshape(-1)
             chunks += [("meta", meta), ("pages", pages), ("ring_pages", ring_pages), ("ring_pos", ring_pos),
                        ("sel_rows", np.asarray(sel_rows or [0], dtype=np.int32))]
@@ -281,6 +362,10 @@ class CupyBackend(AttentionBackend):
             st.n_dynamic = int(host["dyn"].sum())
             st.sel_pages = int(sum(host["kk"][b] for b in sel_rows))
             st.max_np_sel = max((npages[b] for b in sel_rows), default=0)
+            if static:
+                st.max_np_sel = pstride if sel_rows else 0
+                st.key = (nb, pstride, rstride, tuple(host["dyn"].tolist()), tuple(host["kk"].tolist()),
+                          tuple(sel_rows))
         fast_ok = self.dtype != torch.float32
         st.fast = [s for s in pre if s.step.start == 0 and fast_ok]
         st.slow = [s for s in pre if not (s.step.start == 0 and fast_ok)]
@@ -290,15 +375,7 @@ class CupyBackend(AttentionBackend):
                              dtype=np.int32)
             st.n_tiles = len(tiles)
             chunks += [("seqs", seqs), ("tiles", tiles)]
-        if chunks:
-            flat = np.concatenate([a.reshape(-1) for _, a in chunks])
-            dev = torch.from_numpy(flat).to(self.device, non_blocking=False)
-            o = 0
-            for name, a in chunks:
-                setattr(st, name, dev[o: o + a.size].view(a.shape))
-                o += a.size
-        self._step = st
-        return st
+        return st, chunks
 
     def decode_ctas(self) -> int:
         """Decode units per launch: one wave of resident CTAs, so no tail wave idles the GPU."""
@@ -320,12 +397,17 @@ class CupyBackend(AttentionBackend):
             return st.units[key]
         h = st.host
         hkv, nqs = self.hkv, self.nqs
-        n_sel = (h["kk"] - 1) * (self.group if self.qmode else 1)
         dyn = (h["dyn"] != 0) & selects
-        e_dense = np.where(dyn, n_sel + h["npages"] - h["nsel"] + 1, h["npages"])  # [nb] upper bounds
+        if st.bounds is None:
+            n_sel = (h["kk"] - 1) * (self.group if self.qmode else 1)
+            e_dense = np.where(dyn, n_sel + h["npages"] - h["nsel"] + 1, h["npages"])  # [nb] upper bounds
+            e_ring = h["nring"]
+        else:  # a CUDA-graph step: bounds shared by every step of its key
+            e_dense = np.where(dyn, st.bounds[0], st.bounds[1])
+            e_ring = np.full(st.nb, st.bounds[2])
         e = np.empty((st.nb, hkv, nqs), dtype=np.int64)
         e[:, :nd, :] = e_dense[:, None, None]
-        e[:, nd:, :] = h["nring"][:, None, None]
+        e[:, nd:, :] = e_ring[:, None, None]
         e = np.maximum(e.reshape(-1), 1)
         target = self.decode_ctas()
         chunk = int(min(MAX_CHUNK, max(self.min_chunk, math.ceil(e.sum() / target))))

@@ -2,9 +2,11 @@
 
 For each configuration (dense, static only, dynamic only, LServe) and prompt length: one request,
 TTFT = time from submission to the first sampled token (whole prompt in one prefill step), then
-the median wall time of >= ``decode_steps`` decode steps at that context. The Hugging Face
-``transformers`` peer runs the same random weights with SDPA. Also the weight-read floor and the
-largest total context whose KV fits in the memory left after the weights, per configuration.
+the median wall time of >= ``decode_steps`` decode steps at that context (CUDA graphs, as the
+engine runs by default). The Hugging Face ``transformers`` peer runs the same random weights
+with SDPA. Also a batched decode point, the weight-read floor, and the largest total context
+whose KV fits in the memory left after the weights (minus a reserve for activations), per
+configuration and KV storage (bf16, INT8, INT4), the target pair allocated for real.
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 
 def _engine(loaded: LoadedModel, model: str, sp: SparsityConfig, context: int, device: str, backend: str,
-            decode_steps: int, kv_quant: str = "none") -> LLMEngine:
-    cache = CacheConfig(max_tokens=context + decode_steps + 64, kv_quant=kv_quant)
-    cfg = EngineConfig(model=model, sparsity=sp, cache=cache, device=device, backend=backend, max_num_seqs=1,
+            decode_steps: int, kv_quant: str = "none", num_seqs: int = 1) -> LLMEngine:
+    cache = CacheConfig(max_tokens=num_seqs * (context + decode_steps + 64), kv_quant=kv_quant)
+    cfg = EngineConfig(model=model, sparsity=sp, cache=cache, device=device, backend=backend, max_num_seqs=num_seqs,
                        max_batched_tokens=max(context, 16), max_model_len=context + decode_steps + 64)
     return LLMEngine(cfg, loaded)
 
@@ -123,21 +125,81 @@ def measure_hf(loaded: LoadedModel, context: int, decode_steps: int, device: str
     return ttft, per_tok
 
 
-def max_context(engine_bytes_per_page: dict[str, int], page_size: int, free_bytes: int) -> dict[str, int]:
-    """Tokens of dense-pool KV that fit in ``free_bytes`` (streaming rings are O(1), ignored)."""
-    return {k: free_bytes // b * page_size for k, b in engine_bytes_per_page.items()}
+def measure_batch(engine: LLMEngine, batch: int, context: int, decode_steps: int, seed: int = 0) -> tuple[float, float]:
+    """(seconds until every request has its first token, median seconds per decode step) for
+    ``batch`` random prompts of ``context`` tokens decoding together."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(batch):
+        ids = torch.randint(0, engine.model_config.vocab_size - 2, (context,), generator=g).tolist()
+        engine.add_request(ids, SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
+    _sync(engine.config.device)
+    t0 = time.perf_counter()
+    started = 0
+    while started < batch:
+        started += sum(1 for o in engine.step() if len(o.token_ids) == 1)
+    ttft = time.perf_counter() - t0
+    steps = []
+    while engine.has_unfinished():
+        t1 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t1)
+    return ttft, statistics.median(steps)
+
+
+def kv_bytes_per_token(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_quant: str) -> float:
+    """Dense-pool bytes per cached token (K, V, quantization scales, key statistics); the
+    streaming heads' rings are O(1) per sequence and not counted."""
+    e = _engine(loaded, model, sp, 4096, device, "torch", 0, kv_quant=kv_quant)
+    per = e.cache.nbytes()["dense"] / (e.cache.dense_alloc.num_pages * e.cache.page_size)
+    del e
+    return per
+
+
+def max_context(loaded: LoadedModel, model: str, device: str, backend: str, free_bytes: int,
+                verify: tuple[str, ...] = ("dense", "lserve+int4")) -> tuple[dict[str, int], dict[str, float]]:
+    """Largest total context (tokens, all sequences together) whose KV fits in ``free_bytes``, per
+    configuration and KV storage; the ``verify`` ones are allocated for real and serve a request."""
+    tokens, per_token = {}, {}
+    for cname, sp in CONFIGS.items():
+        for q in ("none", "int8", "int4"):
+            label = cname + ("" if q == "none" else f"+{q}")
+            per_token[label] = kv_bytes_per_token(loaded, model, sp, device, q)
+            tokens[label] = int(free_bytes // per_token[label]) // 64 * 64
+    for label in verify:
+        cname, _, q = label.partition("+")
+        cache = CacheConfig(max_tokens=tokens[label], kv_quant=q or "none")
+        cfg = EngineConfig(model=model, sparsity=CONFIGS[cname], cache=cache, device=device, backend=backend,
+                           max_num_seqs=1, max_batched_tokens=4096, max_model_len=8192)
+        eng = LLMEngine(cfg, loaded)
+        measure_engine(eng, 4096, 4)  # a request served with the whole cache allocated
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    return tokens, per_token
 
 
 def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", device: str = "cuda",
                   backend: str = "cupy", contexts=(8192, 32768, 65536, 131072, 262144), decode_steps: int = 64,
-                  hf: bool = True, hf_max_context: int = 131072, name: str = "e2e_h200") -> dict:
+                  hf: bool = True, hf_max_context: int = 262144, name: str = "e2e_h200",
+                  batched: tuple[int, int] | None = (8, 32768), reserve_gib: float = 8.0) -> dict:
     """Measure every configuration at every context; write ``{name}.json`` and ``{name}.png``."""
+    from lserve.sparsity.threshold import lookup_ratio, profile_key
+
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(model, dtype=dtype, device=device)
+    gpu = device.startswith("cuda")
+    free_after_weights = torch.cuda.mem_get_info()[0] - int(reserve_gib * 2 ** 30) if gpu else 0
     rows = []
-    bar = tqdm(total=len(contexts) * (len(CONFIGS) + int(hf)), desc="e2e", unit="run")
-    bytes_per_page: dict[str, int] = {}
+    n_runs = len(contexts) * (len(CONFIGS) + int(hf)) + (2 if batched else 0)
+    bar = tqdm(total=n_runs, desc="e2e", unit="run")
     weight_bytes = 0
+    graphs = {}
+
+    def release():
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+
     for cname, sp in CONFIGS.items():
         for ctx in contexts:
             eng = _engine(loaded, model, sp, ctx, device, backend, decode_steps)
@@ -146,17 +208,22 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
             ttft, dec = measure_engine(eng, ctx, decode_steps)
             rows.append({"model": model, "config": cname, "batch": 1, "context": ctx, "ttft_s": round(ttft, 4),
                          "decode_ms_per_token": round(dec * 1e3, 3)})
+            if eng.graphs is not None:
+                graphs[f"{cname}@{ctx}"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays}
             bar.update(1)
-            if ctx == contexts[0]:
-                for q in ("none", "int8", "int4"):
-                    e = _engine(loaded, model, sp, 4096, device, backend, 0, kv_quant=q)
-                    label = f"{cname}" + ("" if q == "none" else f"+{q}")
-                    bytes_per_page[label] = e.cache.nbytes()["dense"] // e.cache.dense_alloc.num_pages
-                    del e
             del eng
-            gc.collect()
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            release()
+    if batched:
+        nb, bctx = batched
+        for cname in ("dense", "lserve"):
+            eng = _engine(loaded, model, CONFIGS[cname], bctx, device, backend, decode_steps, num_seqs=nb)
+            measure_engine(eng, 256, 4)
+            ttft, step = measure_batch(eng, nb, bctx, decode_steps)
+            rows.append({"model": model, "config": cname, "batch": nb, "context": bctx, "ttft_s": round(ttft, 4),
+                         "decode_ms_per_token": round(step * 1e3, 3), "decode_tok_s": round(nb / step, 1)})
+            bar.update(1)
+            del eng
+            release()
     if hf:
         for ctx in contexts:
             if ctx <= hf_max_context:
@@ -167,19 +234,56 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                 except torch.OutOfMemoryError:
                     rows.append({"model": model, "config": "transformers", "batch": 1, "context": ctx,
                                  "ttft_s": None, "decode_ms_per_token": None, "error": "out of memory"})
+                release()
             bar.update(1)
     bar.close()
-    bw = copy_bandwidth(device) if device.startswith("cuda") else None
-    free = (torch.cuda.mem_get_info()[0] if device.startswith("cuda") else 0)
+    bw = copy_bandwidth(device) if gpu else None
+    max_tokens, per_token = max_context(loaded, model, device, backend, free_after_weights) if gpu else ({}, {})
+    found = lookup_ratio(profile_key(device, loaded.config, dtype))
     report = {**header(), "model": model, "backend": backend, "decode_steps": decode_steps,
               "weight_bytes": weight_bytes, "copy_bandwidth_TBps": bw and round(bw / 1e12, 3),
               "weight_floor_ms": bw and round(weight_bytes / bw * 1e3, 3), "rows": rows,
-              "max_context_tokens": max_context(bytes_per_page, 64, free) if free else {},
-              "kv_bytes_per_page": bytes_per_page}
+              "max_context_tokens": max_tokens, "kv_bytes_per_token": {k: round(v, 1) for k, v in per_token.items()},
+              "kv_budget_bytes": free_after_weights, "dynamic_threshold_ratio": found and found[0],
+              "cuda_graphs": graphs}
     out = Path(out_dir)
     write_json(out / f"{name}.json", report)
     plot_e2e(report, out / f"{name}.png")
+    print(summary(report))
     return report
+
+
+def summary(report: dict) -> str:
+    """The decode / TTFT table and the targets, as text."""
+    by = {(r["config"], r["batch"], r["context"]): r for r in report["rows"]}
+    lines = [f"weight floor {report['weight_floor_ms']} ms (copy {report['copy_bandwidth_TBps']} TB/s)",
+             f"{'config':>13} {'batch':>5} {'context':>8} {'TTFT s':>9} {'ms/token':>9}"]
+    for r in report["rows"]:
+        lines.append(f"{r['config']:>13} {r['batch']:>5} {r['context']:>8} {r['ttft_s']!s:>9} "
+                     f"{r['decode_ms_per_token']!s:>9}")
+
+    def ratio(a, b, key):
+        x, y = by.get(a), by.get(b)
+        if not x or not y or not x.get(key) or not y.get(key):
+            return None
+        return round(y[key] / x[key], 3)
+
+    mx = report.get("max_context_tokens", {})
+    top = by.get(("lserve", 1, 262144))
+    floor = report.get("weight_floor_ms")
+    over_floor = round(top["decode_ms_per_token"] / floor, 3) if top and floor and top["decode_ms_per_token"] else None
+    lines += [
+        f"decode 256k dense/lserve: {ratio(('lserve', 1, 262144), ('dense', 1, 262144), 'decode_ms_per_token')}"
+        " (target >= 2.5)",
+        f"decode 256k lserve/floor: {over_floor} (target <= 1.25)",
+        f"TTFT 128k transformers/lserve: {ratio(('lserve', 1, 131072), ('transformers', 1, 131072), 'ttft_s')}"
+        " (target >= 1.8)",
+        f"decode 8k dense/lserve: {ratio(('lserve', 1, 8192), ('dense', 1, 8192), 'decode_ms_per_token')}"
+        " (target >= 1)",
+        f"max context lserve+int4 / dense: {round(mx['lserve+int4'] / mx['dense'], 2) if mx.get('dense') else None}"
+        " (target >= 4)",
+    ]
+    return "\n".join(lines)
 
 
 def plot_e2e(report: dict, path: Path) -> None:

@@ -16,6 +16,7 @@ import torch
 from lserve.attention import make_backend
 from lserve.cache.kv_cache import KVCache
 from lserve.config import ConfigError, EngineConfig
+from lserve.engine.cuda_graphs import DecodeGraphs
 from lserve.engine.sampling import SamplingParams, sample
 from lserve.engine.scheduler import Scheduler
 from lserve.engine.sequence import RequestOutput, Sequence
@@ -93,6 +94,9 @@ class LLMEngine:
             found = lookup_ratio(profile_key(config.device, mc, dtype))
             if found is not None:
                 self.backend.planner.threshold_ratio, self.threshold_source = found
+        self.graphs = None
+        if config.cuda_graphs and self.backend.name == "cupy" and DecodeGraphs.supported(self.model, self.max_model_len):
+            self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batched_tokens, self.backend.release)
         self.eos_ids = tuple(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self._seqs: dict[str, Sequence] = {}
@@ -190,12 +194,20 @@ class LLMEngine:
                 logit_rows.append(t - 1)
                 samplers.append(seq)
         dev = self.config.device
-        plan = self.backend.plan(steps)
-        logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-            plan, self.backend, torch.tensor(logit_rows, dtype=torch.long, device=dev),
-            torch.tensor(seq_lens, dtype=torch.long, device=dev))
-        greedy = torch.argmax(logits, dim=-1).tolist() if samplers else []
+        graph_step = self.graphs is not None and all(item.decode for item in batch)
+        plan = self.backend.plan(steps, host=graph_step)
+        replayed = self.graphs.run(plan, ids, pos, seq_lens, logit_rows) if graph_step else None
+        if replayed is not None:
+            logits, greedy_dev = replayed
+        else:
+            if graph_step:
+                plan = plan.to(dev)
+            logits = self.model.forward(
+                torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                plan, self.backend, torch.tensor(logit_rows, dtype=torch.long, device=dev),
+                torch.tensor(seq_lens, dtype=torch.long, device=dev), max(seq_lens))
+            greedy_dev = torch.argmax(logits, dim=-1) if samplers else None
+        greedy = greedy_dev.tolist() if samplers else []  # the decode loop's one device sync
         logits_cpu = None
         touched = []
         for item in batch:

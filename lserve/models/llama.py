@@ -85,7 +85,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
                 backend: AttentionBackend, logits_index: torch.Tensor,
-                seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+                seq_lens: torch.Tensor | None = None, max_len: int | None = None) -> torch.Tensor:
         """Run one step.
 
         Parameters
@@ -96,6 +96,8 @@ class LlamaModel:
             Token rows whose next-token logits are wanted (last token of each sequence).
         seq_lens : [T] long, optional
             Per token, its sequence's length after this step (dynamic RoPE only).
+        max_len : int, optional
+            Host-side upper bound of ``seq_lens`` / positions + 1 (no device read for RoPE).
 
         Returns
         -------
@@ -105,7 +107,7 @@ class LlamaModel:
         cfg = self.cfg
         T = input_ids.shape[0]
         hq, hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos, sin = self.rope.cos_sin(positions, seq_lens)
+        cos, sin = self.rope.cos_sin(positions, seq_lens, max_len)
         h = self.embed[input_ids]  # [T, H]
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.ln1, cfg.rms_norm_eps)

@@ -65,12 +65,16 @@ class Rope:
             self._cos, self._sin, self._table_len = ang.cos(), ang.sin(), n
         return self._cos, self._sin
 
-    def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None):
+    def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None, max_len: int | None = None):
         """cos, sin [T, D/2] float32 for ``positions`` [T].
 
         ``seq_lens`` [T] (dynamic scaling only): each token's sequence length for this step.
+        ``max_len``: an upper bound of ``seq_lens`` (and positions + 1) known on the host, which
+        spares reading it from the device (a sync, and impossible inside a CUDA graph).
         """
-        if self.dynamic and seq_lens is not None and int(seq_lens.max()) > self.cfg.max_position_embeddings:
+        longest = max_len if max_len is not None else (
+            int(seq_lens.max()) if seq_lens is not None else int(positions.max()) + 1)
+        if self.dynamic and seq_lens is not None and longest > self.cfg.max_position_embeddings:
             out_c, out_s = [], []
             for L in seq_lens.unique().tolist():
                 f = inv_freq(self.cfg, int(L), device=self.device)
@@ -82,7 +86,7 @@ class Rope:
             cos = torch.stack(out_c)[sel, idx]
             sin = torch.stack(out_s)[sel, idx]
             return cos, sin
-        cos, sin = self._table(int(positions.max()) + 1)
+        cos, sin = self._table(longest)
         return cos[positions], sin[positions]
 
     @staticmethod

@@ -10,7 +10,7 @@ Backends turn this into their own tables (torch: index tensors; cupy: int32 devi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -67,6 +67,16 @@ class StepPlan:
     stream_write_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     stream_write_prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
+    def to(self, device) -> StepPlan:
+        """The same plan with every tensor on ``device`` (a host-built plan run eagerly)."""
+        def mv(t):
+            return t.to(device)
+
+        seqs = [replace(s, pages=mv(s.pages), ring_pages=mv(s.ring_pages), ring_first_pos=mv(s.ring_first_pos))
+                for s in self.seqs]
+        return StepPlan(seqs, self.num_tokens, *(tuple(mv(t) for t in w) for w in (
+            self.dense_write_decode, self.dense_write_prefill, self.stream_write_decode, self.stream_write_prefill)))
+
 
 class StepPlanner:
     """Builds :class:`StepPlan` objects and remembers, per sequence, when it last selected."""
@@ -92,7 +102,9 @@ class StepPlanner:
         self._decode_steps.pop(seq_id, None)
         self._last_select.pop(seq_id, None)
 
-    def plan(self, steps: list[SeqStep]) -> StepPlan:
+    def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
+        """The step's plan; ``host``: tensors on the CPU (CUDA-graph steps copy them in one go)."""
+        dev = torch.device("cpu") if host else self.device
         N = self.cache.page_size
         ring = self.cache.ring
         seqs: list[SeqPlan] = []
@@ -120,15 +132,15 @@ class StepPlanner:
                         tok.append(t + i)
                         pg.append(s.stream_pages[slot])
                         off.append(p % N)
-            seqs.append(self._seq_plan(s, t, length))
+            seqs.append(self._seq_plan(s, t, length, dev))
             t += s.num_new
 
         def tens(key):
-            return tuple(torch.tensor(x, dtype=torch.long, device=self.device) for x in writes[key])
+            return tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in writes[key])
 
         return StepPlan(seqs, t, tens("dd"), tens("dp"), tens("sd"), tens("sp"))
 
-    def _seq_plan(self, s: SeqStep, t0: int, length: int) -> SeqPlan:
+    def _seq_plan(self, s: SeqStep, t0: int, length: int, dev) -> SeqPlan:
         N = self.cache.page_size
         n_pages = -(-length // N)
         budget = self.sp.token_budget if s.token_budget is None else s.token_budget
@@ -150,7 +162,6 @@ class StepPlanner:
         seen = length if s.decode else s.start
         slots = self.cache.ring.page_in_slot(seen) if self.cache.has_streaming else []
         live = [(r, i) for r, i in enumerate(slots) if i >= 0]
-        dev = self.device
         return SeqPlan(
             step=s, t0=t0, t1=t0 + s.num_new, length=length,
             pages=torch.tensor(s.dense_pages[:n_pages], dtype=torch.long, device=dev),

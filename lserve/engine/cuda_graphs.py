@@ -1,0 +1,167 @@
+"""CUDA graphs for decode steps: one replay instead of hundreds of kernel launches.
+
+A decode step of a 32-layer model launches ~500 kernels; at long context with sparse attention
+the GPU finishes them faster than the host can launch them. Pure-decode steps (no prefill in
+the batch) therefore run as CUDA graphs:
+
+* Every input lives in fixed device buffers: token ids, positions, write locations (int64,
+  :attr:`DecodeGraphs.inputs`) and the attention backend's tables (int32,
+  ``CupyBackend.static_buffer``). Before a replay the host fills them from pinned memory with
+  two asynchronous copies; the only synchronisation in the decode loop is reading the sampled
+  tokens back.
+* Graphs are keyed by what fixes the launch shapes (batch size, a bucket of the longest
+  sequence, which sequences select pages this step; see ``CupyBackend.static_tables``), so a
+  sequence growing token by token replays the same graph until its page table crosses a
+  bucket (every 1/8 of its length), and the page-selection steps (every C-th) have their own.
+* A key is captured the second time it is seen (one-off shapes stay eager), after one eager
+  warm-up run. The warm-up and the first replay both write the step's K/V and selection;
+  both writes are idempotent (same values, same places).
+
+Selector statistics (host counters) are recorded at capture and added per replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lserve.sparsity.plan import SeqPlan, StepPlan
+
+log = logging.getLogger("lserve")
+
+N_INPUTS = 10  # ids, pos, seq_lens, logit rows, dense writes (3), stream writes (3)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # float32 [nb, vocab]
+    greedy: torch.Tensor  # long [nb]
+    stats: tuple[int, int, int]  # selector runs, reuses, pages per replay
+    keep: tuple  # the bound step tables and plan the graph reads through
+
+
+class DecodeGraphs:
+    """Captures and replays decode steps of one engine.
+
+    Parameters
+    ----------
+    model : LlamaModel
+    backend : CupyBackend
+    max_num_seqs : int
+        Largest decode batch (sizes the input buffers).
+    max_len : int
+        Longest sequence (RoPE tables are built up to it once, so no step reads a length back).
+    max_graphs : int
+        Graphs kept (least recently used dropped first).
+    """
+
+    def __init__(self, model, backend, max_num_seqs: int, max_len: int, max_graphs: int = 32) -> None:
+        self.model, self.backend = model, backend
+        self.device = model.device
+        self.max_len = max_len
+        self.max_graphs = max_graphs
+        self.inputs = torch.zeros(N_INPUTS * max_num_seqs, dtype=torch.long, device=self.device)
+        self._pin64 = torch.zeros(N_INPUTS * max_num_seqs, dtype=torch.long).pin_memory()
+        self._pin32: torch.Tensor | None = None
+        self._graphs: OrderedDict = OrderedDict()
+        self._seen: set = set()
+        self._generation = -1
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+        self.replays = 0
+        model.rope.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), None, max_len)  # full table
+
+    @staticmethod
+    def supported(model, max_len: int) -> bool:
+        """Dynamic-NTK RoPE past the trained length depends on each step's lengths: not capturable."""
+        return not (model.rope.dynamic and max_len > model.cfg.max_position_embeddings)
+
+    def run(self, plan: StepPlan, ids: list[int], pos: list[int], seq_lens: list[int],
+            logit_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Run a decode-only step planned on the host; (logits [nb, V], greedy [nb]) or None
+        when the step cannot be captured (the caller runs it eagerly)."""
+        found = self.backend.static_tables(plan)
+        if found is None:
+            return None
+        (bkey, generation), tables = found
+        if generation != self._generation:  # buffers a graph points into were reallocated
+            self._graphs.clear()
+            self._generation = generation
+        nb = len(ids)
+        has_stream = plan.stream_write_decode[0].numel() > 0
+        key = (bkey, nb, has_stream)
+        self._upload(plan, ids, pos, seq_lens, logit_rows, tables)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return None
+            entry = self._capture(key, plan, nb, tables.size)
+        self._graphs.move_to_end(key)
+        entry.graph.replay()
+        self.replays += 1
+        st = self.backend.selector_stats
+        st.runs += entry.stats[0]
+        st.reuses += entry.stats[1]
+        st.pages += entry.stats[2]
+        return entry.logits, entry.greedy
+
+    # -- internals ------------------------------------------------------------------------------
+    def _upload(self, plan: StepPlan, ids, pos, seq_lens, logit_rows, tables: np.ndarray) -> None:
+        nb = len(ids)
+        h = self._pin64.numpy()
+        cols = [ids, pos, seq_lens, logit_rows]
+        cols += [w.numpy() for w in plan.dense_write_decode]
+        sw = plan.stream_write_decode
+        cols += [w.numpy() for w in sw] if sw[0].numel() else [np.zeros(nb, np.int64)] * 3
+        for i, c in enumerate(cols):
+            h[i * nb: (i + 1) * nb] = c
+        self.inputs[: N_INPUTS * nb].copy_(self._pin64[: N_INPUTS * nb], non_blocking=True)
+        if self._pin32 is None or self._pin32.numel() < tables.size:
+            self._pin32 = torch.empty(max(tables.size, 4096) * 2, dtype=torch.int32).pin_memory()
+        self._pin32.numpy()[: tables.size] = tables
+        self.backend.static_buffer[: tables.size].copy_(self._pin32[: tables.size], non_blocking=True)
+
+    def _static_plan(self, plan: StepPlan, nb: int) -> tuple[StepPlan, list[torch.Tensor]]:
+        """The plan re-pointed at the input buffers, plus the model inputs."""
+        x = [self.inputs[i * nb: (i + 1) * nb] for i in range(N_INPUTS)]
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        none3 = (empty, empty, empty)
+        stream = (x[7], x[8], x[9]) if plan.stream_write_decode[0].numel() else none3
+        seqs = [SeqPlan(s.step, s.t0, s.t1, s.length, s.pages, s.dynamic, s.budget_pages, s.select,
+                        s.ring_pages, s.ring_first_pos) for s in plan.seqs]
+        return StepPlan(seqs, plan.num_tokens, (x[4], x[5], x[6]), none3, stream, none3), x[:4]
+
+    def _forward(self, splan: StepPlan, x: list[torch.Tensor]) -> torch.Tensor:
+        return self.model.forward(x[0], x[1], splan, self.backend, x[3], x[2], self.max_len)
+
+    def _capture(self, key, plan: StepPlan, nb: int, n_tables: int) -> _Graph:
+        be = self.backend
+        step = be._step  # bound to the static buffer by static_tables
+        splan, x = self._static_plan(plan, nb)
+        step.plan = splan  # the backend recognises the plan it has tables for by identity
+        stats = be.selector_stats
+        before = (stats.runs, stats.reuses, stats.pages)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS and kernel caches
+            self._forward(splan, x)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        after = (stats.runs, stats.reuses, stats.pages)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(splan, x)
+            greedy = torch.argmax(logits, dim=-1)
+        stats.runs, stats.reuses, stats.pages = before  # the replay that follows counts the step
+        entry = _Graph(graph, logits, greedy, tuple(a - b for a, b in zip(after, before)), (step, splan))
+        self._graphs[key] = entry
+        self.captures += 1
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        log.debug("captured decode graph %s (%d kept)", key, len(self._graphs))
+        return entry
