@@ -102,7 +102,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         run_e2e_bench(a.out, model=a.model or "llama3-8b", device=a.device or "cuda", backend=a.backend or "cupy",
                       contexts=a.contexts or [8192, 32768, 65536, 131072, 262144],
                       decode_steps=a.decode_tokens or 64, hf=not a.no_hf, name=a.name or "e2e_h200",
-                      batched=_batched(a.batched))
+                      batched=_batched(a.batched), side_max_context=a.side_max_context, deadline_s=a.deadline)
     elif a.what == "profile-threshold":
         import torch
 
@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="e2e (default 8k..256k) / profile-threshold (default multiples of the budget)")
     b.add_argument("--no-hf", action="store_true", help="e2e: skip the transformers peer")
     b.add_argument("--batched", default="8x32768", help="e2e: the batched decode point, SEQSxCONTEXT or none")
+    b.add_argument("--side-max-context", type=int, default=None,
+                   help="e2e: longest context for the static-only and dynamic-only configurations")
+    b.add_argument("--deadline", type=float, default=None,
+                   help="e2e: seconds after which remaining runs are skipped (listed in the report)")
     b.add_argument("--name", default=None, help="output file stem")
     b.add_argument("--budget", type=int, default=4096, help="profile-threshold: token budget")
     b.add_argument("--profile-file", default=None,

@@ -16,7 +16,7 @@ PARTS="${PARTS:-tests kernels threshold e2e}"
 mkdir -p "$OUT"
 PY="${PY:-python3}"
 export PYTHONUNBUFFERED=1
-export LSERVE_CACHE_DIR="${LSERVE_CACHE_DIR:-$OUT/cache}"
+export LSERVE_CACHE_DIR="${LSERVE_CACHE_DIR:-/tmp/lserve-cache}"  # the threshold profile lands here
 
 # lserve.kernels is the kernels/ directory (setuptools package-dir mapping): install editable,
 # or, on a throwaway checkout where that fails, link it into place.
@@ -46,8 +46,9 @@ if has kernels; then
     rc=$((rc | (PIPESTATUS[0] != 0)))
 fi
 if has threshold; then
+    # shellcheck disable=SC2086
     timeout "${THRESHOLD_TIMEOUT:-300}" "$PY" -m lserve bench profile-threshold --out "$OUT" --name threshold_h200 \
-        2>&1 | tee "$OUT/threshold.log"
+        ${THRESHOLD_ARGS:-} 2>&1 | tee "$OUT/threshold.log"
     rc=$((rc | (PIPESTATUS[0] != 0)))
 fi
 if has e2e; then

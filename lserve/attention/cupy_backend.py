@@ -260,8 +260,8 @@ class CupyBackend(AttentionBackend):
     def static_tables(self, plan: StepPlan) -> tuple[tuple, np.ndarray] | None:
         """Tables of a decode-only step in a capturable form, or None (run it eagerly).
 
-        Page tables are padded to a bucket of the longest sequence (powers of two in steps of
-        1/8), ring tables to the ring's size, and the split-K units are planned for entry-count
+        Page tables are padded to a bucket of the longest sequence (1/32..1/64 of its length),
+        ring tables to the ring's size, and the split-K units are planned for entry-count
         upper bounds, so consecutive steps share a key, and with it one CUDA graph. Returns
         (key, int32 host tables); the step is bound to :attr:`static_buffer`, which the caller
         fills with the host tables before the graph (or its eager warm-up) runs.
@@ -291,7 +291,9 @@ class CupyBackend(AttentionBackend):
         N = self.cache.page_size
         h = st.host
         longest = max(npages)
-        step = max(1, 1 << max(0, longest.bit_length() - 4))  # 1/8..1/16 of the length
+        # buckets of 1/32..1/64 of the length: a graph's split-K units cover at most ~3% of
+        # entries that are not there (empty units), and a new capture every ~3% of growth
+        step = max(1, 1 << max(0, longest.bit_length() - 6))
         pstride = -(-longest // step) * step
         n_sel = (h["kk"] - 1) * (self.group if self.qmode else 1)
         # pages appended since the last selection: at most ceil((C - 1) / N) + 1

@@ -146,19 +146,31 @@ def measure_batch(engine: LLMEngine, batch: int, context: int, decode_steps: int
     return ttft, statistics.median(steps)
 
 
+def _cache(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_quant: str, tokens: int):
+    """The KV cache an engine of this configuration would allocate for ``tokens`` tokens (no
+    engine: an engine holds its own permuted copy of the weights)."""
+    from lserve.cache.kv_cache import KVCache
+    from lserve.engine.llm_engine import build_layout
+
+    mc = loaded.config
+    cfg = EngineConfig(model=model, sparsity=sp, cache=CacheConfig(max_tokens=tokens, kv_quant=kv_quant),
+                       device=device, max_num_seqs=1)
+    layout = build_layout(cfg, mc.num_layers, mc.num_kv_heads)
+    return KVCache(mc, cfg.cache, layout.n_dense(), sp.sink_tokens, sp.local_tokens, 1, cfg.torch_dtype(), device)
+
+
 def kv_bytes_per_token(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_quant: str) -> float:
     """Dense-pool bytes per cached token (K, V, quantization scales, key statistics); the
     streaming heads' rings are O(1) per sequence and not counted."""
-    e = _engine(loaded, model, sp, 4096, device, "torch", 0, kv_quant=kv_quant)
-    per = e.cache.nbytes()["dense"] / (e.cache.dense_alloc.num_pages * e.cache.page_size)
-    del e
-    return per
+    c = _cache(loaded, model, sp, device, kv_quant, 4096)
+    return c.nbytes()["dense"] / (c.dense_alloc.num_pages * c.page_size)
 
 
-def max_context(loaded: LoadedModel, model: str, device: str, backend: str, free_bytes: int,
+def max_context(loaded: LoadedModel, model: str, device: str, free_bytes: int,
                 verify: tuple[str, ...] = ("dense", "lserve+int4")) -> tuple[dict[str, int], dict[str, float]]:
-    """Largest total context (tokens, all sequences together) whose KV fits in ``free_bytes``, per
-    configuration and KV storage; the ``verify`` ones are allocated for real and serve a request."""
+    """Largest total context (tokens, all sequences together) whose KV fits in ``free_bytes``
+    (the memory left beside one copy of the weights, minus a reserve for activations), per
+    configuration and KV storage; the ``verify`` ones are allocated for real."""
     tokens, per_token = {}, {}
     for cname, sp in CONFIGS.items():
         for q in ("none", "int8", "int4"):
@@ -167,87 +179,102 @@ def max_context(loaded: LoadedModel, model: str, device: str, backend: str, free
             tokens[label] = int(free_bytes // per_token[label]) // 64 * 64
     for label in verify:
         cname, _, q = label.partition("+")
-        cache = CacheConfig(max_tokens=tokens[label], kv_quant=q or "none")
-        cfg = EngineConfig(model=model, sparsity=CONFIGS[cname], cache=cache, device=device, backend=backend,
-                           max_num_seqs=1, max_batched_tokens=4096, max_model_len=8192)
-        eng = LLMEngine(cfg, loaded)
-        measure_engine(eng, 4096, 4)  # a request served with the whole cache allocated
-        del eng
+        c = _cache(loaded, model, CONFIGS[cname], device, q or "none", tokens[label])
+        assert c.dense_alloc.num_pages * c.page_size >= tokens[label]
+        del c
         gc.collect()
         torch.cuda.empty_cache()
     return tokens, per_token
 
 
+def _jobs(contexts, hf: bool, hf_max_context: int, side_max_context: int | None, batched) -> list[tuple]:
+    """Runs in the order that answers the targets first (a deadline may cut the tail):
+    dense and LServe at the shortest and longest contexts, transformers at 128k, the rest."""
+    cs = sorted(contexts)
+    main_order = [cs[0]] + sorted(cs[1:], reverse=True)
+    jobs = [(c, ctx) for ctx in main_order for c in ("dense", "lserve")]
+    hf_ctx = sorted((c for c in cs if c <= hf_max_context), key=lambda c: (c != 131072, -c)) if hf else []
+    jobs += [("transformers", ctx) for ctx in hf_ctx[:1]] + [("max-context", None)]
+    jobs += [("transformers", ctx) for ctx in hf_ctx[1:]]
+    side = [c for c in cs if side_max_context is None or c <= side_max_context]
+    jobs += [(c, ctx) for ctx in side for c in ("static", "dynamic")]
+    if batched:
+        jobs += [("batched", "dense"), ("batched", "lserve")]
+    return jobs
+
+
 def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", device: str = "cuda",
                   backend: str = "cupy", contexts=(8192, 32768, 65536, 131072, 262144), decode_steps: int = 64,
-                  hf: bool = True, hf_max_context: int = 262144, name: str = "e2e_h200",
-                  batched: tuple[int, int] | None = (8, 32768), reserve_gib: float = 8.0) -> dict:
-    """Measure every configuration at every context; write ``{name}.json`` and ``{name}.png``."""
+                  hf: bool = True, hf_max_context: int = 131072, name: str = "e2e_h200",
+                  batched: tuple[int, int] | None = (8, 32768), reserve_gib: float = 8.0,
+                  side_max_context: int | None = None, deadline_s: float | None = None) -> dict:
+    """Measure the configurations; write ``{name}.json`` (after every run) and ``{name}.png``.
+
+    ``side_max_context`` caps the contexts of the static-only and dynamic-only configurations;
+    ``deadline_s`` skips the runs that would start after that many seconds (listed in the report).
+    """
     from lserve.sparsity.threshold import lookup_ratio, profile_key
 
+    t_start = time.perf_counter()
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(model, dtype=dtype, device=device)
     gpu = device.startswith("cuda")
     free_after_weights = torch.cuda.mem_get_info()[0] - int(reserve_gib * 2 ** 30) if gpu else 0
-    rows = []
-    n_runs = len(contexts) * (len(CONFIGS) + int(hf)) + (2 if batched else 0)
-    bar = tqdm(total=n_runs, desc="e2e", unit="run")
-    weight_bytes = 0
-    graphs = {}
+    found = lookup_ratio(profile_key(device, loaded.config, dtype))
+    bw = copy_bandwidth(device) if gpu else None
+    weight_bytes = sum(t.numel() * t.element_size() for t in loaded.weights.values())
+    report = {**header(), "model": model, "backend": backend, "decode_steps": decode_steps,
+              "weight_bytes": weight_bytes, "copy_bandwidth_TBps": bw and round(bw / 1e12, 3),
+              "weight_floor_ms": bw and round(weight_bytes / bw * 1e3, 3), "rows": [],
+              "max_context_tokens": {}, "kv_bytes_per_token": {}, "kv_budget_bytes": free_after_weights,
+              "dynamic_threshold_ratio": found and found[0], "cuda_graphs": {}, "skipped": []}
+    out = Path(out_dir)
+    rows = report["rows"]
 
     def release():
         gc.collect()
         if gpu:
             torch.cuda.empty_cache()
 
-    for cname, sp in CONFIGS.items():
-        for ctx in contexts:
-            eng = _engine(loaded, model, sp, ctx, device, backend, decode_steps)
-            weight_bytes = eng.model.nbytes()
-            measure_engine(eng, 256, 4)  # warm-up: kernels compiled, allocator primed
-            ttft, dec = measure_engine(eng, ctx, decode_steps)
-            rows.append({"model": model, "config": cname, "batch": 1, "context": ctx, "ttft_s": round(ttft, 4),
-                         "decode_ms_per_token": round(dec * 1e3, 3)})
-            if eng.graphs is not None:
-                graphs[f"{cname}@{ctx}"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays}
-            bar.update(1)
-            del eng
-            release()
-    if batched:
-        nb, bctx = batched
-        for cname in ("dense", "lserve"):
-            eng = _engine(loaded, model, CONFIGS[cname], bctx, device, backend, decode_steps, num_seqs=nb)
-            measure_engine(eng, 256, 4)
-            ttft, step = measure_batch(eng, nb, bctx, decode_steps)
-            rows.append({"model": model, "config": cname, "batch": nb, "context": bctx, "ttft_s": round(ttft, 4),
-                         "decode_ms_per_token": round(step * 1e3, 3), "decode_tok_s": round(nb / step, 1)})
-            bar.update(1)
-            del eng
-            release()
-    if hf:
-        for ctx in contexts:
-            if ctx <= hf_max_context:
-                try:
-                    ttft, dec = measure_hf(loaded, ctx, decode_steps, device, dtype)
-                    rows.append({"model": model, "config": "transformers", "batch": 1, "context": ctx,
-                                 "ttft_s": round(ttft, 4), "decode_ms_per_token": round(dec * 1e3, 3)})
-                except torch.OutOfMemoryError:
-                    rows.append({"model": model, "config": "transformers", "batch": 1, "context": ctx,
-                                 "ttft_s": None, "decode_ms_per_token": None, "error": "out of memory"})
-                release()
-            bar.update(1)
-    bar.close()
-    bw = copy_bandwidth(device) if gpu else None
-    max_tokens, per_token = max_context(loaded, model, device, backend, free_after_weights) if gpu else ({}, {})
-    found = lookup_ratio(profile_key(device, loaded.config, dtype))
-    report = {**header(), "model": model, "backend": backend, "decode_steps": decode_steps,
-              "weight_bytes": weight_bytes, "copy_bandwidth_TBps": bw and round(bw / 1e12, 3),
-              "weight_floor_ms": bw and round(weight_bytes / bw * 1e3, 3), "rows": rows,
-              "max_context_tokens": max_tokens, "kv_bytes_per_token": {k: round(v, 1) for k, v in per_token.items()},
-              "kv_budget_bytes": free_after_weights, "dynamic_threshold_ratio": found and found[0],
-              "cuda_graphs": graphs}
-    out = Path(out_dir)
-    write_json(out / f"{name}.json", report)
+    def row(config, batch, ctx, ttft, per_token, **extra):
+        rows.append({"model": model, "config": config, "batch": batch, "context": ctx,
+                     "ttft_s": None if ttft is None else round(ttft, 4),
+                     "decode_ms_per_token": None if per_token is None else round(per_token * 1e3, 3), **extra})
+
+    jobs = _jobs(contexts, hf, hf_max_context, side_max_context, batched)
+    for cname, ctx in tqdm(jobs, desc="e2e", unit="run"):
+        if cname == "max-context" and not gpu:
+            continue
+        if deadline_s is not None and time.perf_counter() - t_start > deadline_s:
+            report["skipped"].append(f"{cname}@{ctx}")
+            continue
+        try:
+            if cname == "transformers":
+                ttft, dec = measure_hf(loaded, ctx, decode_steps, device, dtype)
+                row(cname, 1, ctx, ttft, dec)
+            elif cname == "max-context":
+                mx, per = max_context(loaded, model, device, free_after_weights)
+                report["max_context_tokens"] = mx
+                report["kv_bytes_per_token"] = {k: round(v, 1) for k, v in per.items()}
+            else:
+                config, nb, c = (ctx, batched[0], batched[1]) if cname == "batched" else (cname, 1, ctx)
+                eng = _engine(loaded, model, CONFIGS[config], c, device, backend, decode_steps, num_seqs=nb)
+                measure_engine(eng, 256, 4)  # warm-up: kernels compiled, allocator primed
+                if nb == 1:
+                    ttft, dec = measure_engine(eng, c, decode_steps)
+                    row(config, 1, c, ttft, dec)
+                else:
+                    ttft, step = measure_batch(eng, nb, c, decode_steps)
+                    row(config, nb, c, ttft, step, decode_tok_s=round(nb / step, 1))
+                if eng.graphs is not None:
+                    report["cuda_graphs"][f"{config}x{nb}@{c}"] = {
+                        "captures": eng.graphs.captures, "replays": eng.graphs.replays, "disabled": eng.graphs.disabled}
+                del eng
+        except torch.OutOfMemoryError:
+            if cname in CONFIGS or cname == "transformers":
+                row(cname, 1, ctx, None, None, error="out of memory")
+        release()
+        write_json(out / f"{name}.json", report)
     plot_e2e(report, out / f"{name}.png")
     print(summary(report))
     return report
@@ -296,7 +323,7 @@ def plot_e2e(report: dict, path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for cname in sorted({r["config"] for r in report["rows"]}):
         pts = [(r["context"], r["decode_ms_per_token"], r["ttft_s"]) for r in report["rows"]
-               if r["config"] == cname and r["decode_ms_per_token"] is not None]
+               if r["config"] == cname and r["batch"] == 1 and r["decode_ms_per_token"] is not None]
         a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=cname)
         a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=cname)
     if report.get("weight_floor_ms"):

@@ -12,7 +12,7 @@ the batch) therefore run as CUDA graphs:
 * Graphs are keyed by what fixes the launch shapes (batch size, a bucket of the longest
   sequence, which sequences select pages this step; see ``CupyBackend.static_tables``), so a
   sequence growing token by token replays the same graph until its page table crosses a
-  bucket (every 1/8 of its length), and the page-selection steps (every C-th) have their own.
+  bucket (every 1/32 to 1/64 of its length), and the page-selection steps (every C-th) have their own.
 * A key is captured the second time it is seen (one-off shapes stay eager), after one eager
   warm-up run. The warm-up and the first replay both write the step's K/V and selection;
   both writes are idempotent (same values, same places).
@@ -74,6 +74,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.replays = 0
+        self.disabled: str | None = None  # why capture was given up, if it was
         model.rope.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), None, max_len)  # full table
 
     @staticmethod
@@ -98,10 +99,16 @@ class DecodeGraphs:
         self._upload(plan, ids, pos, seq_lens, logit_rows, tables)
         entry = self._graphs.get(key)
         if entry is None:
-            if key not in self._seen:
+            if key not in self._seen or self.disabled:
                 self._seen.add(key)
                 return None
-            entry = self._capture(key, plan, nb, tables.size)
+            try:
+                entry = self._capture(key, plan, nb, tables.size)
+            except RuntimeError as e:  # keep serving eagerly, and say why
+                self.disabled = str(e).splitlines()[0][:300]
+                log.warning("CUDA graph capture failed, decoding eagerly from now on: %s", self.disabled)
+                torch.cuda.synchronize(self.device)
+                return None
         self._graphs.move_to_end(key)
         entry.graph.replay()
         self.replays += 1

@@ -47,7 +47,8 @@ def test_graph_decode_matches_eager(kv_quant, seed):
     ref, ref_stats = _run(_engine(loaded, False, kv_quant), prompts, max_tokens)
     eng = _engine(loaded, True, kv_quant)
     got, got_stats = _run(eng, prompts, max_tokens)
-    assert eng.graphs.captures >= 2 and eng.graphs.replays > 100, (eng.graphs.captures, eng.graphs.replays)
+    g = eng.graphs
+    assert g.disabled is None and g.captures >= 2 and g.replays > 0.5 * eng.steps, (g.disabled, g.captures, g.replays)
     assert got == ref
     assert got_stats == ref_stats  # replays count the selector runs and reuses they perform
 
