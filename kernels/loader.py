@@ -35,6 +35,7 @@ FAMILIES = {
     "merge": ("merge.cu", ("ls_decode_merge",)),
     "selector": ("selector.cu", ("ls_page_scores", "ls_page_topk")),
     "prefill": ("prefill.cu", ("ls_prefill",)),
+    "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_rope", "ls_silu_mul")),  # layer elementwise steps
 }
 TENSOR_CORE_FAMILIES = ("prefill", "decode_tc")
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -54,7 +55,8 @@ class Variant:
     Parameters
     ----------
     family : str
-        ``"kv_write"``, ``"decode"``, ``"decode_tc"``, ``"merge"``, ``"selector"`` or ``"prefill"``.
+        ``"kv_write"``, ``"decode"``, ``"decode_tc"``, ``"merge"``, ``"selector"``, ``"prefill"`` or
+        ``"fused"``.
     dtype : str
         ``"bf16"``, ``"fp16"`` or ``"fp32"`` (prefill: 16-bit only).
     head_dim : int
@@ -194,6 +196,7 @@ def all_variants() -> list[Variant]:
                     out.append(Variant("decode_tc", dt, d, "none", gq))
             if dt != "fp32":
                 out.append(Variant("prefill", dt, d))
+            out.append(Variant("fused", dt, d))
     return out
 
 

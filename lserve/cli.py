@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for random-weight presets")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps as CUDA graphs (cupy backend)")
+    g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
+                   help="fused CUDA kernels for RMSNorm/RoPE/SiLU (cupy backend)")
     s = p.add_argument_group("sparsity")
     s.add_argument("--pattern", default="auto",
                    help="head pattern: 'auto' (the model's shipped learned pattern, if any), 'none', 'random' "
@@ -58,7 +60,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                      max_tokens=a.max_cache_tokens)
     return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
                         max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
-                        max_model_len=a.max_model_len, seed=a.seed, cuda_graphs=a.cuda_graphs)
+                        max_model_len=a.max_model_len, seed=a.seed, cuda_graphs=a.cuda_graphs,
+                        fused_ops=a.fused_ops)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -182,6 +182,9 @@ class EngineConfig:
     cuda_graphs : bool
         Replay decode-only steps as CUDA graphs (cupy backend; see
         :mod:`lserve.engine.cuda_graphs`).
+    fused_ops : bool
+        Residual add + RMSNorm, RoPE and SiLU-mul as fused CUDA kernels (cupy backend; see
+        :mod:`lserve.models.fused`).
     """
 
     model: str = "default"
@@ -195,6 +198,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0 -> model's max_position_embeddings
     seed: int = 0
     cuda_graphs: bool = True
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")

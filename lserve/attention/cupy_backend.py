@@ -175,6 +175,7 @@ class CupyBackend(AttentionBackend):
         # Selection state (logical page indices) per (layer, slot, dense head).
         self._slots: dict[int, int] = {}
         self._free_slots: list[int] = []
+        self._np_pages: dict[int, tuple[list, np.ndarray, int]] = {}  # seq_id -> (list, int32 copy, length)
         self._nsel: dict[int, int] = {}
         self._hd_max = max(self.cache.n_dense) if self.cache.n_dense else 0
         self._sel_idx = self._sel_mask = self._sel_cnt = None
@@ -205,9 +206,26 @@ class CupyBackend(AttentionBackend):
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
         self._nsel.pop(seq_id, None)
+        self._np_pages.pop(seq_id, None)
         slot = self._slots.pop(seq_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+
+    def _page_array(self, step) -> np.ndarray:
+        """``step.dense_pages`` as int32, kept per sequence and extended as its list grows (the
+        scheduler appends to the same list), so a decode step converts O(new pages), not O(context)."""
+        lst, sid = step.dense_pages, step.seq_id
+        ent = self._np_pages.get(sid)
+        if ent is None or ent[0] is not lst or ent[2] > len(lst):
+            arr = np.asarray(lst, dtype=np.int32)
+            arr = np.concatenate((arr, np.zeros(max(64, arr.size), dtype=np.int32)))  # room to grow
+        else:
+            arr = ent[1]
+            if len(lst) > arr.size:
+                arr = np.concatenate((arr, np.zeros(max(len(lst) - arr.size, arr.size), dtype=np.int32)))
+            arr[ent[2]: len(lst)] = lst[ent[2]:]
+        self._np_pages[sid] = (lst, arr, len(lst))
+        return arr
 
     def _slot_of(self, seq_id: int) -> int:
         slot = self._slots.get(seq_id)
@@ -356,7 +374,7 @@ class CupyBackend(AttentionBackend):
                     return st, []
             pages = np.zeros((nb, pstride), dtype=np.int32)
             for b, s in enumerate(dec):
-                pages[b, : npages[b]] = s.step.dense_pages[: npages[b]]
+                pages[b, : npages[b]] = self._page_array(s.step)[: npages[b]]
             meta = np.stack([host[f] for f in META_FIELDS]).reshape(-1)
             chunks += [("meta", meta), ("pages", pages), ("ring_pages", ring_pages), ("ring_pos", ring_pos),
                        ("sel_rows", np.asarray(sel_rows or [0], dtype=np.int32))]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lserve.sparsity.plan import SeqPlan, StepPlan
+from lserve.sparsity.plan import StepPlan
 
 log = logging.getLogger("lserve")
 
@@ -75,6 +75,7 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self.disabled: str | None = None  # why capture was given up, if it was
+        self.events: list | None = None  # a list: (start, end) CUDA events around each replay (benchmarks)
         model.rope.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), None, max_len)  # full table
 
     @staticmethod
@@ -91,7 +92,7 @@ class DecodeGraphs:
             return None
         (bkey, generation), tables = found
         if generation != self._generation:  # buffers a graph points into were reallocated
-            self._graphs.clear()
+            self._drop_all()
             self._generation = generation
         nb = len(ids)
         has_stream = plan.stream_write_decode[0].numel() > 0
@@ -110,7 +111,14 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self.device)
                 return None
         self._graphs.move_to_end(key)
-        entry.graph.replay()
+        if self.events is not None:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+            entry.graph.replay()
+            ev[1].record()
+            self.events.append(ev)
+        else:
+            entry.graph.replay()
         self.replays += 1
         st = self.backend.selector_stats
         st.runs += entry.stats[0]
@@ -118,7 +126,17 @@ class DecodeGraphs:
         st.pages += entry.stats[2]
         return entry.logits, entry.greedy
 
+    def replay_ms(self) -> list[float]:
+        """GPU milliseconds of each timed replay (synchronizes; for benchmarks)."""
+        torch.cuda.synchronize(self.device)
+        return [a.elapsed_time(b) for a, b in self.events or []]
+
     # -- internals ------------------------------------------------------------------------------
+    def _drop_all(self) -> None:
+        """Forget every graph. Their memory pool dies with the last of them, so later captures
+        need a new one (capturing into a dead pool trips an allocator assertion)."""
+        self._graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()
     def _upload(self, plan: StepPlan, ids, pos, seq_lens, logit_rows, tables: np.ndarray) -> None:
         nb = len(ids)
         h = self._pin64.numpy()
@@ -140,9 +158,7 @@ class DecodeGraphs:
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         none3 = (empty, empty, empty)
         stream = (x[7], x[8], x[9]) if plan.stream_write_decode[0].numel() else none3
-        seqs = [SeqPlan(s.step, s.t0, s.t1, s.length, s.pages, s.dynamic, s.budget_pages, s.select,
-                        s.ring_pages, s.ring_first_pos) for s in plan.seqs]
-        return StepPlan(seqs, plan.num_tokens, (x[4], x[5], x[6]), none3, stream, none3), x[:4]
+        return StepPlan(list(plan.seqs), plan.num_tokens, (x[4], x[5], x[6]), none3, stream, none3), x[:4]
 
     def _forward(self, splan: StepPlan, x: list[torch.Tensor]) -> torch.Tensor:
         return self.model.forward(x[0], x[1], splan, self.backend, x[3], x[2], self.max_len)

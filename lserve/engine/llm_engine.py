@@ -94,6 +94,11 @@ class LLMEngine:
             found = lookup_ratio(profile_key(config.device, mc, dtype))
             if found is not None:
                 self.backend.planner.threshold_ratio, self.threshold_source = found
+        self.fused_problem = None
+        if config.fused_ops and self.backend.name == "cupy":
+            self.fused_problem = self.model.enable_fused()
+            if self.fused_problem:
+                log.warning("fused kernels disabled (%s): using the torch elementwise path", self.fused_problem)
         self.graphs = None
         if config.cuda_graphs and self.backend.name == "cupy" and DecodeGraphs.supported(self.model, self.max_model_len):
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)

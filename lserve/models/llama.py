@@ -74,6 +74,25 @@ class LlamaModel:
             L.wd = w(p + "mlp.down_proj.weight")
             self.layers.append(L)
         self.rope = Rope(cfg, self.device)
+        self.fused = None  # FusedOps once enable_fused() succeeded (CUDA)
+
+    def enable_fused(self) -> str | None:
+        """Use the fused CUDA kernels for the elementwise steps (after checking them against the
+        torch code on random inputs). Returns None when enabled, else why not."""
+        from lserve.models.fused import FusedOps
+
+        cfg = self.cfg
+        if self.device.type != "cuda":
+            return "not on a CUDA device"
+        try:
+            ops = FusedOps(self.dtype, cfg.head_dim)
+            problem = ops.self_check(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads + cfg.num_kv_heads,
+                                     cfg.head_dim, cfg.rms_norm_eps, self.device)
+        except Exception as e:  # a kernel that does not build or run here: keep the torch path
+            problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if problem is None:
+            self.fused = ops
+        return problem
 
     def nbytes(self) -> int:
         """Bytes of weights (the floor of a decode step is reading them once)."""
@@ -107,6 +126,9 @@ class LlamaModel:
         cfg = self.cfg
         T = input_ids.shape[0]
         hq, hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.fused is not None and not (self.rope.dynamic and (max_len is None or
+                                                                  max_len > cfg.max_position_embeddings)):
+            return self._forward_fused(input_ids, positions, plan, backend, logits_index, max_len)
         cos, sin = self.rope.cos_sin(positions, seq_lens, max_len)
         h = self.embed[input_ids]  # [T, H]
         for i, L in enumerate(self.layers):
@@ -123,3 +145,28 @@ class LlamaModel:
             h = h + F.linear(F.silu(gate) * up, L.wd)
         x = rms_norm(h[logits_index], self.norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
+
+    def _forward_fused(self, input_ids, positions, plan, backend, logits_index, max_len) -> torch.Tensor:
+        """:meth:`forward` with the elementwise steps in :mod:`lserve.models.fused` kernels (the
+        residual add folds into the next RMSNorm)."""
+        cfg, f = self.cfg, self.fused
+        T = input_ids.shape[0]
+        hq, hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        if max_len is None:
+            max_len = int(positions.max()) + 1
+        cos, sin = self.rope._table(max_len)  # float32 [L, D/2]
+        h = self.embed[input_ids]  # [T, H], our own copy: updated in place
+        x = torch.empty_like(h)
+        delta = None
+        for i, L in enumerate(self.layers):
+            f.add_rmsnorm(h, delta, L.ln1, eps, x)
+            qkv = F.linear(x, L.wqkv)  # [T, (Hq + 2 Hkv) D]
+            f.rope_(qkv, hq + hkv, D, positions, cos, sin)
+            q = qkv[:, : hq * D].view(T, hq, D)
+            k = qkv[:, hq * D: (hq + hkv) * D].view(T, hkv, D)
+            v = qkv[:, (hq + hkv) * D:].view(T, hkv, D)
+            a = backend.run(i, q, k, v, plan)  # [T, Hq, D]
+            f.add_rmsnorm(h, F.linear(a.reshape(T, hq * D), L.wo), L.ln2, eps, x)
+            delta = F.linear(f.silu_mul(F.linear(x, L.wgu)), L.wd)
+        f.add_rmsnorm(h, delta, self.norm, eps, x)
+        return F.linear(x[logits_index], self.lm_head).float()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
@@ -43,12 +44,19 @@ class SeqPlan:
     t0: int  # slice of this sequence's tokens in the step's flat token axis
     t1: int
     length: int  # tokens in cache once this step is written
-    pages: torch.Tensor  # long [n]: dense pages, logical order
+    n_pages: int  # dense pages holding those tokens
+    device: torch.device  # where ``pages`` is built
     dynamic: bool  # decode with page selection active
     budget_pages: int  # K physical pages (when dynamic)
     select: bool  # run the selector now (else reuse the last selection)
     ring_pages: torch.Tensor  # long [R]: streaming pages to read (slots holding data)
     ring_first_pos: torch.Tensor  # long [R]: position of the first token of each read page
+
+    @cached_property
+    def pages(self) -> torch.Tensor:
+        """long [n]: dense pages, logical order (built on first use: O(context) host work that
+        the CUDA kernels' backend, which reads ``step.dense_pages``, never asks for)."""
+        return torch.tensor(self.step.dense_pages[: self.n_pages], dtype=torch.long, device=self.device)
 
 
 @dataclass
@@ -72,8 +80,8 @@ class StepPlan:
         def mv(t):
             return t.to(device)
 
-        seqs = [replace(s, pages=mv(s.pages), ring_pages=mv(s.ring_pages), ring_first_pos=mv(s.ring_first_pos))
-                for s in self.seqs]
+        seqs = [replace(s, device=torch.device(device), ring_pages=mv(s.ring_pages),
+                        ring_first_pos=mv(s.ring_first_pos)) for s in self.seqs]
         return StepPlan(seqs, self.num_tokens, *(tuple(mv(t) for t in w) for w in (
             self.dense_write_decode, self.dense_write_prefill, self.stream_write_decode, self.stream_write_prefill)))
 
@@ -164,7 +172,7 @@ class StepPlanner:
         live = [(r, i) for r, i in enumerate(slots) if i >= 0]
         return SeqPlan(
             step=s, t0=t0, t1=t0 + s.num_new, length=length,
-            pages=torch.tensor(s.dense_pages[:n_pages], dtype=torch.long, device=dev),
+            n_pages=n_pages, device=torch.device(dev),
             dynamic=dynamic, budget_pages=k, select=select,
             ring_pages=torch.tensor([s.stream_pages[r] for r, _ in live], dtype=torch.long, device=dev),
             ring_first_pos=torch.tensor([i * N for _, i in live], dtype=torch.long, device=dev),

@@ -17,11 +17,12 @@ import torch
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.engine.sampling import SamplingParams
+from lserve.models.fused import FusedOps
 from lserve.models.loader import load_model
 
 
-def _engine(loaded, graphs: bool, kv_quant: str = "none", dtype: str = "float32") -> LLMEngine:
-    cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype=dtype, cuda_graphs=graphs,
+def _engine(loaded, graphs: bool, kv_quant: str = "none", dtype: str = "float32", fused: bool = True) -> LLMEngine:
+    cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype=dtype, cuda_graphs=graphs, fused_ops=fused,
                        sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
                                                local_tokens=64, token_budget=64, reuse_interval=4,
                                                dynamic_threshold=0),
@@ -77,3 +78,21 @@ def test_graph_decode_step_syncs_only_to_read_tokens(seed):
     replayed = [syncs for ok, syncs in per_step if ok]
     assert len(replayed) >= 6, per_step  # a bucket edge in the window costs an eager step or two
     assert all(len(syncs) <= 1 for syncs in replayed), replayed  # reading the sampled token back
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_ops_match_torch(dtype, head_dim):
+    hidden, inter = (576, 1536) if head_dim == 64 else (4096, 14336)  # SmolLM2 / Llama-3-8B widths
+    assert FusedOps(dtype, head_dim).self_check(hidden, inter, 40, head_dim, 1e-5, torch.device("cuda")) is None
+
+
+def test_fused_engine_matches_torch_elementwise(seed):
+    loaded = load_model("tiny", dtype=torch.float32, device="cuda", seed=seed % 1000)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (300, 517, 45)]
+    eng = _engine(loaded, True)
+    assert eng.model.fused is not None and eng.fused_problem is None
+    got, _ = _run(eng, prompts, [40, 40, 40])
+    ref, _ = _run(_engine(loaded, True, fused=False), prompts, [40, 40, 40])
+    assert got == ref
