@@ -27,8 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for random-weight presets")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps as CUDA graphs (cupy backend)")
-    g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
-                   help="fused CUDA kernels for RMSNorm/RoPE/SiLU (cupy backend)")
+    g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=False,
+                   help="fused CUDA kernels for RMSNorm/RoPE/SiLU (cupy backend; not yet validated on a GPU)")
     s = p.add_argument_group("sparsity")
     s.add_argument("--pattern", default="auto",
                    help="head pattern: 'auto' (the model's shipped learned pattern, if any), 'none', 'random' "

@@ -184,7 +184,8 @@ class EngineConfig:
         :mod:`lserve.engine.cuda_graphs`).
     fused_ops : bool
         Residual add + RMSNorm, RoPE and SiLU-mul as fused CUDA kernels (cupy backend; see
-        :mod:`lserve.models.fused`).
+        :mod:`lserve.models.fused`). Off by default until a GPU run has validated and timed
+        them (tests/gpu/test_cuda_graphs.py).
     """
 
     model: str = "default"
@@ -198,7 +199,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0 -> model's max_position_embeddings
     seed: int = 0
     cuda_graphs: bool = True
-    fused_ops: bool = True
+    fused_ops: bool = False
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")

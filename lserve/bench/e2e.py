@@ -330,8 +330,8 @@ def plot_e2e(report: dict, path: Path) -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for cname in sorted({r["config"] for r in report["rows"]}):
-        pts = [(r["context"], r["decode_ms_per_token"], r["ttft_s"]) for r in report["rows"]
-               if r["config"] == cname and r["batch"] == 1 and r["decode_ms_per_token"] is not None]
+        pts = sorted((r["context"], r["decode_ms_per_token"], r["ttft_s"]) for r in report["rows"]
+                     if r["config"] == cname and r["batch"] == 1 and r["decode_ms_per_token"] is not None)
         a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=cname)
         a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=cname)
     if report.get("weight_floor_ms"):

@@ -33,7 +33,9 @@ def header() -> dict:
     """The fields every benchmark JSON starts with."""
     import os
 
-    return {"command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+    prog = Path(sys.argv[0]).name
+    prog = "lserve" if prog in ("__main__.py", "lserve") else prog  # python -m lserve ... is the lserve CLI
+    return {"command": " ".join(shlex.quote(a) for a in [prog, *sys.argv[1:]]),
             "device": device_name(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             # Other work on the machine skews CPU timings: keep the load next to the numbers.
             "load_average_1m": round(os.getloadavg()[0], 2)}

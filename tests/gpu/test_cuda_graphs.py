@@ -21,7 +21,7 @@ from lserve.models.fused import FusedOps
 from lserve.models.loader import load_model
 
 
-def _engine(loaded, graphs: bool, kv_quant: str = "none", dtype: str = "float32", fused: bool = True) -> LLMEngine:
+def _engine(loaded, graphs: bool, kv_quant: str = "none", dtype: str = "float32", fused: bool = False) -> LLMEngine:
     cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype=dtype, cuda_graphs=graphs, fused_ops=fused,
                        sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
                                                local_tokens=64, token_budget=64, reuse_interval=4,
@@ -91,7 +91,7 @@ def test_fused_engine_matches_torch_elementwise(seed):
     loaded = load_model("tiny", dtype=torch.float32, device="cuda", seed=seed % 1000)
     rng = random.Random(seed)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (300, 517, 45)]
-    eng = _engine(loaded, True)
+    eng = _engine(loaded, True, fused=True)
     assert eng.model.fused is not None and eng.fused_problem is None
     got, _ = _run(eng, prompts, [40, 40, 40])
     ref, _ = _run(_engine(loaded, True, fused=False), prompts, [40, 40, 40])
