@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from lserve.bench.report import header, write_json
-from lserve.config import EngineConfig
+from lserve.config import EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.engine.sampling import SamplingParams
 from lserve.models.loader import default_model_path, load_model
@@ -67,7 +67,9 @@ def _hf(model, ids: list[int], decode_tokens: int) -> tuple[float, float]:
 def run_cpu_bench(out_dir: str | Path = "benchmarks", prompt_lens=(1024, 4096), decode_tokens: int = 32) -> dict:
     """Measure and write ``cpu_engine.json`` + ``cpu_engine.png`` into ``out_dir``."""
     loaded = load_model("default")
-    engine = LLMEngine(EngineConfig(model="default", max_batched_tokens=max(prompt_lens)), loaded)
+    # the configuration `lserve serve` runs by default: learned pattern, budget 4096, profiled threshold
+    sp = SparsityConfig(pattern="auto")
+    engine = LLMEngine(EngineConfig(model="default", sparsity=sp, max_batched_tokens=max(prompt_lens)), loaded)
     hf = _hf_model(loaded)
     rows = []
     _ours(engine, _prompt_ids(loaded.tokenizer, 64), 2)  # warm-up
@@ -78,8 +80,13 @@ def run_cpu_bench(out_dir: str | Path = "benchmarks", prompt_lens=(1024, 4096), 
         rows.append({"prompt_tokens": n, "prefill_tok_s": round(n / p_s, 1), "decode_tok_s": round(1 / d_s, 2),
                      "hf_prefill_tok_s": round(n / hp_s, 1), "hf_decode_tok_s": round(1 / hd_s, 2),
                      "decode_speedup": round(hd_s / d_s, 3)})
+    planner = engine.backend.planner
+    budget = engine.config.sparsity.token_budget
     report = {**header(), "model": loaded.source, "decode_tokens": decode_tokens,
-              "engine": "LServe defaults (torch backend, fp32, budget 4096, no streaming pattern)", "rows": rows}
+              "engine": ("LServe serve defaults (torch backend, fp32, learned pattern: 50% streaming heads, "
+                         "budget 4096, profiled threshold)"),
+              "dynamic_threshold_tokens": planner.threshold(budget) if budget else None,
+              "threshold_profile": engine.threshold_source, "rows": rows}
     out = Path(out_dir)
     write_json(out / "cpu_engine.json", report)
     _plot(rows, out / "cpu_engine.png")
