@@ -572,3 +572,15 @@ def test_full_budget_equals_dense_exactly(heads):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
     assert not any(i["dynamic"] for info in hs[0].ref.log for i in info.values())
+
+
+@pytest.mark.parametrize("local", [16, 64])
+def test_streaming_prefill_longer_than_a_query_block(local):
+    """Streaming heads prefill block by block (256 queries at a time, over only the keys a block
+    can see): one-shot and chunked prefills of several blocks, then decode."""
+    h = Harness(heads=(4, 2), n_dense=(1, 1), sink=8, local=local, budget=0, seed=5 + local, num_pages=256)
+    h.add(0)
+    h.add(1)
+    h.step([(0, 700, False), (1, 300, False)])
+    h.step([(1, 333, False), (0, 1, True)])  # a chunk with cached past that spans two blocks
+    h.decode([0, 1], 5)

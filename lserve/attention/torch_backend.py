@@ -204,9 +204,26 @@ class TorchBackend(AttentionBackend):
                 old = rpos < start
                 kc, vc = torch.cat((kr[:, old], kc), 1), torch.cat((vr[:, old], vc), 1)
                 kpos = torch.cat((rpos[old], qpos))
-            qs = q[:, nd * G:].transpose(0, 1)
+            qs = q[:, nd * G:].transpose(0, 1)  # [Hs*G, n, D]
+            out[:, nd * G:] = self._streaming_prefill(qs, kc, vc, qpos, kpos).transpose(0, 1)
+        return out
+
+    def _streaming_prefill(self, qs, kc, vc, qpos, kpos) -> torch.Tensor:
+        """Λ-masked attention of streaming heads, one block of queries at a time over only the
+        keys the block can see (sink + its local window): O(n (sink + local)), not O(n^2).
+
+        qs: [Hs*G, n, D]; kc, vc: [Hs, L, D]; qpos [n], kpos [L] ascending -> [Hs*G, n, D].
+        """
+        n = qs.shape[1]
+        block = max(self.sp.local_tokens, 256)
+        out = torch.empty_like(qs)
+        for a in range(0, n, block):
+            b = min(n, a + block)
+            lo, hi = int(qpos[a]) - self.sp.local_tokens, int(qpos[b - 1])
+            keep = (kpos < self.sp.sink_tokens) | ((kpos > lo) & (kpos <= hi))
+            kp = kpos[keep]
             o = F.scaled_dot_product_attention(
-                qs.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=self._lambda_mask(qpos, kpos),
-                scale=self.scale, enable_gqa=True)
-            out[:, nd * G:] = o[0].transpose(0, 1)
+                qs[:, a:b].unsqueeze(0), kc[:, keep].unsqueeze(0), vc[:, keep].unsqueeze(0),
+                attn_mask=self._lambda_mask(qpos[a:b], kp), scale=self.scale, enable_gqa=True)
+            out[:, a:b] = o[0]
         return out
