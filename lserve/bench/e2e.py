@@ -149,14 +149,12 @@ def measure_batch(engine: LLMEngine, batch: int, context: int, decode_steps: int
 def _cache(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_quant: str, tokens: int):
     """The KV cache an engine of this configuration would allocate for ``tokens`` tokens (no
     engine: an engine holds its own permuted copy of the weights)."""
-    from lserve.cache.kv_cache import KVCache
-    from lserve.engine.llm_engine import build_layout
+    from lserve.engine.llm_engine import build_cache, build_layout
 
     mc = loaded.config
     cfg = EngineConfig(model=model, sparsity=sp, cache=CacheConfig(max_tokens=tokens, kv_quant=kv_quant),
                        device=device, max_num_seqs=1)
-    layout = build_layout(cfg, mc.num_layers, mc.num_kv_heads)
-    return KVCache(mc, cfg.cache, layout.n_dense(), sp.sink_tokens, sp.local_tokens, 1, cfg.torch_dtype(), device)
+    return build_cache(cfg, mc, build_layout(cfg, mc.num_layers, mc.num_kv_heads), cfg.torch_dtype())
 
 
 def kv_bytes_per_token(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_quant: str) -> float:

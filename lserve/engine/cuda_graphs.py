@@ -76,7 +76,7 @@ class DecodeGraphs:
         self.replays = 0
         self.disabled: str | None = None  # why capture was given up, if it was
         self.events: list | None = None  # a list: (start, end) CUDA events around each replay (benchmarks)
-        model.rope.cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), None, max_len)  # full table
+        model.rope.table(max_len)  # built once: a captured step must not grow it
 
     @staticmethod
     def supported(model, max_len: int) -> bool:
@@ -97,14 +97,14 @@ class DecodeGraphs:
         nb = len(ids)
         has_stream = plan.stream_write_decode[0].numel() > 0
         key = (bkey, nb, has_stream)
-        self._upload(plan, ids, pos, seq_lens, logit_rows, tables)
         entry = self._graphs.get(key)
+        if entry is None and (key not in self._seen or self.disabled):
+            self._seen.add(key)
+            return None  # first sight of this shape: eager (nothing to upload)
+        self._upload(plan, ids, pos, seq_lens, logit_rows, tables)
         if entry is None:
-            if key not in self._seen or self.disabled:
-                self._seen.add(key)
-                return None
             try:
-                entry = self._capture(key, plan, nb, tables.size)
+                entry = self._capture(key, plan, nb)
             except RuntimeError as e:  # keep serving eagerly, and say why
                 self.disabled = str(e).splitlines()[0][:300]
                 log.warning("CUDA graph capture failed, decoding eagerly from now on: %s", self.disabled)
@@ -137,6 +137,7 @@ class DecodeGraphs:
         need a new one (capturing into a dead pool trips an allocator assertion)."""
         self._graphs.clear()
         self.pool = torch.cuda.graph_pool_handle()
+
     def _upload(self, plan: StepPlan, ids, pos, seq_lens, logit_rows, tables: np.ndarray) -> None:
         nb = len(ids)
         h = self._pin64.numpy()
@@ -163,7 +164,7 @@ class DecodeGraphs:
     def _forward(self, splan: StepPlan, x: list[torch.Tensor]) -> torch.Tensor:
         return self.model.forward(x[0], x[1], splan, self.backend, x[3], x[2], self.max_len)
 
-    def _capture(self, key, plan: StepPlan, nb: int, n_tables: int) -> _Graph:
+    def _capture(self, key, plan: StepPlan, nb: int) -> _Graph:
         be = self.backend
         step = be._step  # bound to the static buffer by static_tables
         splan, x = self._static_plan(plan, nb)

@@ -61,6 +61,13 @@ def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadL
     return HeadLayout.from_pattern(pattern, num_layers, num_kv_heads, sp.static_sparsity, sp.dense_layers)
 
 
+def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCache:
+    """The two-way paged KV cache an engine with config ``cfg`` allocates."""
+    sp = cfg.sparsity
+    return KVCache(model_cfg, cfg.cache, layout.n_dense(), sp.sink_tokens, sp.local_tokens, cfg.max_num_seqs,
+                   dtype, cfg.device)
+
+
 class LLMEngine:
     """Continuous-batching engine over the two-way paged cache.
 
@@ -86,8 +93,7 @@ class LLMEngine:
         self.layout = build_layout(config, mc.num_layers, mc.num_kv_heads)
         self.model = LlamaModel(mc, self.loaded.weights, self.layout, dtype, config.device)
         sp = config.sparsity
-        self.cache = KVCache(mc, config.cache, self.layout.n_dense(), sp.sink_tokens, sp.local_tokens,
-                             config.max_num_seqs, dtype, config.device)
+        self.cache = build_cache(config, mc, self.layout, dtype)
         self.backend = make_backend(config.backend, mc, sp, self.cache)
         self.threshold_source = None
         if sp.dynamic_threshold < 0:  # auto: the profile of this device and model shape, if any

@@ -154,7 +154,7 @@ class LlamaModel:
         hq, hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         if max_len is None:
             max_len = int(positions.max()) + 1
-        cos, sin = self.rope._table(max_len)  # float32 [L, D/2]
+        cos, sin = self.rope.table(max_len)  # float32 [L, D/2]
         h = self.embed[input_ids]  # [T, H], our own copy: updated in place
         x = torch.empty_like(h)
         delta = None

@@ -57,7 +57,8 @@ class Rope:
         self._table_len = 0
         self._cos = self._sin = None
 
-    def _table(self, n: int):
+    def table(self, n: int):
+        """cos, sin tables float32 [>= n, D/2] of positions 0.. (grown, never shrunk)."""
         if n > self._table_len:
             n = max(n, 2 * self._table_len, 4096)
             f = inv_freq(self.cfg, device=self.device)
@@ -86,7 +87,7 @@ class Rope:
             cos = torch.stack(out_c)[sel, idx]
             sin = torch.stack(out_s)[sel, idx]
             return cos, sin
-        cos, sin = self._table(longest)
+        cos, sin = self.table(longest)
         return cos[positions], sin[positions]
 
     @staticmethod
