@@ -27,8 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for random-weight presets")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps as CUDA graphs (cupy backend)")
-    g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=False,
-                   help="fused CUDA kernels for RMSNorm/RoPE/SiLU (cupy backend; not yet validated on a GPU)")
+    g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
+                   help="fused CUDA kernels for RMSNorm/RoPE/SiLU (cupy backend; self-checked at start)")
     s = p.add_argument_group("sparsity")
     s.add_argument("--pattern", default="auto",
                    help="head pattern: 'auto' (the model's shipped learned pattern, if any), 'none', 'random' "
@@ -62,7 +62,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
                         max_model_len=a.max_model_len, seed=a.seed,
                         # serve settings (deploy/serve_config.yaml) do not carry these: engine defaults
-                        cuda_graphs=getattr(a, "cuda_graphs", True), fused_ops=getattr(a, "fused_ops", False))
+                        cuda_graphs=getattr(a, "cuda_graphs", True), fused_ops=getattr(a, "fused_ops", True))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -184,8 +184,8 @@ class EngineConfig:
         :mod:`lserve.engine.cuda_graphs`).
     fused_ops : bool
         Residual add + RMSNorm, RoPE and SiLU-mul as fused CUDA kernels (cupy backend; see
-        :mod:`lserve.models.fused`). Off by default until a GPU run has validated and timed
-        them (tests/gpu/test_cuda_graphs.py).
+        :mod:`lserve.models.fused`). Each engine checks them against the torch code on random
+        inputs at start and keeps the torch path if they disagree or do not build.
     """
 
     model: str = "default"
@@ -199,7 +199,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0 -> model's max_position_embeddings
     seed: int = 0
     cuda_graphs: bool = True
-    fused_ops: bool = False
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
