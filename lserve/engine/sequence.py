@@ -78,7 +78,10 @@ class Sequence:
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_ids + self.output_ids)[start:end]
+        n = len(self.prompt_ids)
+        if start >= n:  # decode: no copy of the (possibly 100k-token) prompt
+            return self.output_ids[start - n: end - n]
+        return (self.prompt_ids[start:end] + self.output_ids[: max(0, end - n)])
 
     @property
     def finished(self) -> bool:
