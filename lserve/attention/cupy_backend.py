@@ -135,6 +135,9 @@ class CupyBackend(AttentionBackend):
         Fewest table entries per decode unit (default 2: fewer, longer units and splits).
     prefill_dense : str
         ``"sdpa"`` (default) or ``"kernel"``: what runs the dense heads at prefill.
+    score_hpc : int or None
+        Dense heads per CTA of the page-score kernel (1, 2 or 4; None: the largest that divides
+        the layer's dense heads).
     """
 
     name = "cupy"
@@ -169,6 +172,7 @@ class CupyBackend(AttentionBackend):
         self.target_ctas: int | None = None  # None: one wave of resident decode CTAs
         self.min_chunk = 2
         self.prefill_dense = "sdpa"
+        self.score_hpc: int | None = None  # dense heads per page-score CTA (None: 4, 2 or 1)
         self.qscale = self.scale * LOG2E
         # The oracle's code serves chunked prefill with cached past and fp32 prefill.
         self._ref = TorchBackend(self.model, self.sp, self.cache)
@@ -533,13 +537,19 @@ class CupyBackend(AttentionBackend):
         elif only is None:
             self._scores_buf = scores
         kern = self._kernel("selector", "ls_page_scores", "none", self.gq)
-        # Pages per CTA: one wave of ~3 CTAs per SM over all (sequence, head) rows, 16..128.
-        ppb = -(-npmax * nd * self.nqs * R // (3 * self.num_sms))
-        ppb = min(SCORE_PAGES_MAX, max(16, -(-ppb // 8) * 8))
-        launch(kern, (-(-npmax // ppb) if only != "topk" else 0, nd * self.nqs, R), (128,),
+        hpc = self.score_hpc or next(c for c in (4, 2, 1) if nd % c == 0)  # heads per CTA
+        if nd % hpc:
+            raise KernelError(f"score_hpc={hpc} does not divide the {nd} dense heads")
+        # Pages per CTA: one wave of ~3 CTAs per SM over all (sequence, head group) rows, a
+        # multiple of the CTA's page streams (8 / hpc), at most SCORE_PAGES_MAX.
+        nst = 8 // hpc
+        ppb = -(-npmax * (nd // hpc) * self.nqs * R // (3 * self.num_sms))
+        ppb = min(SCORE_PAGES_MAX, max(2 * nst, -(-ppb // nst) * nst))
+        launch(kern, (-(-npmax // ppb) if only != "topk" else 0, (nd // hpc) * self.nqs, R), (128,),
                (ptr(q), i64(q.stride(0)), ptr(stats.kmax), ptr(stats.kmin), i32(nd), i32(self.g_log),
                 ptr(st.meta), i32(st.nb), ptr(st.sel_rows), ptr(st.pages), i32(st.pages.shape[1]),
-                ptr(scores), i32(npmax), i32(self.group), i32(self.nqs), i32(int(self.qmode)), i32(ppb)))
+                ptr(scores), i32(npmax), i32(self.group), i32(self.nqs), i32(int(self.qmode)), i32(ppb),
+                i32(hpc)))
         smem = 2 * 4 * max(npmax - 1, 1)
         if smem > 227 * 1024:
             raise KernelError(f"page selection over {npmax} pages exceeds the top-k kernel's shared memory")

@@ -250,6 +250,11 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
                 for part in ("scores", "topk"):
                     row[f"selector_{part}_ms"] = _graph_time(
                         lambda i, s=s, be=be, sel=sel, part=part: be.select(0, s.q[0], sel[0], only=part), inner)
+                for hpc in (1, 2):  # the score kernel with fewer heads per CTA, for comparison
+                    be.score_hpc = hpc
+                    row[f"selector_scores_hpc{hpc}_ms"] = _graph_time(
+                        lambda i, s=s, be=be, sel=sel: be.select(0, s.q[0], sel[0], only="scores"), inner)
+                be.score_hpc = None
             else:  # the context fits the budget: no selection happens at all
                 row["selector_ms"] = row["lserve_select_step_ms"] = None
             row["lserve_attn_kernel_ms"] = _graph_time(

@@ -37,6 +37,11 @@ SCENARIOS = {
                                 split="many"),
     # The CUDA-core decode kernel on unquantized bf16 pools (the tensor-core one is the default).
     "bf16-d128-g4-cudacore": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(1, 2), decode_impl="cuda"),
+    # Four dense heads: page scores with 4 heads per CTA (kv mode), and with 1 (the older layout).
+    "bf16-d128-g4-hpc4": dict(dtype=torch.bfloat16, D=128, hkv=4, G=4, n_dense=(4, 4)),
+    "bf16-d128-g4-hpc1": dict(dtype=torch.bfloat16, D=128, hkv=4, G=4, n_dense=(4, 2), score_hpc=1),
+    # Query mode with 4 heads per score CTA; the next layer's 2 dense heads run 2 per CTA.
+    "fp16-d64-g2-query-hpc4": dict(dtype=torch.float16, D=64, hkv=4, G=2, n_dense=(4, 2), select_mode="query"),
     # No streaming heads at all; dense prefill heads through our mma kernel instead of SDPA.
     "bf16-d128-g4-dense-kernelprefill": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(2, 2),
                                              prefill_kernel=True),
@@ -73,7 +78,9 @@ def test_backend_parity(name, seed):
     kw = dict(SCENARIOS[name])
     prefill_kernel = kw.pop("prefill_kernel", False)
     decode_impl = kw.pop("decode_impl", None)
+    score_hpc = kw.pop("score_hpc", None)
     pair = Pair(seed=seed, **kw)
+    pair.cup.score_hpc = score_hpc
     if prefill_kernel:
         pair.cup.prefill_dense = "kernel"
     if decode_impl:
