@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 NORM_THREADS = 512
+NV8 = 2  # 8-element chunks per thread in ls_add_rmsnorm_v8 (kernels/fused.cu)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -41,7 +42,10 @@ class FusedOps:
         for t in (h, out) + ((delta,) if delta is not None else ()):
             if t.shape != (T, H) or t.stride() != (H, 1) or t.dtype != self.dtype:
                 raise ValueError(f"add_rmsnorm needs contiguous [{T}, {H}] {self.dtype} tensors")
-        launch(self._k("ls_add_rmsnorm"), (T,), (NORM_THREADS,),
+        ts = (h, out, w) + ((delta,) if delta is not None else ())
+        vec = H % 8 == 0 and H <= 8 * NV8 * NORM_THREADS and all(t.data_ptr() % 16 == 0 for t in ts) \
+            and (H * h.element_size()) % 16 == 0
+        launch(self._k("ls_add_rmsnorm_v8" if vec else "ls_add_rmsnorm"), (T,), (NORM_THREADS,),
                (ptr(h), ptr(delta), ptr(out), ptr(w), i32(H), i64(H), f32(eps), i32(delta is not None)))
 
     def rope_(self, qkv: torch.Tensor, n_heads: int, head_dim: int, positions: torch.Tensor,
