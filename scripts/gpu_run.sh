@@ -8,7 +8,7 @@
 #   threshold  threshold_h200.{json,png}, threshold.log (lserve bench profile-threshold; the
 #              profile it saves is what the e2e engines then use)
 #   e2e        e2e_h200.{json,png}, e2e.log (lserve bench e2e; E2E_ARGS adds flags)
-#   profile    profile_decode_*.json, profile.log (kernels of eager decode steps by GPU time;
+#   profile    profile_*.json, profile.log (kernels of the prefill and eager decode steps by GPU time;
 #              PROFILE_ARGS, e.g. "--config lserve --context 32768")
 # plus gpu_info.txt, and a short summary last.
 set -uo pipefail
@@ -61,7 +61,7 @@ fi
 
 if has profile; then
     # shellcheck disable=SC2086
-    timeout "${PROFILE_TIMEOUT:-240}" "$PY" scripts/profile_decode.py "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log"
+    timeout "${PROFILE_TIMEOUT:-240}" "$PY" scripts/profile_steps.py "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log"
     rc=$((rc | (PIPESTATUS[0] != 0)))
 fi
 
@@ -73,5 +73,5 @@ fi
 has kernels && { echo "== kernel benchmark"; sed -n '/^copy bandwidth/,$p' "$OUT/kernels_bench.log"; }
 has threshold && { echo "== threshold"; tail -n 1 "$OUT/threshold.log"; }
 has e2e && { echo "== e2e"; sed -n '/^weight floor/,$p' "$OUT/e2e.log"; }
-has profile && { echo "== profile"; sed -n '/us of kernels per step/,$p' "$OUT/profile.log"; }
+has profile && { echo "== profile"; sed -n '/of kernels per step/,$p' "$OUT/profile.log"; }
 exit $rc

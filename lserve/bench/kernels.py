@@ -281,6 +281,26 @@ def _prefill_backend(n_dense: int, local: int):
     return CupyBackend(mc, sp, cache)
 
 
+def _sdpa_backends(qt, kt, vt, iters: int) -> dict:
+    """Causal SDPA forced onto each of torch's fused backends (contiguous [1, H, L, D], K/V
+    repeated to the query heads: not every backend takes GQA); ms, or why it did not run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    G = qt.shape[1] // kt.shape[1]
+    qkv = [qt.contiguous(), kt.repeat_interleave(G, dim=1), vt.repeat_interleave(G, dim=1)]
+    res = {}
+    for name, b in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                    ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel(b):
+                res[name] = _median_events(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), iters)
+        except RuntimeError as e:
+            res[name] = f"not run: {str(e).splitlines()[0][:160]}"
+    qkv.clear()
+    torch.cuda.empty_cache()
+    return res
+
+
 def _prefill_row(context: int) -> dict:
     from lserve.sparsity.plan import SeqStep
 
@@ -300,6 +320,7 @@ def _prefill_row(context: int) -> dict:
     row["sdpa_ms"] = _median_events(sdpa, iters)
     flops = 4 * H * D * context * (context + 1) / 2
     row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
+    row["sdpa_backend_ms"] = _sdpa_backends(qt, kt, vt, iters)
     step = SeqStep(0, 0, context, False, [], [])
     for local, key in ((LOCAL, "lserve_ms"), (LOCAL_PREFILL_LONG, "lserve_local8192_ms")):
         be = _prefill_backend(4, local)
