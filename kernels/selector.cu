@@ -1,7 +1,7 @@
 // Page selector for dense heads at decode (SPEC.md section 4), two launches per layer:
 //
 // ls_page_scores: S_j = sum_i max(q_i kmax_ji, q_i kmin_ji) for every logical page j of every
-//   selecting sequence, max-reduced over the g logical pages of each physical page and, in
+//   selecting sequence (grid: page ranges x head groups of hpc heads x sub-groups, x rows), max-reduced over the g logical pages of each physical page and, in
 //   "kv" mode, over the GQ query heads of the CTA (rows h*nqs + qsub; the top-k kernel takes
 //   the max over the nqs sub-groups). "query" mode keeps one row per query head.
 // ls_page_topk: one CTA per (selecting sequence, dense KV head). For each selecting row, a
@@ -73,18 +73,21 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
                const int* __restrict__ rows,                         // [R] selecting sequences
                const int* __restrict__ pages, int pages_stride,
                float* __restrict__ scores, int score_stride,         // [R, rows_per_seq, score_stride]
-               int group, int nqs, int qmode, int ppb) {
+               int group, int nqs, int qmode, int ppb, int hpc) {
     __shared__ i64 s_pages[PPB_MAX];
     const int r = blockIdx.z;
     const int b = rows[r];
-    const int h = blockIdx.y / nqs, qsub = blockIdx.y % nqs;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // hpc (1, 2 or 4, dividing hd) heads per CTA, warp w on head w % hpc: the CTA's loads of one
+    // (page, logical row) cover hpc adjacent heads, i.e. contiguous bytes of [P, g, hd, D].
+    const int h = (blockIdx.y / nqs) * hpc + warp % hpc, qsub = blockIdx.y % nqs;
+    const int nst = NSTREAMS / hpc;  // page streams per head
     const int npg = meta[META_NPAGES * nb + b];
     const int p_begin = blockIdx.x * ppb;
     if (p_begin >= npg) return;  // uniform per CTA
     const int p_end = min(npg, p_begin + ppb);
     for (int i = threadIdx.x; i < p_end - p_begin; i += NTHREADS) s_pages[i] = pages[(i64)b * pages_stride + p_begin + i];
     const int tok = meta[META_TOK * nb + b];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int sw = lane / LPT, li = lane % LPT, d0 = li * 8;
     const int qh0 = h * group + qsub * GQ;
 
@@ -95,13 +98,13 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
     float* srow = scores + (i64)r * rows_per_seq * score_stride;
     __syncthreads();
 
-    // Tiles of this warp: its pages are p_begin + warp*SPW + k*NSTREAMS (+ sw per stream), each
+    // Tiles of this warp: its pages are p_begin + (warp/hpc)*SPW + k*nst (+ sw per stream), each
     // in ng groups of 4 logical rows. Double-buffered like the decode kernel; uniform trip count.
     const int ng = (g_log + 3) / 4;
-    const int first = p_begin + warp * SPW;
-    const int n_tiles = first < p_end ? ((p_end - first + NSTREAMS - 1) / NSTREAMS) * ng : 0;
+    const int first = p_begin + (warp / hpc) * SPW;
+    const int n_tiles = first < p_end ? ((p_end - first + nst - 1) / nst) * ng : 0;
     auto load_tile = [&](STile& T, int k) {
-        T.pi = first + (k / ng) * NSTREAMS + sw;
+        T.pi = first + (k / ng) * nst + sw;
         T.j0 = (k % ng) * 4;
         T.active = T.pi < p_end;
         const i64 page = T.active ? s_pages[T.pi - p_begin] : 0;
