@@ -17,6 +17,11 @@ NV8 = 2  # 8-element chunks per thread in ls_add_rmsnorm_v8 (kernels/fused.cu)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def _aligned16(*ts: torch.Tensor | None) -> bool:
+    """Every given tensor starts on a 16-byte boundary (the 16-byte-access kernels need it)."""
+    return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
+
+
 class FusedOps:
     """Launchers of the fused kernels for one activation dtype and head_dim (CUDA only)."""
 
@@ -27,6 +32,7 @@ class FusedOps:
             raise ValueError(f"no fused kernels for {dtype}")
         self.dtype = dtype
         self.variant = Variant("fused", DTYPE_NAMES[dtype], head_dim)
+        self.vector = True  # the 16-byte-access kernels where shapes allow (False: scalar ones only)
 
     def _k(self, name: str):
         from lserve.kernels.loader import get_kernel
@@ -42,8 +48,7 @@ class FusedOps:
         for t in (h, out) + ((delta,) if delta is not None else ()):
             if t.shape != (T, H) or t.stride() != (H, 1) or t.dtype != self.dtype:
                 raise ValueError(f"add_rmsnorm needs contiguous [{T}, {H}] {self.dtype} tensors")
-        ts = (h, out, w) + ((delta,) if delta is not None else ())
-        vec = H % 8 == 0 and H <= 8 * NV8 * NORM_THREADS and all(t.data_ptr() % 16 == 0 for t in ts) \
+        vec = self.vector and H % 8 == 0 and H <= 8 * NV8 * NORM_THREADS and _aligned16(h, out, w, delta) \
             and (H * h.element_size()) % 16 == 0
         launch(self._k("ls_add_rmsnorm_v8" if vec else "ls_add_rmsnorm"), (T,), (NORM_THREADS,),
                (ptr(h), ptr(delta), ptr(out), ptr(w), i32(H), i64(H), f32(eps), i32(delta is not None)))
@@ -62,6 +67,11 @@ class FusedOps:
             raise ValueError("rope_ needs row-contiguous qkv and long positions")
         if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == half):
             raise ValueError("rope_ needs contiguous [L, head_dim / 2] cos/sin tables")
+        if self.vector and half % 8 == 0 and _aligned16(qkv, cos, sin) and (qkv.stride(0) * qkv.element_size()) % 16 == 0:
+            threads = min(512, -(-n_heads * half // 8 // 32) * 32)
+            launch(self._k("ls_rope_v8"), (T,), (threads,),
+                   (ptr(qkv), i64(qkv.stride(0)), ptr(positions), ptr(cos), ptr(sin), i32(half), i32(n_heads)))
+            return
         launch(self._k("ls_rope"), (T, n_heads), (min(128, half),),
                (ptr(qkv), i64(qkv.stride(0)), ptr(positions), ptr(cos), ptr(sin), i32(half)))
 
@@ -74,6 +84,10 @@ class FusedOps:
             raise ValueError("silu_mul needs a contiguous [T, 2I] input")
         out = torch.empty((T, I2 // 2), dtype=gu.dtype, device=gu.device)
         total = T * (I2 // 2)
+        if self.vector and (I2 // 2) % 8 == 0 and _aligned16(gu, out):
+            launch(self._k("ls_silu_mul_v8"), (-(-total // 8 // 256),), (256,),
+                   (ptr(gu), ptr(out), i32(I2 // 2), i64(total // 8)))
+            return out
         launch(self._k("ls_silu_mul"), (-(-total // 256),), (256,), (ptr(gu), ptr(out), i32(I2 // 2), i64(total)))
         return out
 

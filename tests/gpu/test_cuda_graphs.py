@@ -82,9 +82,12 @@ def test_graph_decode_step_syncs_only_to_read_tokens(seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim, hidden, inter", [(64, 576, 1536), (128, 4096, 14336),  # SmolLM2, Llama-3-8B
-                                                     (64, 500, 1000), (128, 9216, 3000)])  # scalar RMSNorm path
-def test_fused_ops_match_torch(dtype, head_dim, hidden, inter):
-    assert FusedOps(dtype, head_dim).self_check(hidden, inter, 40, head_dim, 1e-5, torch.device("cuda")) is None
+                                                     (64, 500, 1002), (128, 9216, 3000)])  # widths without 16B paths
+@pytest.mark.parametrize("vector", [True, False])
+def test_fused_ops_match_torch(dtype, head_dim, hidden, inter, vector):
+    ops = FusedOps(dtype, head_dim)
+    ops.vector = vector
+    assert ops.self_check(hidden, inter, 40, head_dim, 1e-5, torch.device("cuda")) is None
 
 
 def test_fused_engine_matches_torch_elementwise(seed):
