@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from lserve.cache.kv_cache import KVCache
@@ -98,6 +99,9 @@ class StepPlanner:
         # dynamic_threshold -1 (auto): selection runs from ratio * budget tokens (set by the
         # engine from the device's profile; 0 = whenever the context exceeds the budget).
         self.threshold_ratio = 0.0
+        # False when no layer selects (``select_layers``; set by the backend): decode steps are
+        # then planned as below the threshold, every dense head reading every page.
+        self.selects = True
 
     def threshold(self, budget: int) -> int:
         """Context length from which dynamic selection runs for ``budget``."""
@@ -113,47 +117,84 @@ class StepPlanner:
     def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
         """The step's plan; ``host``: tensors on the CPU (CUDA-graph steps copy them in one go)."""
         dev = torch.device("cpu") if host else self.device
-        N = self.cache.page_size
-        ring = self.cache.ring
         seqs: list[SeqPlan] = []
+        # (token row, page, offset) write locations per pool ("d"ense / "s"tream) and step kind
+        # ("d"ecode / "p"refill): Python lists for short steps (decode: a few entries, where
+        # numpy's per-call cost would dominate), int64 arrays for long ones (a 128k-token prefill
+        # took ~0.25 s of Python per step).
         writes = {key: ([], [], []) for key in ("dd", "dp", "sd", "sp")}
+        arrays = {key: ([], [], []) for key in ("dd", "dp", "sd", "sp")}
         t = 0
         for s in steps:
             length = s.start + s.num_new
-            if len(s.dense_pages) * N < length:
+            if len(s.dense_pages) * self.cache.page_size < length:
                 raise ValueError(f"sequence {s.seq_id}: {len(s.dense_pages)} pages cannot hold {length} tokens")
-            pos = range(s.start, length)
             key = "d" if s.decode else "p"
-            tok, pg, off = writes["d" + key]
-            tok.extend(range(t, t + s.num_new))
-            pg.extend(s.dense_pages[p // N] for p in pos)
-            off.extend(p % N for p in pos)
-            if self.cache.has_streaming:
-                # Only tokens still in the ring after this step are written (no slot written twice).
-                last_page = (length - 1) // N
-                tok, pg, off = writes["s" + key]
-                for i, p in enumerate(pos):
-                    page = p // N
-                    if page < ring.sink_pages or page > last_page - ring.local_pages:
-                        slot = page if page < ring.sink_pages else (
-                            ring.sink_pages + (page - ring.sink_pages) % ring.local_pages)
-                        tok.append(t + i)
-                        pg.append(s.stream_pages[slot])
-                        off.append(p % N)
+            if s.num_new > 16:
+                self._writes_np(s, t, length, arrays["d" + key], arrays["s" + key])
+            else:
+                self._writes_py(s, t, length, writes["d" + key], writes["s" + key])
             seqs.append(self._seq_plan(s, t, length, dev))
             t += s.num_new
 
         def tens(key):
-            return tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in writes[key])
+            out = []
+            for lst, arrs in zip(writes[key], arrays[key]):
+                if not arrs:
+                    out.append(torch.tensor(lst, dtype=torch.long, device=dev))
+                else:
+                    out.append(torch.from_numpy(np.concatenate([*arrs, np.asarray(lst, dtype=np.int64)])).to(dev))
+            return tuple(out)
 
         return StepPlan(seqs, t, tens("dd"), tens("dp"), tens("sd"), tens("sp"))
+
+    def _stream_keep(self, length: int):
+        """(sink pages, local pages, last page): tokens on pages below ``sink`` or above
+        ``last - local`` are still in the ring after a step ending at ``length``; only they are
+        written (no slot is written twice)."""
+        ring = self.cache.ring
+        return ring.sink_pages, ring.local_pages, (length - 1) // self.cache.page_size
+
+    def _writes_py(self, s: SeqStep, t: int, length: int, dense: tuple, stream: tuple) -> None:
+        N = self.cache.page_size
+        pos = range(s.start, length)
+        dense[0].extend(range(t, t + s.num_new))
+        dense[1].extend(s.dense_pages[p // N] for p in pos)
+        dense[2].extend(p % N for p in pos)
+        if self.cache.has_streaming:
+            sp, lp, last = self._stream_keep(length)
+            for i, p in enumerate(pos):
+                pg = p // N
+                if pg < sp or pg > last - lp:
+                    stream[0].append(t + i)
+                    stream[1].append(s.stream_pages[pg if pg < sp else sp + (pg - sp) % lp])
+                    stream[2].append(p % N)
+
+    def _writes_np(self, s: SeqStep, t: int, length: int, dense: tuple, stream: tuple) -> None:
+        N = self.cache.page_size
+        pos = np.arange(s.start, length, dtype=np.int64)
+        page = pos // N
+        first = s.start // N
+        table = np.asarray(s.dense_pages[first: (length - 1) // N + 1], dtype=np.int64)
+        rows = np.arange(t, t + s.num_new, dtype=np.int64)
+        dense[0].append(rows)
+        dense[1].append(table[page - first])
+        dense[2].append(pos % N)
+        if self.cache.has_streaming:
+            sp, lp, last = self._stream_keep(length)
+            keep = (page < sp) | (page > last - lp)
+            kp = page[keep]
+            slot = np.where(kp < sp, kp, sp + (kp - sp) % lp)
+            stream[0].append(rows[keep])
+            stream[1].append(np.asarray(s.stream_pages, dtype=np.int64)[slot])
+            stream[2].append(pos[keep] % N)
 
     def _seq_plan(self, s: SeqStep, t0: int, length: int, dev) -> SeqPlan:
         N = self.cache.page_size
         n_pages = -(-length // N)
         budget = self.sp.token_budget if s.token_budget is None else s.token_budget
         k = max(budget // N, 1)  # a budget under one page still keeps the last page
-        dynamic = (s.decode and budget > 0 and length >= self.threshold(budget) and n_pages > k)
+        dynamic = (self.selects and s.decode and budget > 0 and length >= self.threshold(budget) and n_pages > k)
         select = False
         if s.decode:
             step = self._decode_steps.get(s.seq_id, 0)
