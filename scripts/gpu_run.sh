@@ -74,4 +74,8 @@ has kernels && { echo "== kernel benchmark"; sed -n '/^copy bandwidth/,$p' "$OUT
 has threshold && { echo "== threshold"; tail -n 1 "$OUT/threshold.log"; }
 has e2e && { echo "== e2e"; sed -n '/^weight floor/,$p' "$OUT/e2e.log"; }
 has profile && { echo "== profile"; sed -n '/of kernels per step/,$p' "$OUT/profile.log"; }
+# The device returns at most 8 files from $OUT: past that, the logs travel as one archive.
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+    (cd "$OUT" && tar czf logs.tar.gz ./*.log gpu_info.txt && rm -f ./*.log gpu_info.txt)
+fi
 exit $rc
