@@ -290,3 +290,41 @@ def test_key_stats_decode_appends():
     for p in (2, 0):
         assert torch.equal(a.kmax[p], b.kmax[p]) and torch.equal(a.kmin[p], b.kmin[p])
     assert torch.equal(a.kmax[3, :3], b.kmax[3, :3]) and torch.equal(a.kmin[3, :3], b.kmin[3, :3])
+
+
+# ----------------------------------------------------------------------------------------------
+# StepPlanner write locations
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sink,local", [(0, 16), (8, 24), (16, 8)])
+def test_planner_vectorised_writes_match_the_list_path(sink, local):
+    """Long steps (prefill chunks) get their (row, page, offset) writes from numpy, short ones from
+    Python lists; both give the same locations for any start/length, ring wrap included."""
+    import random
+
+    import numpy as np
+
+    from lserve.config import SparsityConfig
+    from lserve.sparsity.plan import SeqStep, StepPlanner
+
+    N = 8
+    m = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
+                    head_dim=16)
+    cache = KVCache(m, CacheConfig(page_size=N, logical_page_size=4, num_pages=64), [1], sink, local, 2,
+                    torch.float32, "cpu")
+    planner = StepPlanner(SparsityConfig(pattern="random", sink_tokens=sink, local_tokens=local), cache, "cpu")
+    rng = random.Random(7)
+    dense = rng.sample(range(64), 40)  # a shuffled page table: page ids unrelated to positions
+    ring = cache.stream_alloc.allocate(cache.stream_pages_per_seq)
+    for _ in range(40):
+        start, n, t = rng.randrange(0, 200), rng.randrange(1, 100), rng.randrange(0, 50)
+        s = SeqStep(0, start, n, False, dense, ring)
+        by_list = (([], [], []), ([], [], []))
+        by_numpy = (([], [], []), ([], [], []))
+        planner._writes_py(s, t, start + n, *by_list)
+        planner._writes_np(s, t, start + n, *by_numpy)
+        for lists, arrays in zip(by_list, by_numpy):
+            for lst, arr in zip(lists, arrays):
+                got = np.concatenate(arr) if arr else np.zeros(0, np.int64)
+                assert got.tolist() == lst, (start, n)
+        assert len(by_list[0][0]) == n and len(set(by_list[1][0])) == len(by_list[1][0])  # no ring row twice
