@@ -140,3 +140,16 @@ def test_async_engine_streams_and_abort_on_close(smol):
             engine.check_health()
     finally:
         engine.shutdown()
+
+
+def test_sequence_tokens_slices_prompt_and_output():
+    """Token ranges inside the prompt, across its end and inside the output (decode steps read
+    the output alone, without copying the prompt)."""
+    from lserve.engine.sequence import Sequence
+
+    s = Sequence(0, "r", list(range(10)), SamplingParams())
+    s.output_ids += [100, 101, 102]
+    every = list(range(10)) + [100, 101, 102]
+    for a in range(14):
+        for b in range(a, 14):
+            assert s.tokens(a, b) == every[a:b], (a, b)
