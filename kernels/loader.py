@@ -35,7 +35,8 @@ FAMILIES = {
     "merge": ("merge.cu", ("ls_decode_merge",)),
     "selector": ("selector.cu", ("ls_page_scores", "ls_page_topk")),
     "prefill": ("prefill.cu", ("ls_prefill",)),
-    "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul", "ls_silu_mul_v8")),  # layer elementwise steps
+    "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
+                           "ls_silu_mul_v8")),  # layer elementwise steps
 }
 TENSOR_CORE_FAMILIES = ("prefill", "decode_tc")
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
