@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "see lserve bench profile-threshold)")
     s.add_argument("--dense-layers", type=int, default=0, help="first N layers stay fully dense")
     s.add_argument("--select-mode", default="kv", choices=["kv", "query"])
+    s.add_argument("--select-layers", default="auto",
+                   help="layers where dense heads select pages: 'auto' (the model's shipped calibration, see "
+                        "lserve calibrate-selection; else all), 'all', 'none', indices '0,5,7' or a calibration .json")
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=64, help="physical page N_P")
     c.add_argument("--logical-page-size", type=int, default=16, help="logical page N_L")
@@ -55,7 +58,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     sp = SparsityConfig(pattern=a.pattern, static_sparsity=a.static_sparsity, sink_tokens=a.sink,
                         local_tokens=a.local, token_budget=a.token_budget, reuse_interval=a.reuse_interval,
                         dynamic_threshold=a.dynamic_threshold, dense_layers=a.dense_layers,
-                        select_mode=a.select_mode)
+                        select_mode=a.select_mode, select_layers=a.select_layers)
     cc = CacheConfig(page_size=a.page_size, logical_page_size=a.logical_page_size, kv_quant=a.kv_quant,
                      max_tokens=a.max_cache_tokens)
     return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve, device="auto")  # serving: one GPU per replica when there is one
 
-    from lserve.eval.cli import register as register_eval  # classify-heads, eval
+    from lserve.eval.cli import register as register_eval  # classify-heads, calibrate-selection, eval
 
     register_eval(sub)
     return p

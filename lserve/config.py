@@ -7,6 +7,7 @@ and the HTTP layer show as-is.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,30 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
+SELECT_LAYER_WORDS = ("auto", "all", "none")
+
+
+def _layer_spec(spec) -> str | tuple[int, ...]:
+    """``select_layers`` normalised: a keyword, a calibration JSON path or sorted layer indices."""
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text.lower() in SELECT_LAYER_WORDS:
+            return text.lower()
+        if text.endswith(".json"):
+            from pathlib import Path
+
+            _check(Path(text).is_file(), f"select_layers: calibration file not found: {text}")
+            return text
+        items = [t for t in re.split(r"[,;\s]+", text) if t]
+        _check(bool(items) and all(t.isdigit() for t in items),
+               f"select_layers must be auto, all, none, layer indices like 0,5,7 or a calibration .json, "
+               f"got {spec!r}")
+        spec = [int(t) for t in items]
+    _check(isinstance(spec, (list, tuple)) and all(isinstance(i, int) and i >= 0 for i in spec),
+           f"select_layers indices must be integers >= 0, got {spec!r}")
+    return tuple(sorted(set(spec)))
+
+
 @dataclass
 class SparsityConfig:
     """Unified block-sparse attention settings (SPEC.md sections 2-4).
@@ -94,6 +119,12 @@ class SparsityConfig:
         The first ``dense_layers`` layers keep every head dense and unselected.
     select_mode : str
         ``"kv"`` selects once per KV head (group scores max-reduced), ``"query"`` per query head.
+    select_layers : str or tuple of int
+        Layers where dense heads use dynamic selection (elsewhere they read every page):
+        ``"auto"`` (the calibration shipped for the model, see
+        :mod:`lserve.sparsity.layer_select`; every layer when none ships), ``"all"``, ``"none"``,
+        layer indices (a tuple, or a string ``"0,5,7"``) or a calibration JSON path written by
+        ``lserve calibrate-selection``. Normalised here: indices become a sorted tuple.
     """
 
     pattern: str | None = None
@@ -106,8 +137,10 @@ class SparsityConfig:
     dense_layers: int = 0
     select_mode: str = "kv"
     pattern_seed: int = 0
+    select_layers: str | tuple[int, ...] = "auto"
 
     def __post_init__(self) -> None:
+        self.select_layers = _layer_spec(self.select_layers)
         _check(0.0 <= self.static_sparsity <= 1.0,
                f"static_sparsity must be in [0, 1], got {self.static_sparsity}")
         _check(self.sink_tokens >= 0 and self.local_tokens >= 1,

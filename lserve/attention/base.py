@@ -14,6 +14,7 @@ import torch
 
 from lserve.cache.kv_cache import KVCache
 from lserve.config import ModelConfig, SparsityConfig
+from lserve.sparsity.layer_select import resolve_select_layers
 from lserve.sparsity.plan import SeqStep, StepPlan, StepPlanner
 
 
@@ -52,6 +53,10 @@ class AttentionBackend(ABC):
         device = cache.dense[0].k.device
         self.planner = StepPlanner(sparsity, cache, device)
         self.selector_stats = SelectorStats()
+        # One flag per layer from ``select_layers`` (raises ConfigError on a layer-count mismatch).
+        self.select_layers = resolve_select_layers(sparsity.select_layers, model)
+        # No layer selects: plan every decode step as below the threshold (no selector state).
+        self.planner.selects = any(self.layer_selects(i) for i in range(model.num_layers))
 
     def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
         """Host-side metadata for one forward step (``host``: its tensors stay on the CPU)."""
@@ -62,8 +67,9 @@ class AttentionBackend(ABC):
         self.planner.release(seq_id)
 
     def layer_selects(self, layer: int) -> bool:
-        """Dynamic selection applies to this layer (not forced dense, has dense heads)."""
-        return layer >= self.sp.dense_layers and self.cache.n_dense[layer] > 0
+        """Dynamic selection applies to this layer (not forced dense, in ``select_layers``, has
+        dense heads)."""
+        return layer >= self.sp.dense_layers and self.select_layers[layer] and self.cache.n_dense[layer] > 0
 
     @abstractmethod
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> torch.Tensor:

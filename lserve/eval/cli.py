@@ -1,4 +1,5 @@
-"""``lserve classify-heads`` and ``lserve eval``: argparse wiring (``register(subparsers)``)."""
+"""``lserve classify-heads``, ``lserve calibrate-selection`` and ``lserve eval``: argparse wiring
+(``register(subparsers)``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,26 @@ def cmd_classify_heads(a: argparse.Namespace) -> int:
     a_ = pattern.alphas
     print(f"wrote {a.out}/full_attention_heads.tsv ({a_.shape[0]} layers x {a_.shape[1]} KV heads); "
           f"gates < 0.5: {int((a_ < 0.5).sum())} of {a_.size}, mean {a_.mean():.3f}")
+    return 0
+
+
+def cmd_calibrate_selection(a: argparse.Namespace) -> int:
+    from lserve.sparsity.calibrate import CalibrationConfig, calibrate_selection
+
+    _threads(a.threads, a.device)
+    cfg = CalibrationConfig(model=a.model, out=a.out, tasks=tuple(a.tasks), contexts=tuple(a.contexts),
+                            depths=tuple(a.depths), samples=a.samples, seed=a.seed, budget=a.budget,
+                            min_budget=a.min_budget, page_size=a.page_size, logical_page_size=a.logical_page_size,
+                            select_mode=a.select_mode, pattern=None if a.pattern == "none" else a.pattern,
+                            static_sparsity=a.static_sparsity, threshold=a.threshold, device=a.device,
+                            dtype=a.dtype, extra={"command": "lserve " + shlex.join(sys.argv[1:])})
+    r = calibrate_selection(cfg, progress=not a.quiet)
+    print("layer  mass(min over dense heads)  mean  selects")
+    for i, (m, mm) in enumerate(zip(r["layer_mass"], r["layer_mass_mean"])):
+        print(f"{i:>5}  {'-' if m is None else f'{m:.3f}':>26}  {'-' if mm is None else f'{mm:.3f}':>5}  "
+              f"{'yes' if i in r['select_layers'] else 'no'}")
+    print(f"wrote {r['path']}: selection in {len(r['select_layers'])} of {r['layers_with_dense_heads']} layers "
+          f"with dense heads (threshold {a.threshold}): {r['select_layers']}")
     return 0
 
 
@@ -118,11 +139,42 @@ def register(sub) -> None:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_classify_heads)
 
+    k = sub.add_parser("calibrate-selection", help="measure where page selection keeps the attention mass; "
+                                                   "choose select_layers",
+                       description="Run the model densely on generated long prompts and measure, per layer and "
+                                   "KV head, the attention mass the page selector's pages hold at the given "
+                                   "budget; layers whose dense heads all keep >= THRESHOLD select. Writes a "
+                                   "JSON that --select-layers auto (shipped models) or --select-layers FILE uses.")
+    k.add_argument("--model", default="default")
+    k.add_argument("--out", default=None,
+                   help="output JSON (default: selection_layers.json beside the model's shipped pattern)")
+    k.add_argument("--tasks", nargs="+", default=["passkey", "niah"],
+                   choices=["passkey", "niah", "niah-multikey", "niah-multivalue", "vt", "cwe"])
+    k.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    k.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.75])
+    k.add_argument("--samples", type=int, default=1, help="prompts per (task, context, depth)")
+    k.add_argument("--seed", type=int, default=100, help="prompt seed (default: not one `lserve eval` uses)")
+    k.add_argument("--budget", type=_budget, default="1/8", help="token count or fraction of the context")
+    k.add_argument("--min-budget", type=int, default=512, help="floor of a fractional budget")
+    k.add_argument("--page-size", type=int, default=64)
+    k.add_argument("--logical-page-size", type=int, default=16)
+    k.add_argument("--select-mode", default="kv", choices=["kv", "query"])
+    k.add_argument("--pattern", default="auto", help="head pattern deciding which heads are dense ('none': all)")
+    k.add_argument("--static-sparsity", type=float, default=0.5)
+    k.add_argument("--threshold", type=float, default=0.9, help="minimum mean mass of every dense head of a layer")
+    k.add_argument("--device", default="cpu")
+    k.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    k.add_argument("--threads", type=int, default=2, help="CPU threads (0: torch's default)")
+    k.add_argument("--quiet", action="store_true", help="no progress bar")
+    k.set_defaults(func=cmd_calibrate_selection)
+
     e = sub.add_parser("eval", help="accuracy of engine configurations side by side on generated long-context tasks",
                        description="Configurations: presets (dense, static, static-random-pattern, dynamic, lserve, "
-                                   "lserve-no-reuse, lserve-random-pattern, lserve-query-select), NAME@BUDGET, or "
+                                   "lserve-all-layers, lserve-no-reuse, lserve-random-pattern, lserve-query-select), "
+                                   "NAME@BUDGET, or "
                                    "NAME:key=value,... (keys: pattern, static_sparsity, budget, min_budget, "
-                                   "reuse_interval, select_mode, dense_layers, pattern_seed, kv_quant, logical_page_size).")
+                                   "reuse_interval, select_mode, dense_layers, pattern_seed, kv_quant, logical_page_size, "
+                                   "select_layers).")
     e.add_argument("--model", default="default")
     e.add_argument("--tasks", nargs="+", default=["passkey", "niah"],
                    choices=["passkey", "niah", "niah-multikey", "niah-multivalue", "vt", "cwe"])

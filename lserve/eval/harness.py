@@ -47,6 +47,9 @@ class RunConfig:
         Page selection runs every this many decode steps.
     logical_page_size : int
         N_L of the key statistics the selector scores (the physical page stays 64 tokens).
+    select_layers : str
+        Layers that select pages (``SparsityConfig.select_layers``: ``auto``, ``all``, ``none``,
+        ``0;5;7`` or a calibration JSON).
     """
 
     name: str
@@ -60,6 +63,7 @@ class RunConfig:
     pattern_seed: int = 0
     kv_quant: str = "none"
     logical_page_size: int = 16
+    select_layers: str = "auto"
 
     def budget_for(self, context: int, page_size: int = 64) -> int:
         """Token budget at ``context`` tokens: 0 = off, else at least two pages and ``min_budget``."""
@@ -78,7 +82,7 @@ class RunConfig:
         random_seed = self.pattern_seed if self.pattern == "random" else None
         return (self.pattern, self.static_sparsity if self.pattern else 0.0, random_seed,
                 self.reuse_interval if with_reuse else None, self.select_mode, self.dense_layers, self.kv_quant,
-                self.logical_page_size)
+                self.logical_page_size, self.select_layers)
 
     def sparsity(self, model_name: str) -> SparsityConfig:
         """The engine's :class:`SparsityConfig` (budgets are set per request)."""
@@ -88,6 +92,7 @@ class RunConfig:
         return SparsityConfig(pattern=pattern, static_sparsity=self.static_sparsity if pattern else 0.0,
                               token_budget=0, reuse_interval=self.reuse_interval, select_mode=self.select_mode,
                               dense_layers=self.dense_layers, pattern_seed=self.pattern_seed,
+                              select_layers=self.select_layers,
                               dynamic_threshold=0)  # accuracy of selection itself, at every context
 
 
@@ -98,6 +103,9 @@ PRESET_CONFIGS: dict[str, RunConfig] = {
     "static-random-pattern": RunConfig("static-random-pattern", pattern="random"),
     "dynamic": RunConfig("dynamic", budget="1/8", min_budget=512),
     "lserve": RunConfig("lserve", pattern="learned", budget="1/8", min_budget=512),
+    # The paper's behaviour: selection in every layer (``lserve`` follows the calibration).
+    "lserve-all-layers": RunConfig("lserve-all-layers", pattern="learned", budget="1/8", min_budget=512,
+                                   select_layers="all"),
     "lserve-no-reuse": RunConfig("lserve-no-reuse", pattern="learned", budget="1/8", min_budget=512, reuse_interval=1),
     "lserve-random-pattern": RunConfig("lserve-random-pattern", pattern="random", budget="1/8", min_budget=512),
     "lserve-query-select": RunConfig("lserve-query-select", pattern="learned", budget="1/8", min_budget=512,

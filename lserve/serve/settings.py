@@ -18,7 +18,7 @@ from lserve.config import ConfigError, EngineConfig
 ENGINE_FIELDS = (
     "model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
     "pattern", "static_sparsity", "sink", "local", "token_budget", "reuse_interval", "dynamic_threshold",
-    "dense_layers", "select_mode", "page_size", "logical_page_size", "kv_quant", "max_cache_tokens",
+    "dense_layers", "select_mode", "select_layers", "page_size", "logical_page_size", "kv_quant", "max_cache_tokens",
 )
 
 API_KEY_ENV = "LSERVE_API_KEY"
@@ -112,6 +112,7 @@ class ServeSettings:
     dynamic_threshold: int = -1
     dense_layers: int = 0
     select_mode: str = "kv"
+    select_layers: str = "auto"
     page_size: int = 64
     logical_page_size: int = 16
     kv_quant: str = "none"

@@ -91,12 +91,13 @@ class Pair:
 
     def __init__(self, *, dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(1, 2), page_size=16, logical=4,
                  kv_quant="none", sink=32, local=64, budget=128, reuse=3, select_mode="kv", num_pages=2048,
-                 max_seqs=8, dense_layers=0, split="auto", seed=0, device="cuda", backend_cls=CupyBackend) -> None:
+                 max_seqs=8, dense_layers=0, select_layers="all", split="auto", seed=0, device="cuda",
+                 backend_cls=CupyBackend) -> None:
         self.dtype, self.D, self.hkv, self.G = dtype, D, hkv, G
         self.mc = model_config(D, hkv, G, len(n_dense))
         self.sp = SparsityConfig(pattern="random" if any(n < hkv for n in n_dense) else None, sink_tokens=sink,
                                  local_tokens=local, token_budget=budget, reuse_interval=reuse,
-                                 select_mode=select_mode, dense_layers=dense_layers)
+                                 select_mode=select_mode, dense_layers=dense_layers, select_layers=select_layers)
         self.cc = CacheConfig(page_size=page_size, logical_page_size=logical, num_pages=num_pages, kv_quant=kv_quant)
         self.device = device
         self.gen = torch.Generator(device=device).manual_seed(seed)

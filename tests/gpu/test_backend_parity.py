@@ -30,6 +30,9 @@ SCENARIOS = {
     # Llama-3-like layer, page 64, INT8, first layer forced dense (no selection there).
     "bf16-d128-g4-int8-p64": dict(dtype=torch.bfloat16, D=128, hkv=4, G=4, n_dense=(4, 2), kv_quant="int8",
                                   page_size=64, logical=16, sink=64, local=128, budget=512, dense_layers=1),
+    # Selection only in the middle layer (select_layers): the others read every page.
+    "bf16-d128-g4-select-layers": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(2, 1, 2),
+                                       select_layers=(1,)),
     # fp32 model (prefill falls back to torch code; decode/selector/writes on the kernels).
     "fp32-d64-g4": dict(dtype=torch.float32, D=64, hkv=2, G=4, n_dense=(1, 2)),
     # G = 16 runs as two CTAs of 8 query heads per KV head; query mode masks span both.

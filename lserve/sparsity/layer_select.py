@@ -1,0 +1,85 @@
+"""Which layers use dynamic page selection (``SparsityConfig.select_layers``).
+
+On a small model the min/max selector keeps nearly all of the attention mass in some layers
+and drops a third of it in others, where attention is diffuse (``benchmarks/accuracy_notes.md``).
+``lserve calibrate-selection`` (:mod:`lserve.sparsity.calibrate`) measures, per layer, the mass
+the selected pages hold and writes a calibration JSON; here a ``select_layers`` setting becomes
+one flag per layer. In layers without selection dense heads read every page, exactly as below
+the dynamic threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from lserve.config import ConfigError, ModelConfig
+
+CALIBRATION_NAME = "selection_layers.json"
+CALIBRATION_KIND = "selection-layers"
+
+
+def default_calibration_for(model_name: str) -> Path | None:
+    """The shipped calibration beside the model's learned head pattern, or None.
+
+    ``model_name`` is matched as by :func:`lserve.sparsity.classifier.default_pattern_for`.
+    """
+    from lserve.sparsity.classifier import PATTERN_ROOT, SHIPPED_PATTERNS
+
+    name = "smollm2-135m" if model_name == "default" else re.sub(r"[^a-z0-9.]+", "-", Path(model_name).name.lower())
+    for key, folder in SHIPPED_PATTERNS.items():
+        path = PATTERN_ROOT / folder / CALIBRATION_NAME
+        if key in name and path.is_file():
+            return path
+    return None
+
+
+def load_calibration(path: str | Path) -> dict:
+    """Read a calibration written by :func:`lserve.sparsity.calibrate.calibrate_selection`."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read selection calibration {p}: {e}") from None
+    if not isinstance(data, dict) or data.get("kind") != CALIBRATION_KIND or "select_layers" not in data:
+        raise ConfigError(f"{p} is not a selection calibration (written by `lserve calibrate-selection`)")
+    return data
+
+
+def resolve_select_layers(spec: str | tuple[int, ...], model: ModelConfig) -> tuple[bool, ...]:
+    """One flag per layer: does this layer select pages?
+
+    Parameters
+    ----------
+    spec : str or tuple of int
+        ``SparsityConfig.select_layers`` (already normalised by the config).
+    model : ModelConfig
+        The model; ``model.name`` finds the shipped calibration for ``"auto"``.
+
+    Raises
+    ------
+    ConfigError
+        If the indices or the calibration do not fit the model's layer count.
+    """
+    n = model.num_layers
+    source = None
+    if spec == "auto":
+        source = default_calibration_for(model.name)
+        if source is None:  # no calibration for this model: the paper's behaviour
+            return (True,) * n
+    elif spec in ("all", "none"):
+        return (spec == "all",) * n
+    elif isinstance(spec, str):
+        source = Path(spec)
+    if source is not None:
+        data = load_calibration(source)
+        if data.get("num_layers") != n:
+            raise ConfigError(f"selection calibration {source} is for {data.get('num_layers')} layers "
+                              f"({data.get('model')}) but the model {model.name} has {n}")
+        spec = tuple(data["select_layers"])
+    bad = [i for i in spec if not 0 <= i < n]
+    if bad:
+        raise ConfigError(f"select_layers names layer {bad[0]} but the model has {n} layers (0..{n - 1})")
+    chosen = set(spec)
+    return tuple(i in chosen for i in range(n))
