@@ -99,7 +99,6 @@ class FusedOps:
                    device) -> str | None:
         """Compare each kernel with the torch code it replaces on random inputs; None if all agree,
         else what differs."""
-
         for T in (5, VECTOR_MIN_ROWS + 3):  # decode-sized and prefill-sized (the 16-byte kernels)
             problem = self._check_rows(T, hidden, intermediate, n_heads, head_dim, eps, device)
             if problem:

@@ -11,7 +11,6 @@ the dynamic threshold.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from lserve.config import ConfigError, ModelConfig
@@ -21,18 +20,13 @@ CALIBRATION_KIND = "selection-layers"
 
 
 def default_calibration_for(model_name: str) -> Path | None:
-    """The shipped calibration beside the model's learned head pattern, or None.
+    """The shipped calibration beside the model's learned head pattern
+    (:func:`lserve.sparsity.classifier.default_pattern_for`), or None."""
+    from lserve.sparsity.classifier import default_pattern_for
 
-    ``model_name`` is matched as by :func:`lserve.sparsity.classifier.default_pattern_for`.
-    """
-    from lserve.sparsity.classifier import PATTERN_ROOT, SHIPPED_PATTERNS
-
-    name = "smollm2-135m" if model_name == "default" else re.sub(r"[^a-z0-9.]+", "-", Path(model_name).name.lower())
-    for key, folder in SHIPPED_PATTERNS.items():
-        path = PATTERN_ROOT / folder / CALIBRATION_NAME
-        if key in name and path.is_file():
-            return path
-    return None
+    folder = default_pattern_for(model_name)
+    path = folder / CALIBRATION_NAME if folder is not None else None
+    return path if path is not None and path.is_file() else None
 
 
 def load_calibration(path: str | Path) -> dict:
