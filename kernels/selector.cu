@@ -57,6 +57,44 @@ __device__ __forceinline__ void st_float(const StRaw& r, float (&f)[8]) {
 #endif
 }
 
+// Sums of NV values per lane over the LPT lanes of a row, reduce-scattered: at each xor offset
+// (LPT/2 first) a lane keeps half of its values (the upper half if its offset bit is set) and
+// adds the partner's copy of that half, so NV values cost NV - 1 shuffles instead of NV * log2(LPT).
+// Each final sum is the same pairwise tree as a per-value butterfly, so the results are bitwise
+// equal to it. Once one value is left, the remaining offsets are a plain butterfly.
+template <int N, int O>
+struct ReduceScatter {
+    static __device__ __forceinline__ void run(float* x, int li) {
+        if constexpr (O > 0) {
+            if constexpr (N > 1) {
+                const bool up = (li & O) != 0;
+#pragma unroll
+                for (int i = 0; i < N / 2; ++i) {
+                    const float send = up ? x[i] : x[i + N / 2];
+                    const float keep = up ? x[i + N / 2] : x[i];
+                    x[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+                }
+                ReduceScatter<N / 2, O / 2>::run(x, li);
+            } else {
+                x[0] += __shfl_xor_sync(0xffffffffu, x[0], O);
+                ReduceScatter<1, O / 2>::run(x, li);
+            }
+        }
+    }
+};
+
+__host__ __device__ constexpr int ilog2(int n) { return n <= 1 ? 0 : 1 + ilog2(n / 2); }
+constexpr int NV = 4 * GQ;                                   // row sums per tile and lane: 4 rows x GQ heads
+constexpr int RS_L = ilog2(LPT);                             // xor levels of a row's lanes
+constexpr int RS_S = ilog2(NV) < RS_L ? ilog2(NV) : RS_L;    // levels that scatter
+constexpr int NLOC = NV >> RS_S;                             // values a lane holds after the reduction
+constexpr bool SPLIT_Q = GQ <= 4;                            // q+ / q- in registers (see ls_page_scores)
+#if LS_GQ <= 4 && LS_DTYPE != 2
+#define SCORE_MIN_CTAS 3  // 16-bit statistics: 168 registers, no spills, 3 CTAs per SM
+#else
+#define SCORE_MIN_CTAS 1  // wider tiles (fp32) or 8 heads: let the compiler take what it needs
+#endif
+
 // One tile of a stream: logical rows [j0, j0 + 4) of one physical page (kmax and kmin).
 struct STile {
     StRaw mx[4], mn[4];
@@ -65,7 +103,7 @@ struct STile {
     bool active;
 };
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
+extern "C" __global__ void __launch_bounds__(NTHREADS, SCORE_MIN_CTAS)
 ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D]
                const act_t* __restrict__ kmax, const act_t* __restrict__ kmin,  // [P, g, hd, D]
                int hd, int g_log,
@@ -91,9 +129,23 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
     const int sw = lane / LPT, li = lane % LPT, d0 = li * 8;
     const int qh0 = h * group + qsub * GQ;
 
-    float qv[GQ][8];  // max(q kmax, q kmin) = q * (q >= 0 ? kmax : kmin) since kmax >= kmin
+    // max(q kmax, q kmin) = q+ kmax + q- kmin elementwise (q+ = max(q, 0), q- = min(q, 0)), since
+    // kmax >= kmin. As two FMAs it equals the select form q * (q >= 0 ? kmax : kmin) bit for bit
+    // (the zero product adds nothing) without a compare and a select per element; for GQ = 8
+    // the split doubles q's registers past the budget, so that variant keeps the select.
+    float qp[GQ][8];
+    float qn[SPLIT_Q ? GQ : 1][8];
 #pragma unroll
-    for (int g = 0; g < GQ; ++g) load8_act(q + (i64)tok * q_tok_stride + (i64)(qh0 + g) * D + d0, qv[g]);
+    for (int g = 0; g < GQ; ++g) {
+        load8_act(q + (i64)tok * q_tok_stride + (i64)(qh0 + g) * D + d0, qp[g]);
+        if constexpr (SPLIT_Q) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                qn[g][i] = fminf(qp[g][i], 0.f);
+                qp[g][i] = fmaxf(qp[g][i], 0.f);
+            }
+        }
+    }
     const int rows_per_seq = qmode ? hd * group : hd * nqs;
     float* srow = scores + (i64)r * rows_per_seq * score_stride;
     __syncthreads();
@@ -120,44 +172,67 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
             }
         }
     };
-    float best[GQ];
+    // After the row sums are reduce-scattered, lane li holds values v = hi * NLOC + c
+    // (c < NLOC) with hi = li >> (RS_L - RS_S), and v = g * 4 + j (query head g, row j).
+    const int hi = li >> (RS_L - RS_S);
+    float best[NLOC];
 #pragma unroll
-    for (int g = 0; g < GQ; ++g) best[g] = LS_NEG_INF;
+    for (int c = 0; c < NLOC; ++c) best[c] = LS_NEG_INF;
     auto consume = [&](const STile& T) {
+        float x[NV];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            if (T.j0 + j >= g_log) break;  // uniform
-            float mx[8], mn[8], s[GQ];
+            float mx[8], mn[8];
             st_float(T.mx[j], mx);
             st_float(T.mn[j], mn);
 #pragma unroll
             for (int g = 0; g < GQ; ++g) {
                 float acc = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc = fmaf(qv[g][i], qv[g][i] >= 0.f ? mx[i] : mn[i], acc);
-                s[g] = acc;
+                for (int i = 0; i < 8; ++i) {
+                    if constexpr (SPLIT_Q) acc = fmaf(qn[SPLIT_Q ? g : 0][i], mn[i], fmaf(qp[g][i], mx[i], acc));
+                    else acc = fmaf(qp[g][i], qp[g][i] >= 0.f ? mx[i] : mn[i], acc);
+                }
+                x[g * 4 + j] = acc;
             }
+        }
+        ReduceScatter<NV, LPT / 2>::run(x, li);
 #pragma unroll
-            for (int off = LPT / 2; off > 0; off >>= 1)
-#pragma unroll
-                for (int g = 0; g < GQ; ++g) s[g] += __shfl_xor_sync(0xffffffffu, s[g], off);
-#pragma unroll
-            for (int g = 0; g < GQ; ++g) best[g] = fmaxf(best[g], s[g]);
+        for (int c = 0; c < NLOC; ++c) {
+            const int j = (hi * NLOC + c) & 3;
+            best[c] = fmaxf(best[c], T.j0 + j < g_log ? x[c] : LS_NEG_INF);
         }
         if (T.j0 + 4 >= g_log) {  // last group of the page: write and reset
-            if (T.active && li == 0) {
-                if (qmode) {
+            if (qmode) {
+                // Max over the 4 rows of each query head: JL rows in registers, JX lanes apart.
+                constexpr int JL = NLOC >= 4 ? 4 : NLOC, JX = 4 / JL, NC = NLOC / JL;
+                float m[NC];
 #pragma unroll
-                    for (int g = 0; g < GQ; ++g) srow[(i64)(qh0 + g) * score_stride + T.pi] = best[g];
-                } else {
-                    float bm = best[0];
+                for (int c = 0; c < NC; ++c) {
+                    m[c] = best[c * JL];
 #pragma unroll
-                    for (int g = 1; g < GQ; ++g) bm = fmaxf(bm, best[g]);
-                    srow[(i64)(h * nqs + qsub) * score_stride + T.pi] = bm;
+                    for (int t = 1; t < JL; ++t) m[c] = fmaxf(m[c], best[c * JL + t]);
                 }
+#pragma unroll
+                for (int t = 1, o = 1 << (RS_L - RS_S); t < JX; t <<= 1, o <<= 1)
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) m[c] = fmaxf(m[c], __shfl_xor_sync(0xffffffffu, m[c], o));
+                const bool writer = (li & ((1 << (RS_L - RS_S)) - 1)) == 0 && hi % JX == 0;
+                if (T.active && writer) {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c)
+                        srow[(i64)(qh0 + ((hi * NLOC + c * JL) >> 2)) * score_stride + T.pi] = m[c];
+                }
+            } else {
+                float bm = best[0];
+#pragma unroll
+                for (int c = 1; c < NLOC; ++c) bm = fmaxf(bm, best[c]);
+#pragma unroll
+                for (int o = LPT / 2; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, o));
+                if (T.active && li == 0) srow[(i64)(h * nqs + qsub) * score_stride + T.pi] = bm;
             }
 #pragma unroll
-            for (int g = 0; g < GQ; ++g) best[g] = LS_NEG_INF;
+            for (int c = 0; c < NLOC; ++c) best[c] = LS_NEG_INF;
         }
     };
     STile ta, tb;

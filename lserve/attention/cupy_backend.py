@@ -138,6 +138,8 @@ class CupyBackend(AttentionBackend):
     score_hpc : int or None
         Dense heads per CTA of the page-score kernel (1, 2 or 4; None: the largest that divides
         the layer's dense heads).
+    score_ppb : int or None
+        Physical pages per page-score CTA (None: sized for one wave of ~3 CTAs per SM).
     """
 
     name = "cupy"
@@ -173,6 +175,7 @@ class CupyBackend(AttentionBackend):
         self.min_chunk = 2
         self.prefill_dense = "sdpa"
         self.score_hpc: int | None = None  # dense heads per page-score CTA (None: 4, 2 or 1)
+        self.score_ppb: int | None = None  # physical pages per page-score CTA (None: one wave)
         self.qscale = self.scale * LOG2E
         # The oracle's code serves chunked prefill with cached past and fp32 prefill.
         self._ref = TorchBackend(self.model, self.sp, self.cache)
@@ -545,6 +548,8 @@ class CupyBackend(AttentionBackend):
         nst = 8 // hpc
         ppb = -(-npmax * (nd // hpc) * self.nqs * R // (3 * self.num_sms))
         ppb = min(SCORE_PAGES_MAX, max(2 * nst, -(-ppb // nst) * nst))
+        if self.score_ppb:
+            ppb = min(SCORE_PAGES_MAX, max(nst, self.score_ppb // nst * nst))
         launch(kern, (-(-npmax // ppb) if only != "topk" else 0, (nd // hpc) * self.nqs, R), (128,),
                (ptr(q), i64(q.stride(0)), ptr(stats.kmax), ptr(stats.kmin), i32(nd), i32(self.g_log),
                 ptr(st.meta), i32(st.nb), ptr(st.sel_rows), ptr(st.pages), i32(st.pages.shape[1]),

@@ -10,7 +10,9 @@ Decode (contexts 4k..256k), per step of one layer:
 * ``lserve_ms``: 4 streaming + 4 dense heads with the 4096-token budget, averaged over a
   reuse cycle of 4 steps as it runs (1 step: selector + attention, 3 steps: attention reading the
   stored selection).
-* ``selector_ms``: the page selector alone (scores + top-k) for the 4 dense heads.
+* ``selector_ms``: the page selector alone (scores + top-k) for the 4 dense heads; its parts
+  ``selector_scores_ms`` / ``selector_topk_ms``, and for comparison the score kernel with fewer
+  heads per CTA.
 * ``selector_reuse_ms``: what the selector stage adds to a reuse step (it launches nothing:
   the decode kernel reads the stored selection), measured as the difference between graphs of
   reuse steps with and without the stage call (so it is noise around zero).

@@ -1,0 +1,140 @@
+"""Selector probe (issue 3): kernel-level times of the page selector and a LServe decode step at
+256k, one layer of Llama-3-8B shape, from CUPTI (torch.profiler) and CUDA-graph replays.
+
+    python scripts/probe_selector.py OUT_DIR [--contexts 65536 262144]
+
+Prints, per context: graph-timed scores with several pages-per-CTA settings; the CUPTI duration
+of every kernel of a select step and of a reuse step, with the statistics L2-hot (replayed on the
+same data) and L2-cold (a 256 MB write in between); a D2D copy of the statistics' size. Writes
+probe_selector.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lserve.bench import kernels as kb
+
+
+def cupti_ms(fn, iters: int = 20) -> dict[str, float]:
+    """Median CUPTI duration (ms) of each kernel name launched by ``fn`` (eager), over iters."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name[:60]].append(e.device_time_total / 1e3)
+    return {k: round(statistics.median(v), 5) for k, v in per.items()}
+
+
+# Text edits of selector.cu that isolate one cost (their results are wrong by design: timing only).
+EDITS = {
+    "scores_loads_only": [("""        float x[NV];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float mx[8], mn[8];""", """        float x[NV];
+        u32 xa = 0u;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xa ^= T.mx[j].a.x ^ T.mx[j].a.y ^ T.mx[j].a.z ^ T.mx[j].a.w ^ T.mn[j].a.x ^
+                                         T.mn[j].a.y ^ T.mn[j].a.z ^ T.mn[j].a.w;
+#pragma unroll
+        for (int v = 0; v < NV; ++v) x[v] = __uint_as_float(xa & 0x3fffffffu);
+#pragma unroll
+        for (int j = 0; j < 0; ++j) {
+            float mx[8], mn[8];"""), ("        ReduceScatter<NV, LPT / 2>::run(x, li);\n", "")],
+    "scores_l2_resident": [("const i64 off = ((page * g_log + T.j0 + j) * hd + h) * D + d0;",
+                            "const i64 off = ((i64)(T.j0 + j) * hd + h) * D + d0 + 0 * page;")],
+}
+
+
+def edited_kernels(be, edit: str):
+    """A ``_kernel`` replacement for ``be`` that serves the selector family from edited source."""
+    import cupy
+    from lserve.kernels.loader import Variant, options_of, source_of
+
+    src = source_of("selector")
+    for a, b in EDITS[edit]:
+        assert src.count(a) == 1, (edit, a[:50])
+        src = src.replace(a, b)
+    mod = cupy.RawModule(code=src, options=options_of(Variant("selector", be.dt_name, be.D, "none", be.gq)),
+                         backend="nvrtc")
+    orig = be._kernel
+
+    def _kernel(family, name, quant="none", gq=1):
+        return mod.get_function(name) if family == "selector" else orig(family, name, quant, gq)
+    return _kernel
+
+
+def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
+    """One context's row (see the module docstring)."""
+    s = kb._DecodeSetup(ctx, 4, 1)
+    be = s.backends[kb.BUDGET]
+    sel, reuse = s.tables[kb.BUDGET]
+    row = {"context": ctx, "selector_bytes": s.selector_bytes(),
+           "floor_ms": s.selector_bytes() / (bw * 1e12) * 1e3}
+    be.select(0, s.q[0], sel[0])
+    for ppb in (None, 4, 8, 16, 32, 64, 128):
+        be.score_ppb = ppb
+        row[f"scores_ppb{ppb}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
+    be.score_ppb = None
+    row["topk_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
+    row["selector_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0]), 32)
+    for edit in EDITS:
+        be._kernel = edited_kernels(be, edit)
+        row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
+        del be._kernel  # back to the class method
+    nbytes = s.selector_bytes()
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    row["copy_same_bytes_hot_ms"] = kb._graph_time(lambda i: dst.copy_(src), 32)
+
+    def sel_step():
+        be.select_stage(0, s.q[0], sel[0])
+        be.decode(0, s.q[0], s.out, sel[0])
+
+    def sel_step_cold():
+        flush.fill_(1)
+        sel_step()
+
+    def reuse_step():
+        be.decode(0, s.q[0], s.out, reuse[0])
+
+    row["cupti_select_hot"] = cupti_ms(sel_step)
+    row["cupti_select_cold"] = cupti_ms(sel_step_cold)
+    row["cupti_reuse_hot"] = cupti_ms(reuse_step)
+    row["cupti_copy_hot"] = cupti_ms(lambda: dst.copy_(src))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 262144])
+    a = ap.parse_args()
+    bw = kb.copy_bandwidth_tbps()
+    res = {"copy_bandwidth_TBps": bw, "rows": []}
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for ctx in a.contexts:
+        row = probe(ctx, bw, flush)
+        res["rows"].append(row)
+        print(json.dumps(row, indent=1), flush=True)
+        torch.cuda.empty_cache()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "probe_selector.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
