@@ -219,3 +219,48 @@ ls_rope_v8(act_t* __restrict__ qkv, i64 row_stride, const long long* __restrict_
     }
 }
 
+
+// Greedy token of each row of float32 logits [rows, n]: the index of the largest value, the
+// lowest such index on ties, NaN above everything (torch.argmax's answer). One CTA per row;
+// values and indices travel packed as (order key << 32 | ~index), so one max is the answer.
+#define ARGMAX_THREADS 1024
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+ls_argmax(const float* __restrict__ x, i64 row_stride, int n, long long* __restrict__ out) {
+    __shared__ u64 s_best[ARGMAX_THREADS / 32];
+    const float* r = x + (i64)blockIdx.x * row_stride;
+    u64 best = 0ull;
+    auto take = [&](float v, int i) {
+        u32 u = __float_as_uint(v);
+        u = v != v ? 0xffffffffu : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
+        const u64 p = ((u64)u << 32) | (u64)(~(u32)i);
+        best = p > best ? p : best;
+    };
+    int i0 = 0;
+    if ((reinterpret_cast<size_t>(r) & 15) == 0) {  // 16-byte loads over the aligned body
+        const float4* r4 = reinterpret_cast<const float4*>(r);
+        const int n4 = n / 4;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < n4; i += ARGMAX_THREADS) {
+            const float4 v = __ldg(r4 + i);
+            take(v.x, 4 * i); take(v.y, 4 * i + 1); take(v.z, 4 * i + 2); take(v.w, 4 * i + 3);
+        }
+        i0 = n4 * 4;
+    }
+    for (int i = i0 + threadIdx.x; i < n; i += ARGMAX_THREADS) take(r[i], i);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 y = __shfl_xor_sync(0xffffffffu, best, o);
+        best = y > best ? y : best;
+    }
+    if ((threadIdx.x & 31) == 0) s_best[threadIdx.x >> 5] = best;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        best = s_best[threadIdx.x];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const u64 y = __shfl_xor_sync(0xffffffffu, best, o);
+            best = y > best ? y : best;
+        }
+        if (threadIdx.x == 0) out[blockIdx.x] = (long long)(~(u32)(best & 0xffffffffull));
+    }
+}

@@ -94,6 +94,10 @@ class LlamaModel:
             self.fused = ops
         return problem
 
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of float32 logits [B, V] -> long [B] (the fused kernel once enabled)."""
+        return self.fused.argmax(logits) if self.fused is not None else torch.argmax(logits, dim=-1)
+
     def nbytes(self) -> int:
         """Bytes of weights (the floor of a decode step is reading them once)."""
         ts = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
