@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="replay decode steps as CUDA graphs (cupy backend)")
     g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
                    help="fused CUDA kernels for RMSNorm/RoPE/SiLU (cupy backend; self-checked at start)")
+    g.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each greedy decode step before reading the previous one's tokens (same outputs)")
     s = p.add_argument_group("sparsity")
     s.add_argument("--pattern", default="auto",
                    help="head pattern: 'auto' (the model's shipped learned pattern, if any), 'none', 'random' "
@@ -65,7 +67,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
                         max_model_len=a.max_model_len, seed=a.seed,
                         # serve settings (deploy/serve_config.yaml) do not carry these: engine defaults
-                        cuda_graphs=getattr(a, "cuda_graphs", True), fused_ops=getattr(a, "fused_ops", True))
+                        cuda_graphs=getattr(a, "cuda_graphs", True), fused_ops=getattr(a, "fused_ops", True),
+                        async_decode=getattr(a, "async_decode", True))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -109,7 +112,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         run_e2e_bench(a.out, model=a.model or "llama3-8b", device=a.device or "cuda", backend=a.backend or "cupy",
                       contexts=a.contexts or [8192, 32768, 65536, 131072, 262144],
                       decode_steps=a.decode_tokens or 64, hf=not a.no_hf, name=a.name or "e2e_h200",
-                      batched=_batched(a.batched), side_max_context=a.side_max_context, deadline_s=a.deadline)
+                      batched=_batched(a.batched), side_max_context=a.side_max_context, deadline_s=a.deadline,
+                      async_decode=a.async_decode)
     elif a.what == "profile-threshold":
         import torch
 
@@ -174,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="e2e: longest context for the static-only and dynamic-only configurations")
     b.add_argument("--deadline", type=float, default=None,
                    help="e2e: seconds after which remaining runs are skipped (listed in the report)")
+    b.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="e2e: engines launch each decode step before reading the previous one's tokens")
     b.add_argument("--name", default=None, help="output file stem")
     b.add_argument("--budget", type=int, default=4096, help="profile-threshold: token budget")
     b.add_argument("--profile-file", default=None,

@@ -219,6 +219,10 @@ class EngineConfig:
         Residual add + RMSNorm, RoPE and SiLU-mul as fused CUDA kernels (cupy backend; see
         :mod:`lserve.models.fused`). Each engine checks them against the torch code on random
         inputs at start and keeps the torch path if they disagree or do not build.
+    async_decode : bool
+        Launch each greedy decode step before reading the previous step's tokens, so the host
+        work of one overlaps the GPU work of the other (see :mod:`lserve.engine.async_decode`);
+        outputs are unchanged.
     """
 
     model: str = "default"
@@ -233,6 +237,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True
     fused_ops: bool = True
+    async_decode: bool = True
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -241,6 +246,8 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_batched_tokens >= 16, f"max_batched_tokens must be >= 16, got {self.max_batched_tokens}")
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+        for flag in ("cuda_graphs", "fused_ops", "async_decode"):
+            _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":
             _check(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
         sp, cc = self.sparsity, self.cache

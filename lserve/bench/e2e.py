@@ -2,11 +2,14 @@
 
 For each configuration (dense, static only, dynamic only, LServe) and prompt length: one request,
 TTFT = time from submission to the first sampled token (whole prompt in one prefill step), then
-the median wall time of >= ``decode_steps`` decode steps at that context (CUDA graphs, as the
-engine runs by default). The Hugging Face ``transformers`` peer runs the same random weights
-with SDPA. Also a batched decode point, the weight-read floor, and the largest total context
-whose KV fits in the memory left after the weights (minus a reserve for activations), per
-configuration and KV storage (bf16, INT8, INT4), the target pair allocated for real.
+the median wall time per token of >= ``decode_steps`` decode steps at that context (CUDA graphs
+and async decode, as the engine runs by default: a ``step()`` launches the next decode step
+before it reads its own step's tokens, so the time between its returns is the per-token interval
+with the host work hidden behind the GPU; ``replay_gpu_ms`` is the GPU time of one graph
+replay). The Hugging Face ``transformers`` peer runs the same random weights with SDPA. Also a
+batched decode point, the weight-read floor, and the largest total context whose KV fits in the
+memory left after the weights (minus a reserve for activations), per configuration and KV
+storage (bf16, INT8, INT4), the target pair allocated for real.
 """
 
 from __future__ import annotations
@@ -55,17 +58,21 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 
 def _engine(loaded: LoadedModel, model: str, sp: SparsityConfig, context: int, device: str, backend: str,
-            decode_steps: int, kv_quant: str = "none", num_seqs: int = 1) -> LLMEngine:
+            decode_steps: int, kv_quant: str = "none", num_seqs: int = 1, async_decode: bool = True) -> LLMEngine:
     cache = CacheConfig(max_tokens=num_seqs * (context + decode_steps + 64), kv_quant=kv_quant)
     cfg = EngineConfig(model=model, sparsity=sp, cache=cache, device=device, backend=backend, max_num_seqs=num_seqs,
-                       max_batched_tokens=max(context, 16), max_model_len=context + decode_steps + 64)
+                       max_batched_tokens=max(context, 16), max_model_len=context + decode_steps + 64,
+                       async_decode=async_decode)
     return LLMEngine(cfg, loaded)
 
 
 def measure_engine(engine: LLMEngine, context: int, decode_steps: int, seed: int = 0,
                    token_budget: int | None = None) -> tuple[float, float]:
     """(TTFT seconds, median decode seconds per token) for one random prompt of ``context`` tokens
-    (``token_budget``: a per-request budget, None for the engine's)."""
+    (``token_budget``: a per-request budget, None for the engine's).
+
+    Each decode ``step()`` returns one token; its wall time is the interval between tokens (with
+    async decode it has launched the next step before waiting for this one's token)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, engine.model_config.vocab_size - 2, (context,), generator=g).tolist()
     dev = engine.config.device
@@ -79,7 +86,7 @@ def measure_engine(engine: LLMEngine, context: int, decode_steps: int, seed: int
     steps = []
     while engine.has_unfinished():
         t1 = time.perf_counter()
-        engine.step()  # reads the sampled token back: the step is complete when it returns
+        engine.step()  # returns when this step's token is on the host (the next may be running)
         steps.append(time.perf_counter() - t1)
     return ttft, statistics.median(steps)
 
@@ -205,11 +212,13 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                   backend: str = "cupy", contexts=(8192, 32768, 65536, 131072, 262144), decode_steps: int = 64,
                   hf: bool = True, hf_max_context: int = 131072, name: str = "e2e_h200",
                   batched: tuple[int, int] | None = (8, 32768), reserve_gib: float = 8.0,
-                  side_max_context: int | None = None, deadline_s: float | None = None) -> dict:
+                  side_max_context: int | None = None, deadline_s: float | None = None,
+                  async_decode: bool = True) -> dict:
     """Measure the configurations; write ``{name}.json`` (after every run) and ``{name}.png``.
 
     ``side_max_context`` caps the contexts of the static-only and dynamic-only configurations;
-    ``deadline_s`` skips the runs that would start after that many seconds (listed in the report).
+    ``deadline_s`` skips the runs that would start after that many seconds (listed in the report);
+    ``async_decode`` False measures the engine with host and GPU work one after the other.
     """
     from lserve.sparsity.threshold import lookup_ratio, profile_key
 
@@ -225,7 +234,8 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
               "weight_bytes": weight_bytes, "copy_bandwidth_TBps": bw and round(bw / 1e12, 3),
               "weight_floor_ms": bw and round(weight_bytes / bw * 1e3, 3), "rows": [],
               "max_context_tokens": {}, "kv_bytes_per_token": {}, "kv_budget_bytes": free_after_weights,
-              "dynamic_threshold_ratio": found and found[0], "cuda_graphs": {}, "skipped": []}
+              "dynamic_threshold_ratio": found and found[0], "async_decode": async_decode, "cuda_graphs": {},
+              "skipped": []}
     out = Path(out_dir)
     rows = report["rows"]
 
@@ -256,10 +266,11 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                 report["kv_bytes_per_token"] = {k: round(v, 1) for k, v in per.items()}
             else:
                 config, nb, c = (ctx, batched[0], batched[1]) if cname == "batched" else (cname, 1, ctx)
-                eng = _engine(loaded, model, CONFIGS[config], c, device, backend, decode_steps, num_seqs=nb)
+                eng = _engine(loaded, model, CONFIGS[config], c, device, backend, decode_steps, num_seqs=nb,
+                              async_decode=async_decode)
                 measure_engine(eng, 256, 4)  # warm-up: kernels compiled, allocator primed
                 if eng.graphs is not None:
-                    eng.graphs.events = []  # GPU time of each replay: the rest of a step is host work
+                    eng.graphs.events = []  # GPU time of each replay (without async decode the rest is host work)
                 if nb == 1:
                     ttft, dec = measure_engine(eng, c, decode_steps)
                     row(config, 1, c, ttft, dec)
@@ -287,7 +298,8 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
 def summary(report: dict) -> str:
     """The decode / TTFT table and the targets, as text."""
     by = {(r["config"], r["batch"], r["context"]): r for r in report["rows"]}
-    lines = [f"weight floor {report['weight_floor_ms']} ms (copy {report['copy_bandwidth_TBps']} TB/s)",
+    lines = [f"weight floor {report['weight_floor_ms']} ms (copy {report['copy_bandwidth_TBps']} TB/s), "
+             f"async decode {'on' if report.get('async_decode', True) else 'off'}",
              f"{'config':>13} {'batch':>5} {'context':>8} {'TTFT s':>9} {'ms/token':>9} {'graph GPU ms':>12}"]
     for r in report["rows"]:
         lines.append(f"{r['config']:>13} {r['batch']:>5} {r['context']:>8} {r['ttft_s']!s:>9} "

@@ -8,7 +8,10 @@ the batch) therefore run as CUDA graphs:
   :attr:`DecodeGraphs.inputs`) and the attention backend's tables (int32,
   ``CupyBackend.static_buffer``). Before a replay the host fills them from pinned memory with
   two asynchronous copies; the only synchronisation in the decode loop is reading the sampled
-  tokens back.
+  tokens back. With async decode (:mod:`lserve.engine.async_decode`) the token ids of a step
+  come from the previous step's tokens on the device (a gather after the upload), and the
+  pinned staging buffers alternate, since the host fills the next step's while the GPU may
+  not have copied the previous one yet.
 * Graphs are keyed by what fixes the launch shapes (batch size, a bucket of the longest
   sequence, which sequences select pages this step; see ``CupyBackend.static_tables``), so a
   sequence growing token by token replays the same graph until its page table crosses a
@@ -66,8 +69,10 @@ class DecodeGraphs:
         self.max_len = max_len
         self.max_graphs = max_graphs
         self.inputs = torch.zeros(N_INPUTS * max_num_seqs, dtype=torch.long, device=self.device)
-        self._pin64 = torch.zeros(N_INPUTS * max_num_seqs, dtype=torch.long).pin_memory()
-        self._pin32: torch.Tensor | None = None
+        # two of each: the host fills one while the GPU may still copy from the other
+        self._pin64 = [torch.zeros(N_INPUTS * max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
+        self._pin32: list[torch.Tensor | None] = [None, None]
+        self._flip = 0
         self._graphs: OrderedDict = OrderedDict()
         self._seen: set = set()
         self._generation = -1
@@ -84,9 +89,24 @@ class DecodeGraphs:
         return not (model.rope.dynamic and max_len > model.cfg.max_position_embeddings)
 
     def run(self, plan: StepPlan, ids: list[int], pos: list[int], seq_lens: list[int],
-            logit_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Run a decode-only step planned on the host; (logits [nb, V], greedy [nb]) or None
-        when the step cannot be captured (the caller runs it eagerly)."""
+            logit_rows: list[int], prev_tokens: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Run a decode-only step planned on the host.
+
+        Parameters
+        ----------
+        plan, ids, pos, seq_lens, logit_rows
+            The step, as the eager forward takes it (host lists).
+        prev_tokens : torch.Tensor, optional
+            Device long tensor (the previous step's tokens): ``ids`` are then rows of it, and
+            the id input is gathered from it on the device, in stream order before the replay.
+
+        Returns
+        -------
+        (logits [nb, V], greedy [nb]) or None
+            The graph's output buffers (the next replay of the same graph overwrites them), or
+            None when the step cannot be captured (the caller runs it eagerly).
+        """
         found = self.backend.static_tables(plan)
         if found is None:
             return None
@@ -102,6 +122,8 @@ class DecodeGraphs:
             self._seen.add(key)
             return None  # first sight of this shape: eager (nothing to upload)
         self._upload(plan, ids, pos, seq_lens, logit_rows, tables)
+        if prev_tokens is not None:
+            self.inputs[:nb].copy_(prev_tokens.index_select(0, self.inputs[:nb]))
         if entry is None:
             try:
                 entry = self._capture(key, plan, nb)
@@ -140,18 +162,20 @@ class DecodeGraphs:
 
     def _upload(self, plan: StepPlan, ids, pos, seq_lens, logit_rows, tables: np.ndarray) -> None:
         nb = len(ids)
-        h = self._pin64.numpy()
+        self._flip ^= 1  # the other pair was the previous step's (async decode: maybe not copied yet)
+        pin64, pin32 = self._pin64[self._flip], self._pin32[self._flip]
+        h = pin64.numpy()
         cols = [ids, pos, seq_lens, logit_rows]
         cols += [w.numpy() for w in plan.dense_write_decode]
         sw = plan.stream_write_decode
         cols += [w.numpy() for w in sw] if sw[0].numel() else [np.zeros(nb, np.int64)] * 3
         for i, c in enumerate(cols):
             h[i * nb: (i + 1) * nb] = c
-        self.inputs[: N_INPUTS * nb].copy_(self._pin64[: N_INPUTS * nb], non_blocking=True)
-        if self._pin32 is None or self._pin32.numel() < tables.size:
-            self._pin32 = torch.empty(max(tables.size, 4096) * 2, dtype=torch.int32).pin_memory()
-        self._pin32.numpy()[: tables.size] = tables
-        self.backend.static_buffer[: tables.size].copy_(self._pin32[: tables.size], non_blocking=True)
+        self.inputs[: N_INPUTS * nb].copy_(pin64[: N_INPUTS * nb], non_blocking=True)
+        if pin32 is None or pin32.numel() < tables.size:
+            pin32 = self._pin32[self._flip] = torch.empty(max(tables.size, 4096) * 2, dtype=torch.int32).pin_memory()
+        pin32.numpy()[: tables.size] = tables
+        self.backend.static_buffer[: tables.size].copy_(pin32[: tables.size], non_blocking=True)
 
     def _static_plan(self, plan: StepPlan, nb: int) -> tuple[StepPlan, list[torch.Tensor]]:
         """The plan re-pointed at the input buffers, plus the model inputs."""

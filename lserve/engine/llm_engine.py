@@ -1,7 +1,8 @@
 """The synchronous engine: requests in, one batched forward per ``step()``, outputs out.
 
 Data flows ``add_request -> Scheduler.schedule -> StepPlanner/backend.plan -> LlamaModel.forward
--> sample -> Sequence.append_token -> RequestOutput``.
+-> sample -> Sequence.append_token -> RequestOutput``. Consecutive greedy decode steps overlap
+the host work of one with the GPU work of the other (:mod:`lserve.engine.async_decode`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 from lserve.attention import make_backend
 from lserve.cache.kv_cache import KVCache
 from lserve.config import ConfigError, EngineConfig
+from lserve.engine.async_decode import HostTokens, LaunchedStep
 from lserve.engine.cuda_graphs import DecodeGraphs
 from lserve.engine.sampling import SamplingParams, sample
-from lserve.engine.scheduler import Scheduler
+from lserve.engine.scheduler import Scheduled, Scheduler
 from lserve.engine.sequence import RequestOutput, Sequence
 from lserve.models.llama import LlamaModel
 from lserve.models.loader import LoadedModel, load_model
@@ -116,6 +118,8 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_step_info: dict = {}
+        self._host_tokens = HostTokens(config.device, config.max_num_seqs)
+        self._pending: LaunchedStep | None = None  # launched, tokens not read yet (async decode)
 
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -182,11 +186,36 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward over the batch, sample; returns outputs of touched requests."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
+        """Schedule, run one forward over the batch, sample; returns outputs of touched requests.
+
+        With ``async_decode`` a pure greedy decode step launches the next one before its tokens
+        are read, so the GPU runs step t+1 while the host finishes step t (see
+        :mod:`lserve.engine.async_decode`); the outputs are those of the synchronous engine.
+        """
         t0 = time.perf_counter()
+        launched, self._pending = self._pending, None
+        if launched is not None and not launched.live():
+            launched = None  # every row finished or was aborted: nothing to read (stream order keeps it safe)
+        if launched is None:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            launched = self._launch(batch)
+        self._pending = self._chain(launched)
+        outputs = self._finish(launched)
+        self.steps += 1
+        self.last_step_info = {"seconds": time.perf_counter() - t0, "tokens": launched.num_tokens,
+                               "decode": sum(1 for b in launched.batch if b.decode),
+                               "prefill_tokens": sum(b.num_tokens for b in launched.batch if not b.decode),
+                               "chained": launched.chained}
+        return outputs
+
+    def _launch(self, batch: list[Scheduled], prev: tuple[torch.Tensor, list[int]] | None = None) -> LaunchedStep:
+        """Plan and launch the forward of ``batch`` (nothing waits for it).
+
+        ``prev``: (device tokens of the previous step, row of each sequence in it): the input
+        ids are gathered from those on the device (a chained decode step).
+        """
         now = time.monotonic()
         steps, ids, pos, seq_lens, logit_rows, samplers = [], [], [], [], [], []
         t = 0
@@ -197,57 +226,80 @@ class LLMEngine:
             start = seq.num_computed
             steps.append(SeqStep(seq.seq_id, start, n, item.decode, seq.dense_pages, seq.stream_pages,
                                  seq.params.token_budget))
-            ids.extend(seq.tokens(start, start + n))
+            if prev is None:
+                ids.extend(seq.tokens(start, start + n))
             pos.extend(range(start, start + n))
             seq_lens.extend([start + n] * n)
             t += n
             if start + n == seq.num_tokens:  # reached the end: this step yields a token
                 logit_rows.append(t - 1)
                 samplers.append(seq)
+        prev_tokens = None
+        if prev is not None:
+            prev_tokens, ids = prev  # ids: rows of prev_tokens
         dev = self.config.device
         graph_step = self.graphs is not None and all(item.decode for item in batch)
         plan = self.backend.plan(steps, host=graph_step)
-        replayed = self.graphs.run(plan, ids, pos, seq_lens, logit_rows) if graph_step else None
+        replayed = (self.graphs.run(plan, ids, pos, seq_lens, logit_rows, prev_tokens=prev_tokens)
+                    if graph_step else None)
         if replayed is not None:
             logits, greedy_dev = replayed
         else:
             if graph_step:
                 plan = plan.to(dev)
+            ids_dev = torch.tensor(ids, dtype=torch.long, device=dev)
+            if prev_tokens is not None:
+                ids_dev = prev_tokens.index_select(0, ids_dev)
             logits = self.model.forward(
-                torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                ids_dev, torch.tensor(pos, dtype=torch.long, device=dev),
                 plan, self.backend, torch.tensor(logit_rows, dtype=torch.long, device=dev),
                 torch.tensor(seq_lens, dtype=torch.long, device=dev), max(seq_lens))
             greedy_dev = torch.argmax(logits, dim=-1) if samplers else None
-        greedy = greedy_dev.tolist() if samplers else []  # the decode loop's one device sync
-        logits_cpu = None
-        touched = []
         for item in batch:
             item.seq.num_computed += item.num_tokens
-            if item.decode:
-                self.generation_tokens += 0  # counted on sampling below
-            else:
+            if not item.decode:
                 self.prompt_tokens += item.num_tokens
-        for row, seq in enumerate(samplers):
+        fetch = self._host_tokens.start(greedy_dev) if samplers else None
+        return LaunchedStep(batch, samplers, logits, greedy_dev, fetch, t, chained=prev is not None)
+
+    def _chain(self, prev: LaunchedStep) -> LaunchedStep | None:
+        """Launch the decode step after ``prev`` before ``prev``'s tokens are read; None (the
+        caller drains ``prev``) when that would differ from what ``schedule()`` does next."""
+        if not (self.config.async_decode and prev.pure_greedy_decode) or self.scheduler.waiting:
+            return None
+        live = prev.live()
+        if len(live) != len(self.scheduler.running):
+            return None  # something else runs too (a prefill): the scheduler decides
+        nxt = [(row, s) for row, s in live if not s.ends_by_length(self.max_model_len)]
+        if not nxt or not self.scheduler.reserve_next([s for _, s in nxt]):
+            return None  # done, or pages are short: drain first, then schedule() may preempt
+        for _, s in nxt:
+            s.reserve_token()
+        rows = [row for row, _ in nxt]
+        return self._launch([Scheduled(s, 1, True) for _, s in nxt], (prev.greedy, rows))
+
+    def _finish(self, st: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens (the decode loop's one wait on the device), append them
+        and free finished sequences; the outputs of the sequences that got a token."""
+        greedy = self._host_tokens.read(st.fetch) if st.samplers else []
+        logits_cpu = None
+        outputs = []
+        for row, seq in enumerate(st.samplers):
+            if seq.finish_reason is not None:
+                continue  # finished at the step before or aborted while this one ran: a wasted row
             if seq.params.greedy:
                 tok = greedy[row]
             else:
                 if logits_cpu is None:
-                    logits_cpu = logits.cpu()
+                    logits_cpu = st.logits.cpu()
                 tok = sample(logits_cpu[row], seq.params, seq.generator)
             seq.in_decode = True
             seq.append_token(tok, self.tokenizer, self.eos_ids, self.max_model_len)
             self.generation_tokens += 1
-            touched.append(seq)
-        outputs = []
-        for seq in touched:
             if seq.finish_reason is not None:
                 self._seqs.pop(seq.request_id, None)
                 self.scheduler.finish(seq)
             outputs.append(seq.snapshot())
-        self.steps += 1
-        self.last_step_info = {"seconds": time.perf_counter() - t0, "tokens": t,
-                               "decode": sum(1 for b in batch if b.decode),
-                               "prefill_tokens": sum(b.num_tokens for b in batch if not b.decode)}
         return outputs
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

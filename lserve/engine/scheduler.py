@@ -63,6 +63,20 @@ class Scheduler:
             seq.stream_pages = self.cache.stream_alloc.allocate(ring)
         return True
 
+    def reserve_next(self, seqs: list[Sequence]) -> bool:
+        """Give each decoding sequence the pages for one token more than it has, without
+        preempting (async decode schedules a step before the previous token is known).
+
+        Returns False, taking nothing, when the dense pool is short.
+        """
+        need = [self.cache.pages_for(s.num_tokens + 1) - len(s.dense_pages) for s in seqs]
+        if not self.cache.dense_alloc.can_allocate(sum(n for n in need if n > 0)):
+            return False
+        for seq, n in zip(seqs, need):
+            if n > 0:
+                seq.dense_pages += self.cache.dense_alloc.allocate(n)
+        return True
+
     def finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence at once."""
         if seq in self.running:

@@ -10,6 +10,8 @@ import torch
 
 from lserve.engine.sampling import SamplingParams
 
+PLACEHOLDER = -1  # an output id whose token is still on the device (never a vocabulary id)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -40,6 +42,8 @@ class Sequence:
 
     ``num_computed`` tokens of ``prompt_ids + output_ids`` have their KV in the cache;
     ``in_decode`` is set once the whole sequence has been prefilled (reset on preemption).
+    With async decode the last of ``output_ids`` can be a placeholder (:meth:`reserve_token`)
+    while the step that samples it runs; :meth:`append_token` replaces it.
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -52,6 +56,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_computed = 0
         self.in_decode = False
+        self.reserved = False  # the last output id is a placeholder (async decode)
         self.dense_pages: list[int] = []
         self.stream_pages: list[int] = []
         self.generator: torch.Generator | None = None
@@ -87,8 +92,21 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Whether the next token appended ends the sequence by ``max_tokens`` or ``max_model_len``."""
+        return len(self.output_ids) + 1 >= self.params.max_tokens or self.num_tokens + 1 >= max_model_len
+
+    def reserve_token(self) -> None:
+        """Hold the place of a token still being sampled on the device, so the step after it can
+        be scheduled (positions, pages); :meth:`append_token` puts the real token there."""
+        self.output_ids.append(PLACEHOLDER)
+        self.reserved = True
+
     def append_token(self, tok: int, tokenizer, eos_ids: tuple[int, ...], max_model_len: int) -> None:
-        """Add a sampled token, update the text and decide whether to stop."""
+        """Add a sampled token (in place of a reserved one), update the text and decide whether to stop."""
+        if self.reserved:
+            self.output_ids.pop()
+            self.reserved = False
         now = time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = now

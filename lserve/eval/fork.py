@@ -75,11 +75,13 @@ def fork_sequence(engine, src: Sequence, params: SamplingParams, request_id: str
 class ReuseOverride:
     """Per-sequence reuse interval C' on an engine whose planner runs with its own C.
 
-    Before each step, for every overridden sequence that is decoding, the planner's record of
-    its last selection is either dropped (the selector may run now: never ran, or step - last
-    >= C') or set to the coming step (the last selection is reused). After the step, a selection
-    counts only if the planner really made one (it does only while selection is active). This
-    is the planner's own rule with C' in place of C.
+    Before each step is planned, for every overridden sequence that is decoding, the planner's
+    record of its last selection is either dropped (the selector may run now: never ran, or
+    step - last >= C') or set to the coming step (the last selection is reused). After the
+    plan, a selection counts only if the planner really made one (it does only while selection
+    is active). This is the planner's own rule with C' in place of C. Used as a context manager
+    it brackets every ``planner.plan`` call, so it holds however many steps one ``engine.step()``
+    plans (async decode plans the next decode step before the current one's tokens are read).
     """
 
     def __init__(self, engine) -> None:
@@ -91,6 +93,21 @@ class ReuseOverride:
 
     def set(self, seq: Sequence, interval: int) -> None:
         self.interval[seq.seq_id] = interval
+
+    def __enter__(self) -> ReuseOverride:
+        plan = self.planner.plan
+
+        def bracketed(steps, host: bool = False):
+            self.before_step()
+            out = plan(steps, host)
+            self.after_step()
+            return out
+
+        self.planner.plan = bracketed  # an instance attribute over the class's method
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.planner.plan
 
     def before_step(self) -> None:
         pl = self.planner
@@ -135,37 +152,35 @@ def generate_variants(engine, prompts: list[list[int]], variants: list[list[Samp
     if len(prompts) != len(variants) or any(not v for v in variants):
         raise ValueError("need one non-empty list of variants per prompt")
     reuse = reuse or [[None] * len(v) for v in variants]
-    override = ReuseOverride(engine)
-    src_ids = [engine.add_request(p, v[0]) for p, v in zip(prompts, variants)]
-    for i, src in enumerate(src_ids):
-        if reuse[i][0] is not None:
-            override.set(engine._seqs[src], reuse[i][0])
-    rids = [[src] + [f"{src}/v{j}" for j in range(1, len(v))] for src, v in zip(src_ids, variants)]
-    forked = [len(v) == 1 for v in variants]
-    final: dict[str, RequestOutput] = {}
-    while len(final) < sum(len(r) for r in rids):
-        override.before_step()
-        outs = engine.step()
-        override.after_step()
-        for o in outs:
-            if o.finished:
-                final[o.request_id] = o
-        for i, src_id in enumerate(src_ids):
-            if forked[i]:
-                continue
-            seq = engine._seqs.get(src_id)
-            if seq is None:  # finished at its first token (EOS or max_tokens 1): every variant is the same
-                if src_id in final:
-                    for rid in rids[i][1:]:
-                        final[rid] = final[src_id]
+    with ReuseOverride(engine) as override:  # per planned step, however step() plans them
+        src_ids = [engine.add_request(p, v[0]) for p, v in zip(prompts, variants)]
+        for i, src in enumerate(src_ids):
+            if reuse[i][0] is not None:
+                override.set(engine._seqs[src], reuse[i][0])
+        rids = [[src] + [f"{src}/v{j}" for j in range(1, len(v))] for src, v in zip(src_ids, variants)]
+        forked = [len(v) == 1 for v in variants]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < sum(len(r) for r in rids):
+            outs = engine.step()
+            for o in outs:
+                if o.finished:
+                    final[o.request_id] = o
+            for i, src_id in enumerate(src_ids):
+                if forked[i]:
+                    continue
+                seq = engine._seqs.get(src_id)
+                if seq is None:  # finished at its first token (EOS or max_tokens 1): every variant is the same
+                    if src_id in final:
+                        for rid in rids[i][1:]:
+                            final[rid] = final[src_id]
+                        forked[i] = True
+                    continue
+                if seq.in_decode and len(seq.output_ids) == 1:
+                    for rid, params, c in zip(rids[i][1:], variants[i][1:], reuse[i][1:]):
+                        copy = fork_sequence(engine, seq, params, rid)
+                        if c is not None:
+                            override.set(copy, c)
                     forked[i] = True
-                continue
-            if seq.in_decode and len(seq.output_ids) == 1:
-                for rid, params, c in zip(rids[i][1:], variants[i][1:], reuse[i][1:]):
-                    copy = fork_sequence(engine, seq, params, rid)
-                    if c is not None:
-                        override.set(copy, c)
-                forked[i] = True
-        if not outs and not engine.has_unfinished() and len(final) < sum(len(r) for r in rids):
-            raise RuntimeError("engine stopped before every variant finished")
-    return [[final[r] for r in row] for row in rids]
+            if not outs and not engine.has_unfinished() and len(final) < sum(len(r) for r in rids):
+                raise RuntimeError("engine stopped before every variant finished")
+        return [[final[r] for r in row] for row in rids]
