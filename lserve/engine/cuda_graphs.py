@@ -204,7 +204,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(splan, x)
-            greedy = torch.argmax(logits, dim=-1)
+            greedy = self.model.greedy(logits)
         stats.runs, stats.reuses, stats.pages = before  # the replay that follows counts the step
         entry = _Graph(graph, logits, greedy, tuple(a - b for a, b in zip(after, before)), (step, splan))
         self._graphs[key] = entry

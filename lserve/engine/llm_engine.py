@@ -254,7 +254,7 @@ class LLMEngine:
                 ids_dev, torch.tensor(pos, dtype=torch.long, device=dev),
                 plan, self.backend, torch.tensor(logit_rows, dtype=torch.long, device=dev),
                 torch.tensor(seq_lens, dtype=torch.long, device=dev), max(seq_lens))
-            greedy_dev = torch.argmax(logits, dim=-1) if samplers else None
+            greedy_dev = self.model.greedy(logits) if samplers else None
         for item in batch:
             item.seq.num_computed += item.num_tokens
             if not item.decode:
