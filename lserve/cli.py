@@ -66,9 +66,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
                         max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
                         max_model_len=a.max_model_len, seed=a.seed,
-                        # serve settings (deploy/serve_config.yaml) do not carry these: engine defaults
-                        cuda_graphs=getattr(a, "cuda_graphs", True), fused_ops=getattr(a, "fused_ops", True),
-                        async_decode=getattr(a, "async_decode", True))
+                        cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ ENGINE_FIELDS = (
     "model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
     "pattern", "static_sparsity", "sink", "local", "token_budget", "reuse_interval", "dynamic_threshold",
     "dense_layers", "select_mode", "select_layers", "page_size", "logical_page_size", "kv_quant", "max_cache_tokens",
+    "cuda_graphs", "fused_ops", "async_decode",
 )
 
 API_KEY_ENV = "LSERVE_API_KEY"
@@ -117,6 +118,9 @@ class ServeSettings:
     logical_page_size: int = 16
     kv_quant: str = "none"
     max_cache_tokens: int = 65536
+    cuda_graphs: bool = True
+    fused_ops: bool = True
+    async_decode: bool = True
     # -- serving ------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000

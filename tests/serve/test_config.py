@@ -36,6 +36,17 @@ def test_settings_from_cli_flags():
     assert cfg.sparsity.token_budget == 512 and cfg.model == "default"
 
 
+def test_engine_switches_reach_the_engine_config():
+    """--no-cuda-graphs / --no-fused-ops / --no-async-decode on ``lserve serve`` (and the same keys
+    in a serve config) turn the engine features off instead of being dropped."""
+    args = build_parser().parse_args(["serve", "--no-cuda-graphs", "--no-fused-ops", "--no-async-decode"])
+    cfg = ServeSettings.from_args(args).engine_config()
+    assert (cfg.cuda_graphs, cfg.fused_ops, cfg.async_decode) == (False, False, False)
+    cfg = ServeSettings.from_dict({"async_decode": "false"}).engine_config()
+    assert (cfg.cuda_graphs, cfg.fused_ops, cfg.async_decode) == (True, True, False)
+    assert ServeSettings().engine_config().async_decode is True
+
+
 def test_from_dict_converts_strings_and_rejects_unknown_keys():
     s = ServeSettings.from_dict({"replicas": "2", "token-budget": "0", "request_timeout_s": "none",
                                  "autoscaling": "false", "imbalance_ratio": "1.5"})
