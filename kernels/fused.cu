@@ -264,3 +264,67 @@ ls_argmax(const float* __restrict__ x, i64 row_stride, int n, long long* __restr
         if (threadIdx.x == 0) out[blockIdx.x] = (long long)(~(u32)(best & 0xffffffffull));
     }
 }
+
+// Decode-sized matrix-vector products: y[t, n] = sum_k x[t, k] W[n, k] for T <= GEMV_TMAX rows,
+// W [N, K] row-major 16-bit with K % 8 == 0 and 16-byte aligned rows; float32 accumulation,
+// rounded once to the activation type (as F.linear). cuBLAS runs the attention projections at
+// batch 1 with split-K (a second reduce kernel) at ~3.1 TB/s; here a warp streams GEMV_R rows,
+// each lane GEMV_U 16-byte chunks per row in flight, and x (a few KB) stays in L1.
+#define GEMV_WARPS 8
+#define GEMV_R 2
+#define GEMV_TMAX 4
+#define GEMV_U 4
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+ls_gemv(const act_t* __restrict__ x, i64 x_stride, const act_t* __restrict__ w, int N, int K, int T,
+        act_t* __restrict__ y, i64 y_stride) {
+#if LS_DTYPE != 2
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_R;
+    if (n0 >= N) return;  // whole warp
+    const int nch = K / 8;
+    float acc[GEMV_R][GEMV_TMAX];
+#pragma unroll
+    for (int r = 0; r < GEMV_R; ++r)
+#pragma unroll
+        for (int t = 0; t < GEMV_TMAX; ++t) acc[r][t] = 0.f;
+    for (int c0 = lane; c0 < nch; c0 += 32 * GEMV_U) {
+        uint4 wr[GEMV_R][GEMV_U];
+#pragma unroll
+        for (int r = 0; r < GEMV_R; ++r)
+#pragma unroll
+            for (int u = 0; u < GEMV_U; ++u) {
+                const int c = c0 + 32 * u;
+                wr[r][u] = make_uint4(0u, 0u, 0u, 0u);
+                if (n0 + r < N && c < nch) wr[r][u] = ldg_stream16(w + (i64)(n0 + r) * K + 8 * c);
+            }
+#pragma unroll
+        for (int u = 0; u < GEMV_U; ++u) {
+            const int c = c0 + 32 * u;
+            if (c >= nch) break;
+#pragma unroll
+            for (int t = 0; t < GEMV_TMAX; ++t) {
+                if (t >= T) break;
+                float xf[8];
+                load8_act(x + (i64)t * x_stride + 8 * c, xf);
+#pragma unroll
+                for (int r = 0; r < GEMV_R; ++r) {
+                    float wf[8];
+                    unpack2(wr[r][u].x, wf[0], wf[1]); unpack2(wr[r][u].y, wf[2], wf[3]);
+                    unpack2(wr[r][u].z, wf[4], wf[5]); unpack2(wr[r][u].w, wf[6], wf[7]);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[r][t] = fmaf(xf[i], wf[i], acc[r][t]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_R; ++r)
+#pragma unroll
+        for (int t = 0; t < GEMV_TMAX; ++t) {
+            float s = acc[r][t];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0 && t < T && n0 + r < N) y[(i64)t * y_stride + n0 + r] = f2act(s);
+        }
+#endif
+}

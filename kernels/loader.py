@@ -36,7 +36,7 @@ FAMILIES = {
     "selector": ("selector.cu", ("ls_page_scores", "ls_page_topk")),
     "prefill": ("prefill.cu", ("ls_prefill",)),
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
-                           "ls_silu_mul_v8", "ls_argmax")),  # layer elementwise steps, greedy argmax
+                           "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }
 TENSOR_CORE_FAMILIES = ("prefill", "decode_tc")
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}

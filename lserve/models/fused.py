@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 NORM_THREADS = 512
 ARGMAX_THREADS = 1024  # kernels/fused.cu
+GEMV_TMAX, GEMV_ROWS_PER_CTA = 4, 16  # ls_gemv: most rows of x; GEMV_WARPS * GEMV_R rows of W per CTA
 VECTOR_MIN_ROWS = 64  # fewer rows (decode): the scalar RoPE / SiLU-mul kernels
 NV8 = 2  # 8-element chunks per thread in ls_add_rmsnorm_v8 (kernels/fused.cu)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -35,6 +36,7 @@ class FusedOps:
         self.dtype = dtype
         self.variant = Variant("fused", DTYPE_NAMES[dtype], head_dim)
         self.vector = True  # the 16-byte-access kernels where shapes allow (False: scalar ones only)
+        self.gemv = dtype != torch.float32  # decode-sized projections through ls_gemv (16-bit weights)
 
     def _k(self, name: str):
         from lserve.kernels.loader import get_kernel
@@ -96,6 +98,22 @@ class FusedOps:
         launch(self._k("ls_silu_mul"), (-(-total // 256),), (256,), (ptr(gu), ptr(out), i32(I2 // 2), i64(total)))
         return out
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, w)``: x [T, K], w [N, K] -> [T, N]; through ``ls_gemv`` for decode-sized
+        T (<= 4) with 16-bit, 16-byte aligned operands, else cuBLAS."""
+        from lserve.kernels.loader import i32, i64, launch, ptr
+
+        T, K = x.shape
+        N = w.shape[0]
+        if not (self.gemv and T <= GEMV_TMAX and K % 8 == 0 and x.dtype == w.dtype == self.dtype
+                and w.is_contiguous() and x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0
+                and _aligned16(x, w)):
+            return F.linear(x, w)
+        y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+        launch(self._k("ls_gemv"), (-(-N // GEMV_ROWS_PER_CTA),), (256,),
+               (ptr(x), i64(x.stride(0)), ptr(w), i32(N), i32(K), i32(T), ptr(y), i64(N)))
+        return y
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of float32 logits [B, V] -> long [B], exactly ``torch.argmax(logits, -1)``
         (ties: the lowest index; NaN above every number). One CTA per row: 28 us -> a few us
@@ -118,6 +136,13 @@ class FusedOps:
             problem = self._check_rows(T, hidden, intermediate, n_heads, head_dim, eps, device)
             if problem:
                 return f"{problem} ({T} rows)"
+        g = torch.Generator(device=device).manual_seed(99)
+        for T in (1, GEMV_TMAX):  # decode GEMV: an odd output count, a partial last CTA
+            x = torch.randn(T, hidden, generator=g, device=device).to(self.dtype)
+            w = (torch.randn(n_heads * head_dim + 3, hidden, generator=g, device=device) * hidden ** -0.5).to(self.dtype)
+            tol = dict(rtol=2e-2, atol=2e-2) if self.dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
+            if not torch.allclose(self.linear(x, w).float(), F.linear(x, w).float(), **tol):
+                return f"gemv ({T} rows)"
         return None
 
     def _check_rows(self, T: int, hidden: int, intermediate: int, n_heads: int, head_dim: int, eps: float,

@@ -164,13 +164,13 @@ class LlamaModel:
         delta = None
         for i, L in enumerate(self.layers):
             f.add_rmsnorm(h, delta, L.ln1, eps, x)
-            qkv = F.linear(x, L.wqkv)  # [T, (Hq + 2 Hkv) D]
+            qkv = f.linear(x, L.wqkv)  # [T, (Hq + 2 Hkv) D]
             f.rope_(qkv, hq + hkv, D, positions, cos, sin)
             q = qkv[:, : hq * D].view(T, hq, D)
             k = qkv[:, hq * D: (hq + hkv) * D].view(T, hkv, D)
             v = qkv[:, (hq + hkv) * D:].view(T, hkv, D)
             a = backend.run(i, q, k, v, plan)  # [T, Hq, D]
-            f.add_rmsnorm(h, F.linear(a.reshape(T, hq * D), L.wo), L.ln2, eps, x)
+            f.add_rmsnorm(h, f.linear(a.reshape(T, hq * D), L.wo), L.ln2, eps, x)
             delta = F.linear(f.silu_mul(F.linear(x, L.wgu)), L.wd)
         f.add_rmsnorm(h, delta, self.norm, eps, x)
         return F.linear(x[logits_index], self.lm_head).float()
