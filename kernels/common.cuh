@@ -185,6 +185,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// Float -> unsigned key with the same order (larger float, larger key).
+__device__ __forceinline__ u32 order_key(float f) {
+    const u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
 // ---- reductions -----------------------------------------------------------------------------
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll

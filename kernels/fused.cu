@@ -230,8 +230,7 @@ ls_argmax(const float* __restrict__ x, i64 row_stride, int n, long long* __restr
     const float* r = x + (i64)blockIdx.x * row_stride;
     u64 best = 0ull;
     auto take = [&](float v, int i) {
-        u32 u = __float_as_uint(v);
-        u = v != v ? 0xffffffffu : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
+        const u32 u = v != v ? 0xffffffffu : order_key(v);
         const u64 p = ((u64)u << 32) | (u64)(~(u32)i);
         best = p > best ? p : best;
     };
@@ -288,14 +287,14 @@ ls_gemv(const act_t* __restrict__ x, i64 x_stride, const act_t* __restrict__ w, 
 #pragma unroll
         for (int t = 0; t < GEMV_TMAX; ++t) acc[r][t] = 0.f;
     for (int c0 = lane; c0 < nch; c0 += 32 * GEMV_U) {
-        uint4 wr[GEMV_R][GEMV_U];
+        V8 wr[GEMV_R][GEMV_U];
 #pragma unroll
         for (int r = 0; r < GEMV_R; ++r)
 #pragma unroll
             for (int u = 0; u < GEMV_U; ++u) {
                 const int c = c0 + 32 * u;
-                wr[r][u] = make_uint4(0u, 0u, 0u, 0u);
-                if (n0 + r < N && c < nch) wr[r][u] = ldg_stream16(w + (i64)(n0 + r) * K + 8 * c);
+                wr[r][u].a = make_uint4(0u, 0u, 0u, 0u);
+                if (n0 + r < N && c < nch) wr[r][u].a = ldg_stream16(w + (i64)(n0 + r) * K + 8 * c);
             }
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) {
@@ -309,8 +308,7 @@ ls_gemv(const act_t* __restrict__ x, i64 x_stride, const act_t* __restrict__ w, 
 #pragma unroll
                 for (int r = 0; r < GEMV_R; ++r) {
                     float wf[8];
-                    unpack2(wr[r][u].x, wf[0], wf[1]); unpack2(wr[r][u].y, wf[2], wf[3]);
-                    unpack2(wr[r][u].z, wf[4], wf[5]); unpack2(wr[r][u].w, wf[6], wf[7]);
+                    v8_get(wr[r][u], wf);
 #pragma unroll
                     for (int i = 0; i < 8; ++i) acc[r][t] = fmaf(xf[i], wf[i], acc[r][t]);
                 }

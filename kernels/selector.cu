@@ -246,12 +246,6 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
     }
 }
 
-// Float -> unsigned key with the same order (larger float, larger key).
-__device__ __forceinline__ u32 order_key(float f) {
-    const u32 u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 #define TK_THREADS 512
 #define TK_BITS 11                    // radix digit width
 #define TK_BINS (1 << TK_BITS)

@@ -92,9 +92,10 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def ends_by_length(self, max_model_len: int) -> bool:
-        """Whether the next token appended ends the sequence by ``max_tokens`` or ``max_model_len``."""
-        return len(self.output_ids) + 1 >= self.params.max_tokens or self.num_tokens + 1 >= max_model_len
+    def ends_by_length(self, max_model_len: int, ahead: int = 1) -> bool:
+        """Whether the sequence is at ``max_tokens`` or ``max_model_len`` once ``ahead`` more tokens
+        are appended (``ahead=0``: now; :meth:`append_token`'s length stop)."""
+        return len(self.output_ids) + ahead >= self.params.max_tokens or self.num_tokens + ahead >= max_model_len
 
     def reserve_token(self) -> None:
         """Hold the place of a token still being sampled on the device, so the step after it can
@@ -126,7 +127,7 @@ class Sequence:
                     self.text = self.text[:at]
                     self.finish_reason = "stop"
                     return
-        if len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+        if self.ends_by_length(max_model_len, ahead=0):
             self.finish_reason = "length"
 
     def _detokenize(self, tokenizer) -> None:

@@ -20,6 +20,11 @@ NV8 = 2  # 8-element chunks per thread in ls_add_rmsnorm_v8 (kernels/fused.cu)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def _tolerance(dtype: torch.dtype) -> dict:
+    """How far a fused kernel may be from the torch code it replaces (16-bit: a few ulps)."""
+    return dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
+
+
 def _aligned16(*ts: torch.Tensor | None) -> bool:
     """Every given tensor starts on a 16-byte boundary (the 16-byte-access kernels need it)."""
     return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
@@ -140,8 +145,7 @@ class FusedOps:
         for T in (1, GEMV_TMAX):  # decode GEMV: an odd output count, a partial last CTA
             x = torch.randn(T, hidden, generator=g, device=device).to(self.dtype)
             w = (torch.randn(n_heads * head_dim + 3, hidden, generator=g, device=device) * hidden ** -0.5).to(self.dtype)
-            tol = dict(rtol=2e-2, atol=2e-2) if self.dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
-            if not torch.allclose(self.linear(x, w).float(), F.linear(x, w).float(), **tol):
+            if not torch.allclose(self.linear(x, w).float(), F.linear(x, w).float(), **_tolerance(self.dtype)):
                 return f"gemv ({T} rows)"
         return None
 
@@ -156,7 +160,7 @@ class FusedOps:
         def rnd(*shape):
             return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dt)
 
-        tol = dict(rtol=2e-2, atol=2e-2) if dt != torch.float32 else dict(rtol=1e-5, atol=1e-5)
+        tol = _tolerance(dt)
         h, d, w = rnd(T, hidden), rnd(T, hidden), rnd(hidden)
         ref_h = h + d
         ref = rms_norm(ref_h, w, eps)
