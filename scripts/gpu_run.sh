@@ -8,6 +8,8 @@
 #   threshold  threshold_h200.{json,png}, threshold.log (lserve bench profile-threshold; the
 #              profile it saves is what the e2e engines then use)
 #   e2e        e2e_h200.{json,png}, e2e.log (lserve bench e2e; E2E_ARGS adds flags)
+#   probe      probe_*.json, probe.log (scripts/probe_$PROBE.py: PROBE=decode (default) or selector;
+#              PROBE_ARGS adds flags)
 #   profile    profile_*.json, profile.log (kernels of the prefill and eager decode steps by GPU time;
 #              PROFILE_ARGS, e.g. "--config lserve --context 32768")
 # plus gpu_info.txt, and a short summary last.
@@ -59,6 +61,11 @@ if has e2e; then
     rc=$((rc | (PIPESTATUS[0] != 0)))
 fi
 
+if has probe; then
+    # shellcheck disable=SC2086
+    timeout "${PROBE_TIMEOUT:-300}" "$PY" "scripts/probe_${PROBE:-decode}.py" "$OUT" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log"
+    rc=$((rc | (PIPESTATUS[0] != 0)))
+fi
 if has profile; then
     # shellcheck disable=SC2086
     timeout "${PROFILE_TIMEOUT:-240}" "$PY" scripts/profile_steps.py "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log"

@@ -229,8 +229,17 @@ class GateSample:
     answer_start: int
     keys: list[str]
     needle_spans: list[tuple[int, int]]
+    key_spans: list[tuple[int, int]] = field(default_factory=list)  # each key's tokens in the answer
 
-    def loss_positions(self) -> list[int]:
+    def loss_positions(self, on: str = "answer") -> list[int]:
+        """Positions whose hidden state the loss compares.
+
+        ``"answer"``: every answer token's predecessor. ``"keys"``: only those predicting a key
+        token, the retrieval steps (the answer's template words are predictable locally, so
+        they dilute the signal that tells retrieval heads apart).
+        """
+        if on == "keys":
+            return [p for a, b in self.key_spans for p in range(a - 1, b - 1)]
         return list(range(self.answer_start - 1, len(self.input_ids) - 1))
 
 
@@ -266,7 +275,13 @@ def make_gate_sample(tokenizer, num_tokens: int, num_passkeys: int, rng: random.
     head = tokenizer.encode(GATE_INTRO)
     needles = [(d, body_ids(tokenizer, GATE_NEEDLE.format(i=i + 1, key=k))) for i, (d, k) in enumerate(zip(depths, keys))]
     question = body_ids(tokenizer, GATE_QUESTION)
-    answer = body_ids(tokenizer, "".join(GATE_ANSWER.format(i=i + 1, key=k) for i, k in enumerate(keys)))
+    answer, key_offsets = [], []  # tokenized piecewise so that each key's tokens are known
+    for i, k in enumerate(keys):
+        lead, tail = GATE_ANSWER.format(i=i + 1, key="\0").split("\0")
+        answer += body_ids(tokenizer, lead.rstrip(" "))
+        key_ids = body_ids(tokenizer, " " + k)  # the space goes with the key, as in running text
+        key_offsets.append((len(answer), len(answer) + len(key_ids)))
+        answer += key_ids + body_ids(tokenizer, tail)
     budget = num_tokens - len(head) - sum(len(n) for _, n in needles) - len(question) - len(answer)
     if budget < 32:
         raise ValueError(f"{num_tokens} tokens is too short for {num_passkeys} pass keys")
@@ -274,7 +289,8 @@ def make_gate_sample(tokenizer, num_tokens: int, num_passkeys: int, rng: random.
     body, spans = insert_at_depths(hay.sentences(budget), needles)
     prompt = head + body + question
     spans = [(s + len(head), e + len(head)) for s, e in spans]
-    return GateSample(prompt + answer, len(prompt), keys, spans)
+    key_spans = [(a + len(prompt), b + len(prompt)) for a, b in key_offsets]
+    return GateSample(prompt + answer, len(prompt), keys, spans, key_spans)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,6 +316,9 @@ class GateTrainConfig:
         Each step's sequence length is drawn from this range (multiples of 64).
     num_passkeys : int
         Pass keys per sample.
+    loss_on : str
+        ``"answer"`` (every answer position) or ``"keys"`` (only positions that predict a key
+        token); see :meth:`GateSample.loss_positions`.
     batch_size : int
         Samples per step (same length).
     init : float
@@ -321,6 +340,7 @@ class GateTrainConfig:
     max_context: int = 2048
     num_passkeys: int = 4
     key_kind: str = "mixed"
+    loss_on: str = "answer"
     batch_size: int = 1
     init: float = 1.0
     seed: int = 0
@@ -339,6 +359,8 @@ class GateTrainConfig:
         if self.min_context <= self.sink_tokens + self.local_tokens:
             raise ConfigError(f"min_context ({self.min_context}) must exceed sink + local "
                               f"({self.sink_tokens + self.local_tokens}): shorter sequences teach nothing")
+        if self.loss_on not in ("answer", "keys"):
+            raise ConfigError(f"loss_on must be 'answer' or 'keys', got {self.loss_on!r}")
         if self.steps < 1 or self.batch_size < 1 or self.num_passkeys < 1:
             raise ConfigError("steps, batch_size and num_passkeys must be >= 1")
         if not (self.lr > 0 and self.reg >= 0 and 0 <= self.init <= 1):
@@ -385,9 +407,9 @@ def _sample_batch(cfg: GateTrainConfig, tokenizer, step: int, device) -> tuple[t
     T = 64 * rng.randint(lo, max(lo, hi)) if hi >= lo else cfg.min_context
     samples = [make_gate_sample(tokenizer, T, cfg.num_passkeys, rng, cfg.key_kind) for _ in range(cfg.batch_size)]
     # Answers differ in length; score the last P positions of each (all inside every answer).
-    P = min(len(s.loss_positions()) for s in samples)
+    P = min(len(s.loss_positions(cfg.loss_on)) for s in samples)
     ids = torch.tensor([s.input_ids for s in samples], dtype=torch.long, device=device)
-    pos = torch.tensor([s.loss_positions()[-P:] for s in samples], dtype=torch.long, device=device)
+    pos = torch.tensor([s.loss_positions(cfg.loss_on)[-P:] for s in samples], dtype=torch.long, device=device)
     return ids, pos, T
 
 

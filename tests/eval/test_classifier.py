@@ -167,6 +167,13 @@ def test_gate_sample_layout(smol):
     assert all(k in answer for k in s.keys)
     pos = s.loss_positions()
     assert pos[0] == s.answer_start - 1 and pos[-1] == len(s.input_ids) - 2
+    # "keys": exactly the positions whose next token belongs to a key, in answer order
+    kpos = s.loss_positions("keys")
+    assert set(kpos) < set(pos) and len(s.key_spans) == 4
+    for key, (a, b) in zip(s.keys, s.key_spans):
+        assert a >= s.answer_start and tok.decode(s.input_ids[a:b]).strip() == key
+        assert [p for p in kpos if a - 1 <= p < b - 1] == list(range(a - 1, b - 1))
+    assert len(kpos) == sum(b - a for a, b in s.key_spans)
 
 
 def test_train_gates_writes_pattern_and_resumes(tiny, tmp_path):

@@ -1,0 +1,82 @@
+"""Decode split-K probe (issue 3): how the split-K granularity moves our dense decode against
+SDPA, and the LServe reuse step, one layer of Llama-3-8B shape (bf16, batch 1).
+
+    python scripts/probe_decode.py OUT_DIR [--contexts 65536 131072 262144]
+
+For each context: SDPA decode; our dense decode for several (units per launch, fewest entries
+per unit) settings, with and without the split-K merge; the LServe reuse step (50% streaming,
+budget 4096) for the same settings. CUDA-graph timings as in ``lserve bench kernels``.
+Writes probe_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from lserve.bench import kernels as kb
+
+# (units per launch as a multiple of the SM count or None = the default one wave, min_chunk)
+SETTINGS = [(None, 2), (1, 2), (3, 2), (4, 2), (6, 2), (None, 8), (None, 16)]
+
+
+def _time_setting(s, be, tables, target, min_chunk, inner) -> tuple[float, float, int]:
+    be.target_ctas = None if target is None else target * be.num_sms
+    be.min_chunk = min_chunk
+    for t in tables:
+        t.units.clear()
+
+    def step(i, merge=True):
+        j = i % s.n_sets
+        be.decode(0, s.q[j], s.out, tables[j], merge=merge)
+
+    full = kb._graph_time(step, inner)
+    attn = kb._graph_time(lambda i: step(i, merge=False), inner)
+    n_units = next(iter(tables[0].units.values())).n_units
+    return full, attn, n_units
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[65536, 131072, 262144])
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mc = kb._model_config()
+    report = {"device": torch.cuda.get_device_name(), "settings": SETTINGS, "rows": []}
+    for ctx in a.contexts:
+        kv_bytes = ctx * mc.num_kv_heads * mc.head_dim * 4
+        n_sets = max(1, min(16, math.ceil(kb.ROTATE_BYTES / kv_bytes)))
+        inner = n_sets * max(1, math.ceil(32 / n_sets))
+        row = {"context": ctx, "sdpa_ms": kb._sdpa_decode_ms(ctx, n_sets, inner), "dense": [], "reuse": []}
+        torch.cuda.empty_cache()
+        for n_dense, key, budget in ((8, "dense", 0), (4, "reuse", kb.BUDGET)):
+            s = kb._DecodeSetup(ctx, n_dense, n_sets)
+            be = s.backends[budget]
+            sel, reuse = s.tables[budget]
+            tables = sel
+            if budget:
+                for j in range(n_sets):
+                    if sel[j].n_sel_rows:
+                        be.select(0, s.q[j], sel[j])
+                tables = reuse
+            for target, mcn in SETTINGS:
+                full, attn, nu = _time_setting(s, be, tables, target, mcn, inner)
+                row[key].append({"target_x_sms": target, "min_chunk": mcn, "units": nu, "ms": full, "attn_ms": attn})
+                print(f"{ctx:>7} {key:>6} target={target} min_chunk={mcn} units={nu}: {full * 1e3:7.2f} us "
+                      f"(attn {attn * 1e3:6.2f}) sdpa {row['sdpa_ms'] * 1e3:7.2f}", flush=True)
+            del s
+            torch.cuda.empty_cache()
+        report["rows"].append(row)
+    (out / "probe_decode.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
