@@ -4,8 +4,8 @@ SDPA, and the LServe reuse step, one layer of Llama-3-8B shape (bf16, batch 1).
     python scripts/probe_decode.py OUT_DIR [--contexts 65536 131072 262144]
 
 For each context: SDPA decode; our dense decode for several (units per launch, fewest entries
-per unit) settings, with and without the split-K merge; the LServe reuse step (50% streaming,
-budget 4096) for the same settings. CUDA-graph timings as in ``lserve bench kernels``.
+per unit) settings and for text-edited kernel sources (EDITS), with and without the split-K
+merge; the LServe reuse step (50% streaming, budget 4096) for the same. CUDA-graph timings as in ``lserve bench kernels``.
 Writes probe_decode.json.
 """
 
@@ -23,6 +23,27 @@ from lserve.bench import kernels as kb
 
 # (units per launch as a multiple of the SM count or None = the default one wave, min_chunk)
 SETTINGS = [(None, 2), (1, 2), (3, 2), (4, 2), (6, 2), (None, 8), (None, 16)]
+# Text edits of decode_tc.cu timed against the shipped source at the default setting:
+# {name: [(old text, new text), ...]}. Empty now; what was tried is in benchmarks/kernels_notes.md.
+EDITS: dict[str, list[tuple[str, str]]] = {}
+
+
+def edited_kernels(be, edit: str):
+    """A ``_kernel`` replacement for ``be`` that serves ls_decode_tc from edited source."""
+    import cupy
+    from lserve.kernels.loader import Variant, options_of, source_of
+
+    src = source_of("decode_tc")
+    for a, b in EDITS[edit]:
+        assert src.count(a) == 1, (edit, a[:50])
+        src = src.replace(a, b)
+    mod = cupy.RawModule(code=src, options=options_of(Variant("decode_tc", be.dt_name, be.D, "none", be.gq)),
+                         backend="nvrtc")
+    orig = be._kernel
+
+    def _kernel(family, name, quant="none", gq=1):
+        return mod.get_function(name) if family == "decode_tc" else orig(family, name, quant, gq)
+    return _kernel
 
 
 def _time_setting(s, be, tables, target, min_chunk, inner) -> tuple[float, float, int]:
@@ -45,6 +66,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--contexts", type=int, nargs="+", default=[65536, 131072, 262144])
+    ap.add_argument("--settings", choices=["all", "default"], default="all",
+                    help="'default': only the default split-K setting (with the source edits)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -66,11 +89,18 @@ def main(argv=None) -> int:
                     if sel[j].n_sel_rows:
                         be.select(0, s.q[j], sel[j])
                 tables = reuse
-            for target, mcn in SETTINGS:
+            runs = [(t, m, None) for t, m in (SETTINGS if a.settings == "all" else SETTINGS[:1])]
+            runs += [(None, 2, e) for e in EDITS]
+            for target, mcn, edit in runs:
+                if edit:
+                    be._kernel = edited_kernels(be, edit)
                 full, attn, nu = _time_setting(s, be, tables, target, mcn, inner)
-                row[key].append({"target_x_sms": target, "min_chunk": mcn, "units": nu, "ms": full, "attn_ms": attn})
-                print(f"{ctx:>7} {key:>6} target={target} min_chunk={mcn} units={nu}: {full * 1e3:7.2f} us "
-                      f"(attn {attn * 1e3:6.2f}) sdpa {row['sdpa_ms'] * 1e3:7.2f}", flush=True)
+                if edit:
+                    del be._kernel  # back to the class method
+                row[key].append({"target_x_sms": target, "min_chunk": mcn, "edit": edit, "units": nu, "ms": full,
+                                 "attn_ms": attn})
+                print(f"{ctx:>7} {key:>6} target={target} min_chunk={mcn} edit={edit} units={nu}: "
+                      f"{full * 1e3:7.2f} us (attn {attn * 1e3:6.2f}) sdpa {row['sdpa_ms'] * 1e3:7.2f}", flush=True)
             del s
             torch.cuda.empty_cache()
         report["rows"].append(row)

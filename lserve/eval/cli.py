@@ -23,7 +23,7 @@ def cmd_classify_heads(a: argparse.Namespace) -> int:
     _threads(a.threads, a.device)
     cfg = GateTrainConfig(model=a.model, out=a.out, steps=a.steps, lr=a.lr, reg=a.reg, sink_tokens=a.sink,
                           local_tokens=a.local, min_context=a.min_context, max_context=a.max_context,
-                          num_passkeys=a.num_passkeys, key_kind=a.key_kind, loss_on=a.loss_on,
+                          num_passkeys=a.num_passkeys, key_kind=a.key_kind, objective=a.objective, loss_on=a.loss_on,
                           batch_size=a.batch_size, init=a.init,
                           seed=a.seed, device=a.device, dtype=a.dtype, checkpoint_every=a.checkpoint_every,
                           grad_checkpoint=a.grad_checkpoint, resume=a.resume,
@@ -126,6 +126,9 @@ def register(sub) -> None:
     c.add_argument("--max-context", type=int, default=2048)
     c.add_argument("--num-passkeys", type=int, default=4)
     c.add_argument("--key-kind", default="mixed", choices=["digits", "words", "mixed"])
+    c.add_argument("--objective", default="mse", choices=["mse", "kl"],
+                   help="distance between full and gated runs: final hidden states (mse) or next-token "
+                        "distributions (kl)")
     c.add_argument("--loss-on", default="answer", choices=["answer", "keys"],
                    help="positions the loss compares: every answer token, or only those predicting key tokens")
     c.add_argument("--batch-size", type=int, default=1)

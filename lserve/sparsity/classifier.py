@@ -316,6 +316,8 @@ class GateTrainConfig:
         Each step's sequence length is drawn from this range (multiples of 64).
     num_passkeys : int
         Pass keys per sample.
+    objective : str
+        ``"mse"`` (hidden states) or ``"kl"`` (next-token distributions); see :func:`gate_loss`.
     loss_on : str
         ``"answer"`` (every answer position) or ``"keys"`` (only positions that predict a key
         token); see :meth:`GateSample.loss_positions`.
@@ -340,6 +342,7 @@ class GateTrainConfig:
     max_context: int = 2048
     num_passkeys: int = 4
     key_kind: str = "mixed"
+    objective: str = "mse"
     loss_on: str = "answer"
     batch_size: int = 1
     init: float = 1.0
@@ -359,6 +362,8 @@ class GateTrainConfig:
         if self.min_context <= self.sink_tokens + self.local_tokens:
             raise ConfigError(f"min_context ({self.min_context}) must exceed sink + local "
                               f"({self.sink_tokens + self.local_tokens}): shorter sequences teach nothing")
+        if self.objective not in ("mse", "kl"):
+            raise ConfigError(f"objective must be 'mse' or 'kl', got {self.objective!r}")
         if self.loss_on not in ("answer", "keys"):
             raise ConfigError(f"loss_on must be 'answer' or 'keys', got {self.loss_on!r}")
         if self.steps < 1 or self.batch_size < 1 or self.num_passkeys < 1:
@@ -368,7 +373,7 @@ class GateTrainConfig:
 
 
 def gate_loss(model: GatedLlama, alpha: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-              reg: float, checkpoint: bool = False) -> tuple[torch.Tensor, float, float]:
+              reg: float, checkpoint: bool = False, objective: str = "mse") -> tuple[torch.Tensor, float, float]:
     """One batch's loss.
 
     Parameters
@@ -377,21 +382,30 @@ def gate_loss(model: GatedLlama, alpha: torch.Tensor, input_ids: torch.Tensor, p
     input_ids : [B, T] long
     positions : [B, P] long
         Loss positions of each sample (same count per sample).
+    objective : str
+        ``"mse"``: MSE of the final hidden states (DuoAttention). ``"kl"``: KL(full || gated) of
+        the next-token distributions, which weighs a hidden-state change by what it does to the
+        prediction (a near-tie between copying a key and paraphrasing it shows up here).
 
     Returns
     -------
     loss : scalar tensor
-        ``mse + reg * mean|alpha|``.
-    mse, l1 : float
+        ``distance + reg * mean|alpha|``.
+    distance, l1 : float
     """
     with torch.no_grad():
         ref = model.hidden_states(input_ids)  # [B, T, H]
         ref = torch.gather(ref, 1, positions[..., None].expand(-1, -1, ref.shape[-1])).float()  # [B, P, H]
     out = model.hidden_states(input_ids, alpha, checkpoint=checkpoint)
     out = torch.gather(out, 1, positions[..., None].expand(-1, -1, out.shape[-1])).float()  # [B, P, H]
-    mse = F.mse_loss(out, ref)
+    if objective == "kl":
+        ref_lp = F.log_softmax(model.logits(ref), -1)  # [B, P, V]
+        dist = F.kl_div(F.log_softmax(model.logits(out), -1), ref_lp, log_target=True, reduction="sum")
+        dist = dist / (ref_lp.shape[0] * ref_lp.shape[1])  # mean over positions
+    else:
+        dist = F.mse_loss(out, ref)
     l1 = alpha.abs().mean()
-    return mse + reg * l1, float(mse.detach()), float(l1.detach())
+    return dist + reg * l1, float(dist.detach()), float(l1.detach())
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -483,17 +497,17 @@ def train_gates(cfg: GateTrainConfig, loaded=None, progress: bool = True) -> Hea
         t0 = time.perf_counter()
         ids, pos, T = _sample_batch(cfg, loaded.tokenizer, step, device)
         opt.zero_grad(set_to_none=True)
-        loss, mse, l1 = gate_loss(model, alpha, ids, pos, cfg.reg, cfg.grad_checkpoint)
+        loss, dist, l1 = gate_loss(model, alpha, ids, pos, cfg.reg, cfg.grad_checkpoint, cfg.objective)
         loss.backward()
         opt.step()
         with torch.no_grad():
             alpha.clamp_(0.0, 1.0)
-        rec = {"step": step + 1, "loss": float(loss), "mse": mse, "l1": l1, "tokens": T,
+        rec = {"step": step + 1, "loss": float(loss.detach()), cfg.objective: dist, "l1": l1, "tokens": T,
                "low": int((alpha < 0.5).sum()), "seconds": round(time.perf_counter() - t0, 3)}
         history.append(rec)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", mse=f"{mse:.4f}", mean_a=f"{l1:.3f}", T=T)
+            bar.set_postfix({"loss": f"{rec['loss']:.4f}", cfg.objective: f"{dist:.4f}", "mean_a": f"{l1:.3f}", "T": T})
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"gate loss became {rec['loss']} at step {step + 1}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:

@@ -48,9 +48,16 @@ SCENARIOS = {
     # No streaming heads at all; dense prefill heads through our mma kernel instead of SDPA.
     "bf16-d128-g4-dense-kernelprefill": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(2, 2),
                                              prefill_kernel=True),
+    # Tensor-core decode with pages of >= 64 tokens (one row base per 64-token tile): page 64 with
+    # ring wrap-around, and fp16 page 128 with GQA 8.
+    "bf16-d128-g4-p64-tc": dict(dtype=torch.bfloat16, D=128, hkv=4, G=4, n_dense=(4, 2), page_size=64, logical=16,
+                                sink=64, local=128, budget=512),
+    "fp16-d64-g8-p128-tc": dict(dtype=torch.float16, D=64, hkv=2, G=8, n_dense=(1, 2), page_size=128, logical=32,
+                                sink=128, local=256, budget=1024),
 }
 
-LENGTHS = {"bf16-d128-g4-int8-p64": [3001, 1500, 77]}
+LENGTHS = {"bf16-d128-g4-int8-p64": [3001, 1500, 77], "bf16-d128-g4-p64-tc": [3001, 1500, 77],
+           "fp16-d64-g8-p128-tc": [2600, 700, 130]}
 
 
 def run_scenario(pair: Pair, lengths: list[int], decode_steps: int, chunk: int = 250) -> None:
