@@ -9,7 +9,8 @@
 # (while the machine is warm) carries .m2 and runs this. The gguf wheel travels in .whl/ (the
 # device image lacks the package).
 # Env: VARIANTS ("name:flags;name:flags"; "none" trains nothing), STEPS (default 250), PATTERNS
-# (more pattern folders to compare, "name=dir;..."), EVAL_ARGS (extra eval flags).
+# (more pattern folders to compare, "name=dir;..."), EVAL_GRID (tasks/contexts/samples/seed of the
+# eval), EXTRA_CONFIGS (more configurations, e.g. "lserve"), EVAL_ARGS (extra eval flags).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gates_out}"
@@ -55,8 +56,9 @@ done
 wait
 for v in "${vs[@]}"; do name="${v%%:*}"; echo "== $name: $(tail -n 1 "$W/train_$name.log")"; done | tee -a "$OUT/gates.log"
 # shellcheck disable=SC2086
-timeout "${EVAL_TIMEOUT:-240}" "$PY" -m lserve eval --model "$M" --tasks passkey niah --contexts 2048 4096 8192 \
-    --samples 2 --seed 7 --configs "${configs[@]}" --device cuda --dtype float32 --out "$W/val" --quiet \
+timeout "${EVAL_TIMEOUT:-240}" "$PY" -m lserve eval --model "$M" \
+    ${EVAL_GRID:---tasks passkey niah --contexts 2048 4096 8192 --samples 2 --seed 7} \
+    --configs "${configs[@]}" ${EXTRA_CONFIGS:-} --device cuda --dtype float32 --out "$W/val" --quiet \
     ${EVAL_ARGS:-} 2>&1 | tail -n 40 | tee -a "$OUT/gates.log"
 cp "$W"/val.json "$OUT/" 2>/dev/null
 (cd "$W" && tar czf "$OUT/gates.tar.gz" .)

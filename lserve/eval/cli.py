@@ -72,7 +72,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     h = Harness(model=a.model, out=a.out, device=a.device, dtype=a.dtype, backend=a.backend, batch_size=a.batch_size,
                 max_batched_tokens=a.max_batched_tokens,
                 command="" if a.summarize_only else "lserve " + shlex.join(sys.argv[1:]),
-                progress=not a.quiet, fork=a.fork)
+                progress=not a.quiet, fork=a.fork, rope_scaling=a.rope_scaling)
     summary = h.summarize(configs, plan, plan.cases(_tokenizer(h))) if a.summarize_only else h.run(configs, plan)
     print_table(summary)
     print(f"wrote {a.out}.json ({summary['status']})")
@@ -82,7 +82,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
 def _tokenizer(h):
     from lserve.models.loader import load_model
 
-    h.loaded = load_model(h.model)
+    h.loaded = h.with_rope_scaling(load_model(h.model))
     return h.loaded.tokenizer
 
 
@@ -108,6 +108,17 @@ def _budget(s: str) -> str:
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"not a token count or fraction: {s!r}") from None
     return s
+
+
+def _rope_scaling(s: str) -> dict:
+    kind, _, factor = s.partition(":")
+    try:
+        f = float(factor)
+    except ValueError:
+        f = 0.0
+    if kind not in ("linear", "dynamic") or not f > 1.0:
+        raise argparse.ArgumentTypeError(f"expected linear:FACTOR or dynamic:FACTOR with FACTOR > 1, got {s!r}")
+    return {"rope_type": kind, "factor": f}
 
 
 def register(sub) -> None:
@@ -193,6 +204,9 @@ def register(sub) -> None:
     e.add_argument("--sweep-base", default="lserve")
     e.add_argument("--haystack", default=None, choices=["sentences", "filler"], help="override each task's haystack")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--rope-scaling", type=_rope_scaling, default=None, metavar="TYPE:FACTOR",
+                   help="replace the model's RoPE scaling, e.g. dynamic:2 or linear:2 (contexts past the "
+                        "trained length)")
     e.add_argument("--out", default="benchmarks/accuracy", help="output stem: OUT.json, OUT.cases.jsonl, OUT_*.png")
     e.add_argument("--device", default="cpu")
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])

@@ -192,6 +192,9 @@ class Harness:
     fork : bool
         Prefill each prompt once per engine and fork it into its budget variants
         (:mod:`lserve.eval.fork`); False runs every (prompt, configuration) from scratch.
+    rope_scaling : dict, optional
+        Replaces the model's RoPE scaling (``{"rope_type": "dynamic", "factor": 2.0}``), to
+        evaluate past the context the model was trained for.
     max_batched_tokens : int
         Prefill chunk of the engine.
     """
@@ -206,8 +209,15 @@ class Harness:
     command: str = ""
     progress: bool = True
     fork: bool = True
+    rope_scaling: dict | None = None
     loaded: object = None
     _done: dict = field(default_factory=dict)
+
+    def with_rope_scaling(self, loaded):
+        """``loaded`` with this harness's RoPE scaling in its config (unchanged if none is set)."""
+        if self.rope_scaling is None:
+            return loaded
+        return replace(loaded, config=replace(loaded.config, rope_scaling=dict(self.rope_scaling)))
 
     @property
     def cases_path(self) -> Path:
@@ -242,7 +252,7 @@ class Harness:
 
         if self.loaded is None:
             dtype = EngineConfig(model=self.model, device=self.device, dtype=self.dtype).torch_dtype()
-            self.loaded = load_model(self.model, dtype=dtype, device=self.device)
+            self.loaded = self.with_rope_scaling(load_model(self.model, dtype=dtype, device=self.device))
         Path(self.out).parent.mkdir(parents=True, exist_ok=True)
         self._load_done()
         cases = plan.cases(self.loaded.tokenizer)

@@ -89,3 +89,30 @@ def test_end_to_end_on_tiny_model(tmp_path, capsys):
     assert a == b
     print_table(s)
     assert "passkey" in capsys.readouterr().out
+
+
+def test_rope_scaling_override_reaches_the_engine(tmp_path):
+    """``lserve eval --rope-scaling``: the engines run the scaled RoPE (other outputs); bad values are one line."""
+    import subprocess
+    import sys
+
+    def run(*extra):
+        out = tmp_path / ("scaled" if extra else "plain")
+        r = subprocess.run([sys.executable, "-m", "lserve", "eval", "--model", "tiny", "--tasks", "passkey",
+                            "--contexts", "384", "--depths", "0.5", "--configs", "dense", "--out", str(out),
+                            "--quiet", *extra], capture_output=True, text=True, timeout=600)
+        return r, out
+
+    r0, plain = run()
+    r1, scaled = run("--rope-scaling", "linear:4")
+    assert r0.returncode == 0 and r1.returncode == 0, r0.stderr + r1.stderr
+    outs = [json.loads((p.parent / (p.name + ".cases.jsonl")).read_text().splitlines()[0])["output"]
+            for p in (plain, scaled)]
+    assert outs[0] != outs[1]  # positions divided by 4: a different random-weight continuation
+    assert "--rope-scaling linear:4" in json.loads((tmp_path / "scaled.json").read_text())["command"]
+    bad, _ = run("--rope-scaling", "yarn:2")
+    assert bad.returncode == 2 and "expected linear:FACTOR or dynamic:FACTOR" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+    h = Harness(model="tiny", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert h.with_rope_scaling(load_model("tiny")).config.rope_scaling == {"rope_type": "dynamic", "factor": 2.0}
