@@ -28,24 +28,6 @@ SETTINGS = [(None, 2), (1, 2), (3, 2), (4, 2), (6, 2), (None, 8), (None, 16)]
 EDITS: dict[str, list[tuple[str, str]]] = {}
 
 
-def edited_kernels(be, edit: str):
-    """A ``_kernel`` replacement for ``be`` that serves ls_decode_tc from edited source."""
-    import cupy
-    from lserve.kernels.loader import Variant, options_of, source_of
-
-    src = source_of("decode_tc")
-    for a, b in EDITS[edit]:
-        assert src.count(a) == 1, (edit, a[:50])
-        src = src.replace(a, b)
-    mod = cupy.RawModule(code=src, options=options_of(Variant("decode_tc", be.dt_name, be.D, "none", be.gq)),
-                         backend="nvrtc")
-    orig = be._kernel
-
-    def _kernel(family, name, quant="none", gq=1):
-        return mod.get_function(name) if family == "decode_tc" else orig(family, name, quant, gq)
-    return _kernel
-
-
 def _time_setting(s, be, tables, target, min_chunk, inner) -> tuple[float, float, int]:
     be.target_ctas = None if target is None else target * be.num_sms
     be.min_chunk = min_chunk
@@ -93,7 +75,7 @@ def main(argv=None) -> int:
             runs += [(None, 2, e) for e in EDITS]
             for target, mcn, edit in runs:
                 if edit:
-                    be._kernel = edited_kernels(be, edit)
+                    be._kernel = kb.edited_kernels(be, "decode_tc", EDITS[edit])
                 full, attn, nu = _time_setting(s, be, tables, target, mcn, inner)
                 if edit:
                     del be._kernel  # back to the class method

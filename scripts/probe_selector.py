@@ -60,24 +60,6 @@ EDITS = {
 }
 
 
-def edited_kernels(be, edit: str):
-    """A ``_kernel`` replacement for ``be`` that serves the selector family from edited source."""
-    import cupy
-    from lserve.kernels.loader import Variant, options_of, source_of
-
-    src = source_of("selector")
-    for a, b in EDITS[edit]:
-        assert src.count(a) == 1, (edit, a[:50])
-        src = src.replace(a, b)
-    mod = cupy.RawModule(code=src, options=options_of(Variant("selector", be.dt_name, be.D, "none", be.gq)),
-                         backend="nvrtc")
-    orig = be._kernel
-
-    def _kernel(family, name, quant="none", gq=1):
-        return mod.get_function(name) if family == "selector" else orig(family, name, quant, gq)
-    return _kernel
-
-
 def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
     """One context's row (see the module docstring)."""
     s = kb._DecodeSetup(ctx, 4, 1)
@@ -93,7 +75,7 @@ def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
     row["topk_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
     row["selector_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0]), 32)
     for edit in EDITS:
-        be._kernel = edited_kernels(be, edit)
+        be._kernel = kb.edited_kernels(be, "selector", EDITS[edit])
         row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
         del be._kernel  # back to the class method
     nbytes = s.selector_bytes()
