@@ -121,7 +121,8 @@ def _local_and_global_model(T: int):
     return cfg, w
 
 
-def test_trainer_sends_provably_local_head_to_streaming():
+@pytest.mark.parametrize("objective", ["mse", "kl"])
+def test_trainer_sends_provably_local_head_to_streaming(objective):
     T, sink, local = 128, 4, 16
     cfg, w = _local_and_global_model(T)
     model = GatedLlama(cfg, w, sink, local)
@@ -134,8 +135,11 @@ def test_trainer_sends_provably_local_head_to_streaming():
         h_s0 = model.hidden_states(ids, torch.tensor([[0.0, 1.0]]))  # only head 0 streaming
         h_s1 = model.hidden_states(ids, torch.tensor([[1.0, 0.0]]))  # only head 1 streaming
     assert (h_s0 - h_full).abs().max().item() < 1e-5
-    c1 = (h_s1 - h_full)[:, -16:].pow(2).mean().item()
-    assert c1 > 1e-3
+    assert (h_s1 - h_full)[:, -16:].pow(2).mean().item() > 1e-3
+    with torch.no_grad():  # the same through the objective: 0 at full attention, > 0 for head 1 streaming
+        _, d_full, _ = gate_loss(model, torch.ones(1, 2), ids, pos, 0.0, objective=objective)
+        _, c1, _ = gate_loss(model, torch.tensor([[1.0, 0.0]]), ids, pos, 0.0, objective=objective)
+    assert d_full < 1e-9 and c1 > 1e-4, (d_full, c1)
 
     reg = 0.1 * c1
     alpha = torch.full((1, 2), 0.5, requires_grad=True)
@@ -143,7 +147,7 @@ def test_trainer_sends_provably_local_head_to_streaming():
     losses, mses = [], []
     for _ in range(40):
         opt.zero_grad()
-        loss, mse, _ = gate_loss(model, alpha, ids, pos, reg)
+        loss, mse, _ = gate_loss(model, alpha, ids, pos, reg, objective=objective)
         loss.backward()
         opt.step()
         with torch.no_grad():
@@ -154,7 +158,7 @@ def test_trainer_sends_provably_local_head_to_streaming():
     assert losses[5] < losses[0] and losses[-1] < 0.5 * losses[0], losses
     assert mses[-1] < 0.2 * mses[0], mses
     assert a0 == 0.0  # clamped all the way down: nothing but the L1 term acts on it
-    assert a1 > 0.8, a1  # the global head is held up by the MSE
+    assert a1 > 0.8, a1  # the global head is held up by the distance term
 
 
 def test_gate_sample_layout(smol):
@@ -221,3 +225,10 @@ def test_shipped_default_pattern(smol):
     assert (p.sink_tokens, p.local_tokens) == (128, 256)
     layout = HeadLayout.from_pattern(p, mc.num_layers, mc.num_kv_heads, 0.5)
     assert layout.streaming_fraction() == pytest.approx(0.5, abs=0.02)
+
+
+@pytest.mark.parametrize("kw, message", [({"objective": "ce"}, "objective must be 'mse' or 'kl'"),
+                                         ({"loss_on": "all"}, "loss_on must be 'answer' or 'keys'")])
+def test_gate_config_refuses_unknown_objective_and_positions(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        GateTrainConfig(**kw)
