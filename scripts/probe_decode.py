@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -53,12 +52,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    mc = kb._model_config()
     report = {"device": torch.cuda.get_device_name(), "settings": SETTINGS, "rows": []}
     for ctx in a.contexts:
-        kv_bytes = ctx * mc.num_kv_heads * mc.head_dim * 4
-        n_sets = max(1, min(16, math.ceil(kb.ROTATE_BYTES / kv_bytes)))
-        inner = n_sets * max(1, math.ceil(32 / n_sets))
+        n_sets, inner = kb._rotation(ctx)
         row = {"context": ctx, "sdpa_ms": kb._sdpa_decode_ms(ctx, n_sets, inner), "dense": [], "reuse": []}
         torch.cuda.empty_cache()
         for n_dense, key, budget in ((8, "dense", 0), (4, "reuse", kb.BUDGET)):
@@ -67,9 +63,7 @@ def main(argv=None) -> int:
             sel, reuse = s.tables[budget]
             tables = sel
             if budget:
-                for j in range(n_sets):
-                    if sel[j].n_sel_rows:
-                        be.select(0, s.q[j], sel[j])
+                s.select_all()
                 tables = reuse
             runs = [(t, m, None) for t, m in (SETTINGS if a.settings == "all" else SETTINGS[:1])]
             runs += [(None, 2, e) for e in EDITS]

@@ -182,6 +182,14 @@ class _DecodeSetup:
                 reuse.append(be._tables(be.plan([step])))
             self.tables[budget] = (sel, reuse)
 
+    def select_all(self) -> None:
+        """Run the selector once on every set, so the reuse-step tables read a stored selection."""
+        be = self.backends[BUDGET]
+        sel, _ = self.tables[BUDGET]
+        for j in range(self.n_sets):
+            if sel[j].n_sel_rows:
+                be.select(0, self.q[j], sel[j])
+
     def selector_bytes(self) -> int:
         st = self.cache.stats[0]
         return 2 * (-(-self.context // PAGE)) * st.g * self.n_dense * st.kmax.shape[-1] * st.kmax.element_size()
@@ -202,11 +210,21 @@ def _sdpa_decode_ms(context: int, n_sets: int, inner: int) -> float:
     return _graph_time(sdpa, inner)
 
 
-def _decode_row(context: int, bw_tbps: float) -> dict:
+def _kv_bytes(context: int) -> int:
+    """Bytes of bf16 K and V of one layer at ``context`` tokens."""
     mc = _model_config()
-    kv_bytes = context * mc.num_kv_heads * mc.head_dim * 2 * 2
-    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
-    inner = n_sets * max(1, math.ceil(32 / n_sets))
+    return context * mc.num_kv_heads * mc.head_dim * 2 * 2
+
+
+def _rotation(context: int) -> tuple[int, int]:
+    """(cache copies, graph steps): copies rotated so a pass touches ROTATE_BYTES of K/V (L2 stays
+    cold), and at least 32 steps per graph, a whole number of rotations."""
+    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / _kv_bytes(context))))
+    return n_sets, n_sets * max(1, math.ceil(32 / n_sets))
+
+
+def _decode_row(context: int, bw_tbps: float) -> dict:
+    n_sets, inner = _rotation(context)
     row = {"context": context, "cache_copies": n_sets}
 
     row["sdpa_ms"] = _sdpa_decode_ms(context, n_sets, inner)
@@ -226,10 +244,7 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
         sel, reuse = s.tables[BUDGET]
         dynamic = sel[0].dec[0].dynamic
         if n_dense == 8:
-            # attention alone on a reuse step (the selection stored by a first select)
-            for j in range(n_sets):
-                if sel[j].n_sel_rows:
-                    be.select(0, s.q[j], sel[j])
+            s.select_all()  # attention alone on a reuse step (the selection stored by a first select)
 
             def dyn(i, s=s, be=be, reuse=reuse):
                 j = i % s.n_sets
@@ -288,7 +303,7 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
             row["dynamic_active"] = bool(dynamic)
         del s
         torch.cuda.empty_cache()
-    row["kv_hbm_floor_ms"] = kv_bytes / (bw_tbps * 1e12) * 1e3
+    row["kv_hbm_floor_ms"] = _kv_bytes(context) / (bw_tbps * 1e12) * 1e3
     return row
 
 
