@@ -178,6 +178,24 @@ __device__ __forceinline__ void kv_dequant(const KVRaw& r, float scale, float ze
 }
 #endif  // LS_QUANT
 
+// ---- programmatic dependent launch (sm_90+; no-ops elsewhere) -------------------------------
+// A kernel launched with the programmatic-serialization attribute (loader.launch(pdl=True)) may
+// start while the previous kernel in the stream is still running: it must call pdl_wait()
+// before touching anything that kernel (or an earlier one) writes, and before any write of its
+// own; only host-copied tables may be read before. Every CTA calls it (also those that exit
+// early), so the grid completes only after its predecessor. pdl_trigger() lets the next kernel
+// launch early (all kernels here are about one wave, so it takes no slots they need).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // 2^x on the special-function unit (relative error ~2^-22; 2^-inf = 0).
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;

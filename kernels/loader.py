@@ -144,10 +144,13 @@ def torch_stream():
     return _external_stream(torch.cuda.current_stream(dev).cuda_stream, dev)
 
 
-def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
+           pdl: bool = False) -> None:
     """Launch ``kernel`` on torch's current stream.
 
     ``args`` must already be numpy scalars (see :func:`ptr`, :func:`i32`, :func:`i64`, :func:`f32`).
+    ``pdl=True`` launches it as a programmatic dependent of the previous kernel (``pdl.py``;
+    only for kernels that call ``pdl_wait()``, and only where ``pdl.available``).
     """
     import cupy
 
@@ -157,8 +160,15 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
         kernel.max_dynamic_shared_size_bytes = shared_mem
     import torch
 
-    with cupy.cuda.Device(torch.cuda.current_device()), torch_stream():
-        kernel(grid, block, args, shared_mem=shared_mem)
+    dev = torch.cuda.current_device()
+    with cupy.cuda.Device(dev):
+        if pdl:
+            from lserve.kernels.pdl import launch_pdl
+
+            launch_pdl(kernel.kernel.ptr, grid, block, args, shared_mem, torch.cuda.current_stream(dev).cuda_stream)
+            return
+        with torch_stream():
+            kernel(grid, block, args, shared_mem=shared_mem)
 
 
 def ptr(t) -> np.uint64:

@@ -120,12 +120,15 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
     // (page, logical row) cover hpc adjacent heads, i.e. contiguous bytes of [P, g, hd, D].
     const int h = (blockIdx.y / nqs) * hpc + warp % hpc, qsub = blockIdx.y % nqs;
     const int nst = NSTREAMS / hpc;  // page streams per head
+    pdl_trigger();
+    // Host-copied tables only before the wait; q and the statistics come from earlier kernels.
     const int npg = meta[META_NPAGES * nb + b];
     const int p_begin = blockIdx.x * ppb;
-    if (p_begin >= npg) return;  // uniform per CTA
     const int p_end = min(npg, p_begin + ppb);
     for (int i = threadIdx.x; i < p_end - p_begin; i += NTHREADS) s_pages[i] = pages[(i64)b * pages_stride + p_begin + i];
     const int tok = meta[META_TOK * nb + b];
+    pdl_wait();
+    if (p_begin >= npg) return;  // uniform per CTA
     const int sw = lane / LPT, li = lane % LPT, d0 = li * 8;
     const int qh0 = h * group + qsub * GQ;
 
@@ -263,12 +266,14 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
     __shared__ u32 s_kmin[32], s_kmax[32];
     __shared__ int s_digit, s_above, s_cnt;
 
+    pdl_trigger();
     const int r = blockIdx.x, h = blockIdx.y;
     const int b = rows[r];
     const int npg = meta[META_NPAGES * nb + b];
     const int ncand = npg - 1;                          // the last page is always kept
     const int k = meta[META_KK * nb + b] - 1;           // pages chosen by score
     const int slot = meta[META_SLOT * nb + b];
+    pdl_wait();  // the scores (and the selection state this overwrites) belong to earlier kernels
     u32* keys = smem;
     u32* bits = smem + ncand;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

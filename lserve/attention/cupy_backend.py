@@ -12,8 +12,9 @@ Per layer ``run`` does, on torch's current stream:
    that was last at selection time (exactly ``TorchBackend._page_mask``).
 3. ``ls_decode_tc`` (tensor cores, bf16/fp16 pools) or ``ls_decode`` (CUDA cores, fp32 or
    INT8/INT4 pools dequantized on load): ONE launch for all decode sequences and all KV heads
-   (split-K over units sized to one wave of resident CTAs), then ``ls_decode_merge`` when any
-   work item has several splits.
+   (split-K over units sized to one wave of resident CTAs). When a work item has several
+   splits, the last of its units to finish combines them (``kernels/merge_tail.cuh``; the
+   separate ``ls_decode_merge`` launch when ``fused_merge`` is off or splits are too many).
 4. Prefill without cached past (``start == 0``): dense heads through torch SDPA (flash; faster
    than our mma.sync kernel, see ``lserve.bench.kernels``), streaming heads through
    ``ls_prefill``, which visits only the sink and local key blocks of each query tile. Chunked
@@ -36,6 +37,7 @@ select and reuse graphs differ only by one branch in the kernels.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
 from lserve.attention.torch_backend import TorchBackend
+from lserve.kernels.pdl import available as pdl_available
 from lserve.sparsity.plan import SeqPlan, StepPlan
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -83,6 +86,8 @@ class _Units:
     direct: bool
     units: torch.Tensor  # int32 [U, 2] (work, split)
     work_start: torch.Tensor  # int32 [W + 1]
+    max_split: int  # most splits of one work item
+    merge_cnt: torch.Tensor | None  # int32 [W]: units done per work item (zero between launches)
     part_o: torch.Tensor | None  # float32 [U, GQ, D]
     part_lse: torch.Tensor | None  # float32 [U, GQ]
 
@@ -140,6 +145,14 @@ class CupyBackend(AttentionBackend):
         the layer's dense heads).
     score_ppb : int or None
         Physical pages per page-score CTA (None: sized for one wave of ~3 CTAs per SM).
+    fused_merge : bool
+        Combine split-K partials in the decode kernel's last unit per work item (default) rather
+        than in a separate ``ls_decode_merge`` launch.
+    pdl : bool
+        Launch the decode-step kernels (cache write, page scores, top-k, decode, merge) as
+        programmatic dependents of the kernel before them (``kernels/pdl.py``), so each starts
+        while the previous one drains. Default: on where supported (sm_90+), unless the
+        environment sets ``LSERVE_PDL=0``.
     """
 
     name = "cupy"
@@ -176,6 +189,8 @@ class CupyBackend(AttentionBackend):
         self.prefill_dense = "sdpa"
         self.score_hpc: int | None = None  # dense heads per page-score CTA (None: 4, 2 or 1)
         self.score_ppb: int | None = None  # physical pages per page-score CTA (None: one wave)
+        self.fused_merge = True
+        self.pdl = os.environ.get("LSERVE_PDL", "1") != "0" and pdl_available(torch.cuda.get_device_capability(self.device))
         self.qscale = self.scale * LOG2E
         # The oracle's code serves chunked prefill with cached past and fp32 prefill.
         self._ref = TorchBackend(self.model, self.sp, self.cache)
@@ -450,11 +465,13 @@ class CupyBackend(AttentionBackend):
         units = np.stack([work, split], axis=1).astype(np.int32)
         dev = torch.from_numpy(np.concatenate([units.reshape(-1), work_start])).to(self.device)
         direct = bool(nsplit.max() == 1)
-        part_o = part_lse = None
+        part_o = part_lse = merge_cnt = None
         if not direct:
             part_o = torch.empty((U, self.gq, self.D), dtype=torch.float32, device=self.device)
             part_lse = torch.empty((U, self.gq), dtype=torch.float32, device=self.device)
-        res = _Units(U, W, chunk, direct, dev[: 2 * U].view(U, 2), dev[2 * U:], part_o, part_lse)
+            merge_cnt = torch.zeros(W, dtype=torch.int32, device=self.device)
+        res = _Units(U, W, chunk, direct, dev[: 2 * U].view(U, 2), dev[2 * U:], int(nsplit.max()), merge_cnt,
+                     part_o, part_lse)
         st.units[key] = res
         return res
 
@@ -509,7 +526,7 @@ class CupyBackend(AttentionBackend):
                 ptr(s_tok), ptr(s_page), ptr(s_off), i32(nws), i32(hs),
                 ptr(sp_.k), ptr(sp_.v), ptr(sp_.k_scale), ptr(sp_.v_scale), ptr(sp_.k_zero), ptr(sp_.v_zero),
                 i32(self.cache.page_size))
-        launch(kern, (-(-items // 4),), (128,), args)
+        launch(kern, (-(-items // 4),), (128,), args, pdl=self.pdl)
 
     def select_stage(self, layer: int, q: torch.Tensor, st: _Step) -> None:
         """The selector's part of a decode step: run it for the sequences that select now (a step
@@ -554,7 +571,7 @@ class CupyBackend(AttentionBackend):
                (ptr(q), i64(q.stride(0)), ptr(stats.kmax), ptr(stats.kmin), i32(nd), i32(self.g_log),
                 ptr(st.meta), i32(st.nb), ptr(st.sel_rows), ptr(st.pages), i32(st.pages.shape[1]),
                 ptr(scores), i32(npmax), i32(self.group), i32(self.nqs), i32(int(self.qmode)), i32(ppb),
-                i32(hpc)))
+                i32(hpc)), pdl=self.pdl)
         smem = 2 * 4 * max(npmax - 1, 1)
         if smem > 227 * 1024:
             raise KernelError(f"page selection over {npmax} pages exceeds the top-k kernel's shared memory")
@@ -565,7 +582,7 @@ class CupyBackend(AttentionBackend):
                 ptr(self._sel_idx[layer]), ptr(self._sel_mask[layer] if self.qmode else self._sel_mask),
                 ptr(self._sel_cnt[layer]), i32(self._sel_idx.shape[2] * self._cap_u), i32(self._cap_u),
                 i32(self._sel_cnt.shape[2])),
-               shared_mem=smem)
+               shared_mem=smem, pdl=self.pdl)
         stats = getattr(self, "selector_stats", None)
         if stats is not None:  # launch time only: nothing here synchronizes
             stats.runs += R
@@ -573,7 +590,8 @@ class CupyBackend(AttentionBackend):
             stats.seconds += time.perf_counter() - t0
 
     def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: _Step, merge: bool = True) -> None:
-        """Decode attention of every decode sequence and KV head of the layer (one launch + merge).
+        """Decode attention of every decode sequence and KV head of the layer (one launch, plus
+        the split-K merge launch unless the kernel's last units combine the splits).
 
         ``merge=False`` skips the split-K merge (benchmarks: the attention kernel alone).
         """
@@ -603,12 +621,16 @@ class CupyBackend(AttentionBackend):
         if self.decode_impl == "tc":
             N = self.cache.page_size
             args += (i32(N.bit_length() - 1 if N & (N - 1) == 0 else -1),)  # page_shift
-        launch(kern, (un.n_units,), (128,), args, shared_mem=smem)
-        if not un.direct and merge:
+        # The combining unit keeps each split's weights in shared memory the kernels already have
+        # (ls_decode: 4 * GQ * D floats; ls_decode_tc: more).
+        fused = self.fused_merge and not un.direct and un.max_split <= 4 * self.D
+        args += (ptr(un.merge_cnt if fused and merge else None), ptr(un.work_start))
+        launch(kern, (un.n_units,), (128,), args, shared_mem=smem, pdl=self.pdl)
+        if not un.direct and merge and not fused:
             kern = self._kernel("merge", "ls_decode_merge", "none", self.gq)
             launch(kern, (un.n_work, self.gq), (256,),
                    (ptr(un.part_o), ptr(un.part_lse), ptr(un.work_start), ptr(out), i64(out.stride(0)),
-                    ptr(st.meta), i32(st.nb), i32(self.hkv), i32(self.group), i32(self.nqs)))
+                    ptr(st.meta), i32(st.nb), i32(self.hkv), i32(self.group), i32(self.nqs)), pdl=self.pdl)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 st: _Step) -> None:

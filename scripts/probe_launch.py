@@ -1,0 +1,94 @@
+"""Launch-gap probe (issue 3): the split-K merge folded into the decode kernel's last units
+(``fused_merge``) and programmatic dependent launch (``pdl``), each on and off, one layer of
+Llama-3-8B shape (bf16, batch 1).
+
+    python scripts/probe_launch.py OUT_DIR [--contexts 65536 131072 262144]
+
+Per context and flag setting: our dense decode (8 dense heads), the LServe cycle (4 streaming +
+4 dense heads, budget 4096, reuse 4: one select step + three reuse steps), its select and reuse
+steps, and the selector alone; SDPA once per context. CUDA-graph timings as in
+``lserve bench kernels``. Writes probe_launch.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from lserve.bench import kernels as kb
+
+FLAGS = [(False, False), (True, False), (False, True), (True, True)]  # (fused_merge, pdl)
+
+
+def _set(s, fused: bool, pdl: bool) -> None:
+    for be in s.backends.values():
+        be.fused_merge, be.pdl = fused, pdl
+
+
+def _dense_ms(s, inner: int) -> float:
+    be, (sel, _) = s.backends[0], s.tables[0]
+    return kb._graph_time(lambda i: be.decode(0, s.q[i % s.n_sets], s.out, sel[i % s.n_sets]), inner)
+
+
+def _lserve_times(s, inner: int) -> dict:
+    be = s.backends[kb.BUDGET]
+    sel, reuse = s.tables[kb.BUDGET]
+
+    def cycle(i):
+        j, phase = i % s.n_sets, (i // s.n_sets) % kb.REUSE
+        st = sel[j] if phase == 0 else reuse[j]
+        be.select_stage(0, s.q[j], st)
+        be.decode(0, s.q[j], s.out, st)
+
+    def select_step(i):
+        j = i % s.n_sets
+        be.select_stage(0, s.q[j], sel[j])
+        be.decode(0, s.q[j], s.out, sel[j])
+
+    return {"lserve_ms": kb._graph_time(cycle, s.n_sets * kb.REUSE * max(1, math.ceil(8 / s.n_sets))),
+            "select_step_ms": kb._graph_time(select_step, inner),
+            "reuse_step_ms": kb._graph_time(lambda i: be.decode(0, s.q[i % s.n_sets], s.out, reuse[i % s.n_sets]),
+                                            inner),
+            "selector_ms": kb._graph_time(lambda i: be.select(0, s.q[i % s.n_sets], sel[i % s.n_sets]), inner)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[65536, 131072, 262144])
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(), "flags": ["fused_merge", "pdl"], "rows": []}
+    for ctx in a.contexts:
+        n_sets, inner = kb._rotation(ctx)
+        row = {"context": ctx, "sdpa_ms": kb._sdpa_decode_ms(ctx, n_sets, inner), "runs": []}
+        torch.cuda.empty_cache()
+        dense = kb._DecodeSetup(ctx, 8, n_sets)
+        ls = kb._DecodeSetup(ctx, 4, n_sets)
+        ls.select_all()
+        for fused, pdl in FLAGS:
+            _set(dense, fused, pdl)
+            _set(ls, fused, pdl)
+            r = {"fused_merge": fused, "pdl": pdl, "dense_ms": _dense_ms(dense, inner)}
+            r.update(_lserve_times(ls, inner))
+            row["runs"].append(r)
+            print(f"{ctx:>7} fused={fused:d} pdl={pdl:d}: dense {r['dense_ms'] * 1e3:7.2f} us "
+                  f"(sdpa {row['sdpa_ms'] * 1e3:7.2f}, x{r['dense_ms'] / row['sdpa_ms']:.3f})  "
+                  f"lserve {r['lserve_ms'] * 1e3:6.2f} us (sdpa/lserve {row['sdpa_ms'] / r['lserve_ms']:5.2f})  "
+                  f"select step {r['select_step_ms'] * 1e3:6.2f}  reuse step {r['reuse_step_ms'] * 1e3:6.2f}  "
+                  f"selector {r['selector_ms'] * 1e3:6.2f}", flush=True)
+        del dense, ls
+        torch.cuda.empty_cache()
+        report["rows"].append(row)
+    (out / "probe_launch.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
