@@ -12,8 +12,7 @@
 //                               page from the one that was last at selection time (nsel-1) on.
 // A unit (one CTA) is one split of one work item: entries [split*chunk, +chunk). In direct mode
 // (every work item has one split) the CTA writes the output rows; otherwise it writes a
-// normalized partial and its log2-sum-exp, and the last unit of the work item (merge_cnt given,
-// merge_tail.cuh) or ls_decode_merge combines the splits.
+// normalized partial and its log2-sum-exp, and ls_decode_merge combines the splits.
 //
 // Inside a CTA, each group of LPT = D/8 lanes is a "stream" owning 8 dims per lane; a stream
 // walks TPI consecutive tokens per step (loads of all TPI K and V rows are issued before use),
@@ -45,7 +44,6 @@
 #endif
 
 #include "decode_meta.cuh"
-#include "merge_tail.cuh"
 
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS)
@@ -64,15 +62,13 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
           const void* __restrict__ sk, const void* __restrict__ sv,
           const float* __restrict__ sks, const float* __restrict__ svs,
           const float* __restrict__ skz, const float* __restrict__ svz, int hs,
-          int group, int nqs, int page_size, int sink, int local, float qscale,
-          int* __restrict__ merge_cnt, const int* __restrict__ work_start) {  // [W], [W + 1]
+          int group, int nqs, int page_size, int sink, int local, float qscale) {
     __shared__ int s_page[MAX_CHUNK];
     __shared__ int s_pos[MAX_CHUNK];
     __shared__ u32 s_bits[MAX_CHUNK];
     __shared__ float s_m[NWARPS][GQ];
     __shared__ float s_l[NWARPS][GQ];
     __shared__ __align__(16) float s_o[NWARPS][GQ][D];
-    __shared__ int s_last;
 
     pdl_trigger();
     // Before pdl_wait only host-copied tables are read (units, meta, page tables).
@@ -328,11 +324,4 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
             if (d == 0) part_lse[(i64)u * GQ + g] = L > 0.f ? M + __log2f(L) : LS_NEG_INF;
         }
     }
-    if (direct || merge_cnt == nullptr) return;
-    const int wk = ldg_stream4(units + 2 * u);  // reloaded: keeping w live costs spills here
-    const int u0 = work_start[wk], ns = work_start[wk + 1] - u0;
-    if (!ls_last_unit(merge_cnt, wk, ns, &s_last)) return;
-    // s_o (read above, before the barriers in ls_last_unit) holds the weights now.
-    ls_merge_splits<D, GQ, NTHREADS>(part_o, part_lse, u0, ns, &s_o[0][0][0],
-                                     out + (i64)tok * out_tok_stride + (i64)qh0 * D);
 }

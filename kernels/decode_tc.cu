@@ -3,8 +3,7 @@
 // Same work decomposition, index tables, masks and outputs as ls_decode (decode.cu): one CTA
 // per unit = split of a work item (sequence b, KV head h, query sub-group qsub), entries
 // [split*chunk, +chunk) resolved once into shared memory (physical page, first position,
-// query-head bits); direct output, or a normalized partial + log2-sum-exp combined by the last
-// unit of the work item (merge_cnt given, merge_tail.cuh) or by ls_decode_merge.
+// query-head bits); direct output or a normalized partial + log2-sum-exp for ls_decode_merge.
 //
 // The GQ query heads are the rows of one 16-row mma tile (rows >= GQ are zero and masked).
 // The unit's tokens are walked in tiles of BN = 64 (a tile may span several small pages or part
@@ -14,7 +13,6 @@
 // bookkeeping of 8 scores per thread per tile, so the kernel is bound by the K/V stream.
 #include "mma.cuh"
 #include "decode_meta.cuh"
-#include "merge_tail.cuh"
 
 #define D LS_HEAD_DIM
 #define GQ LS_GQ
@@ -50,8 +48,7 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
              const void* __restrict__ sk, const void* __restrict__ sv,
              const float* __restrict__ sks, const float* __restrict__ svs,
              const float* __restrict__ skz, const float* __restrict__ svz, int hs,
-             int group, int nqs, int page_size, int sink, int local, float qscale, int page_shift,
-             int* __restrict__ merge_cnt, const int* __restrict__ work_start) {  // [W], [W + 1]
+             int group, int nqs, int page_size, int sink, int local, float qscale, int page_shift) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);  // [STAGES][BN][ROWP]
     u16* sV = sK + STAGES * BN * ROWP;            // [STAGES][BN][ROWP]
@@ -60,7 +57,6 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
     __shared__ u32 s_bits[MAX_CHUNK];
     __shared__ float s_m[NWARPS][GQ];
     __shared__ float s_l[NWARPS][GQ];
-    __shared__ int s_last;
 
     pdl_trigger();
     // Before pdl_wait only host-copied tables are read (units, meta, page tables).
@@ -298,10 +294,4 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
             if (d == 0) part_lse[(i64)u * GQ + g] = L > 0.f ? M + __log2f(L) : LS_NEG_INF;
         }
     }
-    if (direct || merge_cnt == nullptr) return;
-    const int u0 = work_start[w], ns = work_start[w + 1] - u0;
-    if (!ls_last_unit(merge_cnt, w, ns, &s_last)) return;
-    // s_o's reads above are done (the barriers in ls_last_unit): the ring holds the weights.
-    ls_merge_splits<D, GQ, NTHREADS>(part_o, part_lse, u0, ns, reinterpret_cast<float*>(smem_raw),
-                                     out + (i64)tok * out_tok_stride + (i64)qh0 * D);
 }

@@ -1,10 +1,11 @@
-"""Launch-gap probe (issue 3): the split-K merge folded into the decode kernel's last units
-(``fused_merge``) and programmatic dependent launch (``pdl``), each on and off, one layer of
-Llama-3-8B shape (bf16, batch 1).
+"""Launch-gap probe (issue 3): programmatic dependent launch (``CupyBackend.pdl``) off, on, and
+on with the early ``pdl_trigger()`` removed from some kernels (text edits of the sources: those
+kernels then let their dependents launch only when they exit), one layer of Llama-3-8B shape
+(bf16, batch 1).
 
     python scripts/probe_launch.py OUT_DIR [--contexts 65536 131072 262144]
 
-Per context and flag setting: our dense decode (8 dense heads), the LServe cycle (4 streaming +
+Per context and variant: our dense decode (8 dense heads), the LServe cycle (4 streaming +
 4 dense heads, budget 4096, reuse 4: one select step + three reuse steps), its select and reuse
 steps, and the selector alone; SDPA once per context. CUDA-graph timings as in
 ``lserve bench kernels``. Writes probe_launch.json.
@@ -22,12 +23,34 @@ import torch
 
 from lserve.bench import kernels as kb
 
-FLAGS = [(False, False), (True, False), (False, True), (True, True)]  # (fused_merge, pdl)
+
+def _drop_trigger(after: str) -> tuple[str, str]:
+    """The edit that removes the ``pdl_trigger();`` line just before ``after``."""
+    return "    pdl_trigger();\n" + after, after
 
 
-def _set(s, fused: bool, pdl: bool) -> None:
+_SCORES_TRIGGER = _drop_trigger("    // Host-copied tables only before the wait")
+_TOPK_TRIGGER = _drop_trigger("    const int r = blockIdx.x, h = blockIdx.y;")
+_DECODE_TRIGGER = _drop_trigger("    // Before pdl_wait")
+_MERGE_TRIGGER = _drop_trigger("    pdl_wait();")
+# name: (pdl, {kernel family: text edits})
+VARIANTS = {
+    "plain": (False, {}),
+    "pdl": (True, {}),
+    "pdl-scores-no-trigger": (True, {"selector": [_SCORES_TRIGGER]}),
+    "pdl-selector-no-trigger": (True, {"selector": [_SCORES_TRIGGER, _TOPK_TRIGGER]}),
+    "pdl-no-trigger": (True, {"selector": [_SCORES_TRIGGER, _TOPK_TRIGGER], "decode_tc": [_DECODE_TRIGGER],
+                              "merge": [_MERGE_TRIGGER]}),
+}
+
+
+def _set(s, pdl: bool, edits: dict) -> None:
     for be in s.backends.values():
-        be.fused_merge, be.pdl = fused, pdl
+        be.pdl = pdl
+        if "_kernel" in vars(be):
+            del be._kernel  # back to the shipped sources
+        for family, ed in edits.items():
+            be._kernel = kb.edited_kernels(be, family, ed)
 
 
 def _dense_ms(s, inner: int) -> float:
@@ -64,7 +87,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(), "flags": ["fused_merge", "pdl"], "rows": []}
+    report = {"device": torch.cuda.get_device_name(), "variants": {k: {"pdl": v[0], "edits": v[1]}
+                                                                    for k, v in VARIANTS.items()}, "rows": []}
     for ctx in a.contexts:
         n_sets, inner = kb._rotation(ctx)
         row = {"context": ctx, "sdpa_ms": kb._sdpa_decode_ms(ctx, n_sets, inner), "runs": []}
@@ -72,13 +96,13 @@ def main(argv=None) -> int:
         dense = kb._DecodeSetup(ctx, 8, n_sets)
         ls = kb._DecodeSetup(ctx, 4, n_sets)
         ls.select_all()
-        for fused, pdl in FLAGS:
-            _set(dense, fused, pdl)
-            _set(ls, fused, pdl)
-            r = {"fused_merge": fused, "pdl": pdl, "dense_ms": _dense_ms(dense, inner)}
+        for name, (pdl, edits) in VARIANTS.items():
+            _set(dense, pdl, edits)
+            _set(ls, pdl, edits)
+            r = {"variant": name, "dense_ms": _dense_ms(dense, inner)}
             r.update(_lserve_times(ls, inner))
             row["runs"].append(r)
-            print(f"{ctx:>7} fused={fused:d} pdl={pdl:d}: dense {r['dense_ms'] * 1e3:7.2f} us "
+            print(f"{ctx:>7} {name:>24}: dense {r['dense_ms'] * 1e3:7.2f} us "
                   f"(sdpa {row['sdpa_ms'] * 1e3:7.2f}, x{r['dense_ms'] / row['sdpa_ms']:.3f})  "
                   f"lserve {r['lserve_ms'] * 1e3:6.2f} us (sdpa/lserve {row['sdpa_ms'] / r['lserve_ms']:5.2f})  "
                   f"select step {r['select_step_ms'] * 1e3:6.2f}  reuse step {r['reuse_step_ms'] * 1e3:6.2f}  "

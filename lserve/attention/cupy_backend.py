@@ -12,9 +12,8 @@ Per layer ``run`` does, on torch's current stream:
    that was last at selection time (exactly ``TorchBackend._page_mask``).
 3. ``ls_decode_tc`` (tensor cores, bf16/fp16 pools) or ``ls_decode`` (CUDA cores, fp32 or
    INT8/INT4 pools dequantized on load): ONE launch for all decode sequences and all KV heads
-   (split-K over units sized to one wave of resident CTAs). When a work item has several
-   splits, the last of its units to finish combines them (``kernels/merge_tail.cuh``; the
-   separate ``ls_decode_merge`` launch when ``fused_merge`` is off or splits are too many).
+   (split-K over units sized to one wave of resident CTAs), then ``ls_decode_merge`` when any
+   work item has several splits.
 4. Prefill without cached past (``start == 0``): dense heads through torch SDPA (flash; faster
    than our mma.sync kernel, see ``lserve.bench.kernels``), streaming heads through
    ``ls_prefill``, which visits only the sink and local key blocks of each query tile. Chunked
@@ -86,8 +85,6 @@ class _Units:
     direct: bool
     units: torch.Tensor  # int32 [U, 2] (work, split)
     work_start: torch.Tensor  # int32 [W + 1]
-    max_split: int  # most splits of one work item
-    merge_cnt: torch.Tensor | None  # int32 [W]: units done per work item (zero between launches)
     part_o: torch.Tensor | None  # float32 [U, GQ, D]
     part_lse: torch.Tensor | None  # float32 [U, GQ]
 
@@ -145,9 +142,6 @@ class CupyBackend(AttentionBackend):
         the layer's dense heads).
     score_ppb : int or None
         Physical pages per page-score CTA (None: sized for one wave of ~3 CTAs per SM).
-    fused_merge : bool
-        Combine split-K partials in the decode kernel's last unit per work item (default) rather
-        than in a separate ``ls_decode_merge`` launch.
     pdl : bool
         Launch the decode-step kernels (cache write, page scores, top-k, decode, merge) as
         programmatic dependents of the kernel before them (``kernels/pdl.py``), so each starts
@@ -189,7 +183,6 @@ class CupyBackend(AttentionBackend):
         self.prefill_dense = "sdpa"
         self.score_hpc: int | None = None  # dense heads per page-score CTA (None: 4, 2 or 1)
         self.score_ppb: int | None = None  # physical pages per page-score CTA (None: one wave)
-        self.fused_merge = True
         self.pdl = os.environ.get("LSERVE_PDL", "1") != "0" and pdl_available(torch.cuda.get_device_capability(self.device))
         self.qscale = self.scale * LOG2E
         # The oracle's code serves chunked prefill with cached past and fp32 prefill.
@@ -465,13 +458,11 @@ class CupyBackend(AttentionBackend):
         units = np.stack([work, split], axis=1).astype(np.int32)
         dev = torch.from_numpy(np.concatenate([units.reshape(-1), work_start])).to(self.device)
         direct = bool(nsplit.max() == 1)
-        part_o = part_lse = merge_cnt = None
+        part_o = part_lse = None
         if not direct:
             part_o = torch.empty((U, self.gq, self.D), dtype=torch.float32, device=self.device)
             part_lse = torch.empty((U, self.gq), dtype=torch.float32, device=self.device)
-            merge_cnt = torch.zeros(W, dtype=torch.int32, device=self.device)
-        res = _Units(U, W, chunk, direct, dev[: 2 * U].view(U, 2), dev[2 * U:], int(nsplit.max()), merge_cnt,
-                     part_o, part_lse)
+        res = _Units(U, W, chunk, direct, dev[: 2 * U].view(U, 2), dev[2 * U:], part_o, part_lse)
         st.units[key] = res
         return res
 
@@ -590,8 +581,7 @@ class CupyBackend(AttentionBackend):
             stats.seconds += time.perf_counter() - t0
 
     def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: _Step, merge: bool = True) -> None:
-        """Decode attention of every decode sequence and KV head of the layer (one launch, plus
-        the split-K merge launch unless the kernel's last units combine the splits).
+        """Decode attention of every decode sequence and KV head of the layer (one launch + merge).
 
         ``merge=False`` skips the split-K merge (benchmarks: the attention kernel alone).
         """
@@ -621,12 +611,8 @@ class CupyBackend(AttentionBackend):
         if self.decode_impl == "tc":
             N = self.cache.page_size
             args += (i32(N.bit_length() - 1 if N & (N - 1) == 0 else -1),)  # page_shift
-        # The combining unit keeps each split's weights in shared memory the kernels already have
-        # (ls_decode: 4 * GQ * D floats; ls_decode_tc: more).
-        fused = self.fused_merge and not un.direct and un.max_split <= 4 * self.D
-        args += (ptr(un.merge_cnt if fused and merge else None), ptr(un.work_start))
         launch(kern, (un.n_units,), (128,), args, shared_mem=smem, pdl=self.pdl)
-        if not un.direct and merge and not fused:
+        if not un.direct and merge:
             kern = self._kernel("merge", "ls_decode_merge", "none", self.gq)
             launch(kern, (un.n_work, self.gq), (256,),
                    (ptr(un.part_o), ptr(un.part_lse), ptr(un.work_start), ptr(out), i64(out.stride(0)),

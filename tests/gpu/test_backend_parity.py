@@ -54,12 +54,6 @@ SCENARIOS = {
                                 sink=64, local=128, budget=512),
     "fp16-d64-g8-p128-tc": dict(dtype=torch.float16, D=64, hkv=2, G=8, n_dense=(1, 2), page_size=128, logical=32,
                                 sink=128, local=256, budget=1024),
-    # Split-K partials combined by the separate ls_decode_merge launch instead of the decode
-    # kernels' last units (the default), on both decode kernels.
-    "bf16-d128-g4-merge-launch": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(1, 2), split="many",
-                                      fused_merge=False),
-    "bf16-d64-g4-int8-merge-launch": dict(dtype=torch.bfloat16, D=64, hkv=2, G=4, n_dense=(2, 1), kv_quant="int8",
-                                          split="many", fused_merge=False),
     # Every kernel launched the plain way (no programmatic dependent launch, the default on sm_90+).
     "bf16-d128-g4-query-nopdl": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(2, 1), select_mode="query",
                                      pdl=False),
@@ -98,13 +92,11 @@ def test_backend_parity(name, seed):
     prefill_kernel = kw.pop("prefill_kernel", False)
     decode_impl = kw.pop("decode_impl", None)
     score_hpc = kw.pop("score_hpc", None)
-    fused_merge = kw.pop("fused_merge", True)
     pdl = kw.pop("pdl", None)
     pair = Pair(seed=seed, **kw)
     if pdl is not None:
         pair.cup.pdl = pdl
     pair.cup.score_hpc = score_hpc
-    pair.cup.fused_merge = fused_merge
     if prefill_kernel:
         pair.cup.prefill_dense = "kernel"
     if decode_impl:

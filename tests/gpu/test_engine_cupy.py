@@ -62,6 +62,7 @@ def run_engine(backend: str, loaded, kv_quant: str, select_mode: str, dtype: str
                                                select_mode=select_mode),
                        cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=16384, kv_quant=kv_quant),
                        max_num_seqs=4, max_batched_tokens=256, cuda_graphs=False,  # the spy reads every forward
+                       async_decode=False,  # chained steps skip schedule(): the spy pairs forwards with batches
                        fused_ops=False)  # attention kernels against the oracle; fused ops: test_cuda_graphs
     engine = LLMEngine(cfg, loaded=loaded)
     tokens, logits = generate_with_logits(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
