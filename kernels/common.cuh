@@ -182,9 +182,10 @@ __device__ __forceinline__ void kv_dequant(const KVRaw& r, float scale, float ze
 // A kernel launched with the programmatic-serialization attribute (loader.launch(pdl=True)) may
 // start while the previous kernel in the stream is still running: it must call pdl_wait()
 // before touching anything that kernel (or an earlier one) writes, and before any write of its
-// own; only host-copied tables may be read before. Every CTA calls it (also those that exit
-// early), so the grid completes only after its predecessor. pdl_trigger() lets the next kernel
-// launch early (all kernels here are about one wave, so it takes no slots they need).
+// own. Every CTA calls it (also those that exit early), so the grid completes only after its
+// predecessor. pdl_trigger() lets the next kernel launch early; kernels here call it only after
+// their own pdl_wait(), so when a kernel starts, the kernel two launches back has completed:
+// before its wait it may read host-copied tables and what that older kernel (or earlier) wrote.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -62,7 +62,7 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
           const void* __restrict__ sk, const void* __restrict__ sv,
           const float* __restrict__ sks, const float* __restrict__ svs,
           const float* __restrict__ skz, const float* __restrict__ svz, int hs,
-          int group, int nqs, int page_size, int sink, int local, float qscale) {
+          int group, int nqs, int page_size, int sink, int local, float qscale, int sel_ready) {
     __shared__ int s_page[MAX_CHUNK];
     __shared__ int s_pos[MAX_CHUNK];
     __shared__ u32 s_bits[MAX_CHUNK];
@@ -70,8 +70,10 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
     __shared__ float s_l[NWARPS][GQ];
     __shared__ __align__(16) float s_o[NWARPS][GQ][D];
 
-    pdl_trigger();
-    // Before pdl_wait only host-copied tables are read (units, meta, page tables).
+    // Before pdl_wait: host-copied tables (units, meta, page tables) and, when no top-k ran in
+    // this step (sel_ready), the stored selection: every kernel here triggers its dependents
+    // only after its own wait, so what a kernel two launches back wrote is complete by then.
+    const bool early_sel = sel_ready != 0;
     const int u = blockIdx.x;
     const int w = units[2 * u], split = units[2 * u + 1];
     const int hkv = hd + hs;
@@ -93,7 +95,7 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
         nsel = meta[META_NSEL * nb + b];
         sidx = sel_idx + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
         smsk = sel_mask + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
-        pdl_wait();  // the selection state may come from the top-k kernel just before
+        if (!early_sel) pdl_wait();  // the selection comes from the top-k just before
         cnt = sel_cnt[(i64)slot * cnt_slot_stride + h];
         total = cnt + npg - nsel + 1;
     } else {
@@ -127,7 +129,8 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
         s_pos[i] = pos;
         s_bits[i] = (bits >> (qsub * GQ));
     }
-    if (!dyn) pdl_wait();  // before q, K/V (written by earlier kernels) and any write
+    if (!dyn || early_sel) pdl_wait();  // before q, K/V (written by earlier kernels) and any write
+    pdl_trigger();
     __syncthreads();
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -48,7 +48,8 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
              const void* __restrict__ sk, const void* __restrict__ sv,
              const float* __restrict__ sks, const float* __restrict__ svs,
              const float* __restrict__ skz, const float* __restrict__ svz, int hs,
-             int group, int nqs, int page_size, int sink, int local, float qscale, int page_shift) {
+             int group, int nqs, int page_size, int sink, int local, float qscale, int page_shift,
+             int sel_ready) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);  // [STAGES][BN][ROWP]
     u16* sV = sK + STAGES * BN * ROWP;            // [STAGES][BN][ROWP]
@@ -58,8 +59,10 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
     __shared__ float s_m[NWARPS][GQ];
     __shared__ float s_l[NWARPS][GQ];
 
-    pdl_trigger();
-    // Before pdl_wait only host-copied tables are read (units, meta, page tables).
+    // Before pdl_wait: host-copied tables (units, meta, page tables) and, when no top-k ran in
+    // this step (sel_ready), the stored selection: every kernel here triggers its dependents
+    // only after its own wait, so what a kernel two launches back wrote is complete by then.
+    const bool early_sel = sel_ready != 0;
     const int u = blockIdx.x;
     const int w = units[2 * u], split = units[2 * u + 1];
     const int hkv = hd + hs;
@@ -81,7 +84,7 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
         nsel = meta[META_NSEL * nb + b];
         sidx = sel_idx + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
         smsk = sel_mask + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
-        pdl_wait();  // the selection state may come from the top-k kernel just before
+        if (!early_sel) pdl_wait();  // the selection comes from the top-k just before
         cnt = sel_cnt[(i64)slot * cnt_slot_stride + h];
         total = cnt + npg - nsel + 1;
     } else {
@@ -116,7 +119,8 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
         s_pos[i] = pos;
         s_bits[i] = bits >> (qsub * GQ);
     }
-    if (!dyn) pdl_wait();  // before q, K/V (written by earlier kernels) and any write
+    if (!dyn || early_sel) pdl_wait();  // before q, K/V (written by earlier kernels) and any write
+    pdl_trigger();
     __syncthreads();
 
     const int warp = tid >> 5, lane = tid & 31;

@@ -77,8 +77,8 @@ ls_kv_write(const act_t* __restrict__ k, i64 k_tok_stride,      // [T, H_kv, D] 
             int nws, int hs,
             void* sk, void* sv, float* sks, float* svs, float* skz, float* svz,
             int page_size) {
-    pdl_trigger();
     pdl_wait();  // the write tables may come from device ops: nothing is read before the wait
+    pdl_trigger();
     const int lane = threadIdx.x & 31;
     const i64 item = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const i64 n_dense = (i64)nwd * hd;

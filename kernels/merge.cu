@@ -18,8 +18,8 @@ ls_decode_merge(const float* __restrict__ part_o, const float* __restrict__ part
                 const int* __restrict__ meta, int nb, int hkv, int group, int nqs) {
     __shared__ float s_m[MERGE_WARPS], s_l[MERGE_WARPS];
     __shared__ float s_o[MERGE_WARPS][D];
-    pdl_trigger();
     pdl_wait();  // the partials come from the decode kernel just before
+    pdl_trigger();
     const int w = blockIdx.x, g = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qsub = w % nqs;

@@ -120,8 +120,9 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
     // (page, logical row) cover hpc adjacent heads, i.e. contiguous bytes of [P, g, hd, D].
     const int h = (blockIdx.y / nqs) * hpc + warp % hpc, qsub = blockIdx.y % nqs;
     const int nst = NSTREAMS / hpc;  // page streams per head
-    pdl_trigger();
     // Host-copied tables only before the wait; q and the statistics come from earlier kernels.
+    // No early pdl_trigger: the top-k CTAs it would let in take slots of this one-wave grid
+    // (measured slower, benchmarks/probe_launch_h200.json); the top-k launches as this exits.
     const int npg = meta[META_NPAGES * nb + b];
     const int p_begin = blockIdx.x * ppb;
     const int p_end = min(npg, p_begin + ppb);
@@ -266,7 +267,6 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
     __shared__ u32 s_kmin[32], s_kmax[32];
     __shared__ int s_digit, s_above, s_cnt;
 
-    pdl_trigger();
     const int r = blockIdx.x, h = blockIdx.y;
     const int b = rows[r];
     const int npg = meta[META_NPAGES * nb + b];
@@ -274,6 +274,7 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
     const int k = meta[META_KK * nb + b] - 1;           // pages chosen by score
     const int slot = meta[META_SLOT * nb + b];
     pdl_wait();  // the scores (and the selection state this overwrites) belong to earlier kernels
+    pdl_trigger();
     u32* keys = smem;
     u32* bits = smem + ncand;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -1,7 +1,5 @@
 """Launch-gap probe (issue 3): programmatic dependent launch (``CupyBackend.pdl``) off, on, and
-on with the early ``pdl_trigger()`` removed from some kernels (text edits of the sources: those
-kernels then let their dependents launch only when they exit), one layer of Llama-3-8B shape
-(bf16, batch 1).
+on with text-edited kernel sources (VARIANTS), one layer of Llama-3-8B shape (bf16, batch 1).
 
     python scripts/probe_launch.py OUT_DIR [--contexts 65536 131072 262144]
 
@@ -23,24 +21,16 @@ import torch
 
 from lserve.bench import kernels as kb
 
-
-def _drop_trigger(after: str) -> tuple[str, str]:
-    """The edit that removes the ``pdl_trigger();`` line just before ``after``."""
-    return "    pdl_trigger();\n" + after, after
-
-
-_SCORES_TRIGGER = _drop_trigger("    // Host-copied tables only before the wait")
-_TOPK_TRIGGER = _drop_trigger("    const int r = blockIdx.x, h = blockIdx.y;")
-_DECODE_TRIGGER = _drop_trigger("    // Before pdl_wait")
-_MERGE_TRIGGER = _drop_trigger("    pdl_wait();")
-# name: (pdl, {kernel family: text edits})
+# name: (pdl, {kernel family: text edits of the shipped source})
 VARIANTS = {
     "plain": (False, {}),
     "pdl": (True, {}),
-    "pdl-scores-no-trigger": (True, {"selector": [_SCORES_TRIGGER]}),
-    "pdl-selector-no-trigger": (True, {"selector": [_SCORES_TRIGGER, _TOPK_TRIGGER]}),
-    "pdl-no-trigger": (True, {"selector": [_SCORES_TRIGGER, _TOPK_TRIGGER], "decode_tc": [_DECODE_TRIGGER],
-                              "merge": [_MERGE_TRIGGER]}),
+    # The decode kernel waits before reading the stored selection even on reuse steps.
+    "pdl-sel-after-wait": (True, {"decode_tc": [("const bool early_sel = sel_ready != 0;",
+                                                 "const bool early_sel = false;")]}),
+    # The page-score kernel triggers the top-k's launch at its start (the first PDL version).
+    "pdl-scores-early-trigger": (True, {"selector": [("    // Host-copied tables only before the wait;",
+                                                      "    pdl_trigger();\n    // Host-copied tables only before the wait;")]}),
 }
 
 

@@ -611,6 +611,9 @@ class CupyBackend(AttentionBackend):
         if self.decode_impl == "tc":
             N = self.cache.page_size
             args += (i32(N.bit_length() - 1 if N & (N - 1) == 0 else -1),)  # page_shift
+        # No top-k ran for this layer in this step: the kernel may read the stored selection
+        # before its PDL wait (common.cuh says why that is safe).
+        args += (i32(int(not (st.n_dynamic and selects and st.n_sel_rows))),)  # sel_ready
         launch(kern, (un.n_units,), (128,), args, shared_mem=smem, pdl=self.pdl)
         if not un.direct and merge:
             kern = self._kernel("merge", "ls_decode_merge", "none", self.gq)
