@@ -4,8 +4,9 @@
 //   selecting sequence (grid: page ranges x head groups of hpc heads x sub-groups, x rows), max-reduced over the g logical pages of each physical page and, in
 //   "kv" mode, over the GQ query heads of the CTA (rows h*nqs + qsub; the top-k kernel takes
 //   the max over the nqs sub-groups). "query" mode keeps one row per query head.
-// ls_page_topk: one CTA per (selecting sequence, dense KV head). For each selecting row, a
-//   4-pass radix select finds the (K-1)-th largest score among all pages but the last (ties
+// ls_page_topk: one CTA per (selecting sequence, dense KV head). For each selecting row, one
+//   histogram pass over bins linear in the score (or, when its boundary bin is crowded, a radix
+//   select over the key bits) finds the K-1 largest scores among all pages but the last (ties
 //   broken towards lower page indices), marks the kept pages in a shared bitmask (bit = query
 //   head of the group in query mode), then compacts the marked pages in ascending order into
 //   the selection state: sel_idx (logical page indices), sel_mask (query mode) and sel_cnt.
@@ -255,6 +256,33 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
 #define TK_BINS (1 << TK_BITS)
 #define TK_PER (TK_BINS / TK_THREADS)  // bins per thread in the scan
 
+// The float whose order_key is ``key`` (common.cuh).
+__device__ __forceinline__ float key_float(u32 key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// The bin of the ``need``-th largest key from a histogram whose bin i holds keys below those of
+// bin i + 1: *digit, the count in the bins above it (*above) and its own (*cnt). Thread t scans
+// bins [TK_BINS-1 - t*TK_PER, ... - TK_PER + 1]. Contains barriers: call from every thread.
+__device__ __forceinline__ void topk_find_bin(const int* hist, int need, int* scan, int* digit, int* above, int* cnt) {
+    const int tid = threadIdx.x;
+    int c[TK_PER], tsum = 0;
+#pragma unroll
+    for (int j = 0; j < TK_PER; ++j) { c[j] = hist[TK_BINS - 1 - tid * TK_PER - j]; tsum += c[j]; }
+    const int incl = block_inclusive_scan(tsum, scan);
+    int run = incl - tsum;
+#pragma unroll
+    for (int j = 0; j < TK_PER; ++j) {
+        if (run < need && run + c[j] >= need) {
+            *digit = TK_BINS - 1 - tid * TK_PER - j;
+            *above = run;
+            *cnt = c[j];
+        }
+        run += c[j];
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(TK_THREADS)
 ls_page_topk(const float* __restrict__ scores, int score_stride,
              const int* __restrict__ meta, int nb,
@@ -265,7 +293,9 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
     __shared__ int s_hist[TK_BINS];
     __shared__ int s_scan[32];
     __shared__ u32 s_kmin[32], s_kmax[32];
-    __shared__ int s_digit, s_above, s_cnt;
+    __shared__ int s_digit, s_above, s_cnt, s_nm;
+    __shared__ u32 s_mkey[TK_THREADS];  // boundary-bin members of the linear pass
+    __shared__ int s_midx[TK_THREADS];
 
     const int r = blockIdx.x, h = blockIdx.y;
     const int b = rows[r];
@@ -314,6 +344,52 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
         // Radix select of the k-th largest key over the bits where keys differ (the common
         // prefix of min and max is shared by all), TK_BITS per pass, stopping early once the
         // chosen bin holds exactly the keys still needed.
+        const u32 bit = 1u << sr;
+        // Linear pass: bins proportional to the score between the row's min and max (monotone
+        // in the score, so a higher bin holds only larger keys). One histogram finds the bin of
+        // the k-th largest; the few keys in it are ranked by (key desc, page asc) directly.
+        // Scores cluster far less in such bins than in the radix digits of their bit patterns,
+        // so this usually replaces 2-3 radix passes; a crowded boundary bin (many equal or
+        // nearly equal scores) falls back to the radix select below.
+        const float fmn = key_float(kmn), span = key_float(kmx) - fmn;
+        const float scale = (float)TK_BINS / span;
+        bool resolved = false;
+        if (k < ncand && span > 0.f && span < LS_INF && scale < LS_INF) {  // uniform per CTA
+            auto lin_bin = [&](u32 key) { return min(TK_BINS - 1, (int)((key_float(key) - fmn) * scale)); };
+            for (int i = tid; i < TK_BINS; i += TK_THREADS) s_hist[i] = 0;
+            if (tid == 0) s_nm = 0;
+            __syncthreads();
+            for (int i = tid; i < ncand; i += TK_THREADS) atomicAdd(&s_hist[lin_bin(keys[i])], 1);
+            __syncthreads();
+            topk_find_bin(s_hist, k, s_scan, &s_digit, &s_above, &s_cnt);
+            const int bstar = s_digit, cb = s_cnt, need = k - s_above;  // need of the cb keys in bstar
+            if (cb <= TK_THREADS) {
+                resolved = true;
+                for (int i = tid; i < ncand; i += TK_THREADS) {
+                    const int bi = lin_bin(keys[i]);
+                    if (bi > bstar || (bi == bstar && need == cb)) {
+                        bits[i] |= bit;
+                    } else if (bi == bstar) {
+                        const int m = atomicAdd(&s_nm, 1);
+                        s_mkey[m] = keys[i];
+                        s_midx[m] = i;
+                    }
+                }
+                __syncthreads();
+                const int nm = s_nm;
+                if (tid < nm) {
+                    const u32 kt = s_mkey[tid];
+                    const int it = s_midx[tid];
+                    int rank = 0;
+                    for (int j = 0; j < nm; ++j) {
+                        const u32 kj = s_mkey[j];
+                        rank += kj > kt || (kj == kt && s_midx[j] < it);
+                    }
+                    if (rank < need) bits[it] |= bit;
+                }
+            }
+        }
+        if (resolved) continue;
         const u32 diff = kmn ^ kmx;
         int top = diff ? 31 - __clz(diff) : -1;  // highest differing bit
         u32 pmask = top >= 31 ? 0u : ~((2u << top) - 1u);
@@ -331,22 +407,7 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
                 if ((key & pmask) == prefix) atomicAdd(&s_hist[(key >> shift) & dmask], 1);
             }
             __syncthreads();
-            // Thread t scans bins from the top: [TK_BINS-1 - t*TK_PER, ... - TK_PER + 1].
-            int c[TK_PER], tsum = 0;
-#pragma unroll
-            for (int j = 0; j < TK_PER; ++j) { c[j] = s_hist[TK_BINS - 1 - tid * TK_PER - j]; tsum += c[j]; }
-            const int incl = block_inclusive_scan(tsum, s_scan);
-            int run = incl - tsum;
-#pragma unroll
-            for (int j = 0; j < TK_PER; ++j) {
-                if (run < remaining && run + c[j] >= remaining) {
-                    s_digit = TK_BINS - 1 - tid * TK_PER - j;
-                    s_above = run;
-                    s_cnt = c[j];
-                }
-                run += c[j];
-            }
-            __syncthreads();
+            topk_find_bin(s_hist, remaining, s_scan, &s_digit, &s_above, &s_cnt);
             prefix |= ((u32)s_digit) << shift;
             pmask |= dmask << shift;
             remaining -= s_above;
@@ -359,7 +420,6 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
         for (int i = c0; i < c1; ++i) eq += (keys[i] & pmask) == prefix;
         const int eq_before = block_inclusive_scan(eq, s_scan) - eq;
         int rank = eq_before;
-        const u32 bit = 1u << sr;
         for (int i = c0; i < c1; ++i) {
             const u32 km = keys[i] & pmask;
             bool keep = km > prefix;

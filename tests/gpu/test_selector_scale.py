@@ -18,3 +18,23 @@ def test_selector_many_pages_and_budgets(select_mode, seed):
         pair.step([(s, 1, True) for s in seqs])
     assert pair.selections_checked == 9  # three selecting sequences, every step (reuse interval 1)
     pair.compare_caches()
+
+
+@pytest.mark.parametrize("select_mode", ["kv", "query"])
+def test_selector_outlier_page_crowds_the_linear_bins(select_mode, seed):
+    """One page scoring ~1e4x the others puts every other page into the lowest bins of the
+    top-k's linear histogram: the 20k-token sequence's boundary bin then holds more keys than
+    the CTA has threads (radix fallback), the 5k-token one's a few hundred (ranked directly)."""
+    pair = Pair(seed=seed, dtype=torch.bfloat16, D=64, hkv=2, G=4, n_dense=(2,), page_size=16, logical=4,
+                budget=256, reuse=1, select_mode=select_mode, num_pages=2000, max_seqs=2)
+    seqs = [Seq(0, 20_011, computed=20_010), Seq(1, 5003, computed=5002)]
+    pair.step([(s, 1, True) for s in seqs])
+    for s in seqs:
+        for cache in (pair.cache_t, pair.cache_c):
+            st = cache.stats[0]
+            st.kmax[s.dense_pages[3]] *= 10_000
+            st.kmin[s.dense_pages[3]] *= 10_000
+    for _ in range(2):
+        pair.step([(s, 1, True) for s in seqs])
+    assert pair.selections_checked == 6
+    pair.compare_caches()
