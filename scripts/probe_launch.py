@@ -28,6 +28,8 @@ VARIANTS = {
     # The decode kernel waits before reading the stored selection even on reuse steps.
     "pdl-sel-after-wait": (True, {"decode_tc": [("const bool early_sel = sel_ready != 0;",
                                                  "const bool early_sel = false;")]}),
+    # The top-k without its linear-histogram pass (the radix select alone, as before).
+    "pdl-radix-topk": (True, {"selector": [("if (k < ncand && span > 0.f", "if (false && span > 0.f")]}),
     # The page-score kernel triggers the top-k's launch at its start (the first PDL version).
     "pdl-scores-early-trigger": (True, {"selector": [("    // Host-copied tables only before the wait;",
                                                       "    pdl_trigger();\n    // Host-copied tables only before the wait;")]}),
