@@ -21,6 +21,11 @@ Per layer ``run`` does, on torch's current stream:
    code for that sequence (correct, not fast).
 5. ``ls_kv_write`` again for the prefill tokens (after attention, as the reference does).
 
+On sm_90+ the decode-step kernels (1-3 and the merge) are launched as programmatic dependents
+(``kernels/pdl.py``): each starts while the previous kernel drains and waits in-kernel
+(``pdl_wait``) before reading what it wrote; on a step whose layer ran no top-k the decode
+kernel reads the stored selection before waiting.
+
 Host work happens once per step (the first layer of a plan): int32 tables are packed into one
 buffer and copied in one transfer; per (n_dense, selects) layer kind a split-K unit table.
 
