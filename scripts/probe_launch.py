@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -51,25 +50,10 @@ def _dense_ms(s, inner: int) -> float:
 
 
 def _lserve_times(s, inner: int) -> dict:
-    be = s.backends[kb.BUDGET]
-    sel, reuse = s.tables[kb.BUDGET]
-
-    def cycle(i):
-        j, phase = i % s.n_sets, (i // s.n_sets) % kb.REUSE
-        st = sel[j] if phase == 0 else reuse[j]
-        be.select_stage(0, s.q[j], st)
-        be.decode(0, s.q[j], s.out, st)
-
-    def select_step(i):
-        j = i % s.n_sets
-        be.select_stage(0, s.q[j], sel[j])
-        be.decode(0, s.q[j], s.out, sel[j])
-
-    return {"lserve_ms": kb._graph_time(cycle, s.n_sets * kb.REUSE * max(1, math.ceil(8 / s.n_sets))),
-            "select_step_ms": kb._graph_time(select_step, inner),
-            "reuse_step_ms": kb._graph_time(lambda i: be.decode(0, s.q[i % s.n_sets], s.out, reuse[i % s.n_sets]),
-                                            inner),
-            "selector_ms": kb._graph_time(lambda i: be.select(0, s.q[i % s.n_sets], sel[i % s.n_sets]), inner)}
+    return {"lserve_ms": kb._graph_time(s.cycle_step, s.cycle_steps()),
+            "select_step_ms": kb._graph_time(s.select_step, inner),
+            "reuse_step_ms": kb._graph_time(s.reuse_step, inner),
+            "selector_ms": kb._graph_time(s.selector, inner)}
 
 
 def main(argv=None) -> int:

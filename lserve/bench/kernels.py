@@ -190,6 +190,34 @@ class _DecodeSetup:
             if sel[j].n_sel_rows:
                 be.select(0, self.q[j], sel[j])
 
+    # Steps over the rotating sets (step i uses set i % n_sets), as CUDA-graph bodies.
+    def selector(self, i: int) -> None:
+        """The page selector alone (scores + top-k)."""
+        be, (sel, _), j = self.backends[BUDGET], self.tables[BUDGET], i % self.n_sets
+        be.select(0, self.q[j], sel[j])
+
+    def select_step(self, i: int) -> None:
+        """A LServe step that runs the selector, then attention over its selection."""
+        be, (sel, _), j = self.backends[BUDGET], self.tables[BUDGET], i % self.n_sets
+        be.select_stage(0, self.q[j], sel[j])
+        be.decode(0, self.q[j], self.out, sel[j])
+
+    def reuse_step(self, i: int, merge: bool = True) -> None:
+        """A LServe step that reads the stored selection (``merge=False``: attention kernel alone)."""
+        be, (_, reuse), j = self.backends[BUDGET], self.tables[BUDGET], i % self.n_sets
+        be.decode(0, self.q[j], self.out, reuse[j], merge=merge)
+
+    def cycle_step(self, i: int) -> None:
+        """Step i of the reuse cycle: each set selects on every REUSE-th pass over the sets."""
+        be, (sel, reuse), j = self.backends[BUDGET], self.tables[BUDGET], i % self.n_sets
+        st = sel[j] if (i // self.n_sets) % REUSE == 0 else reuse[j]
+        be.select_stage(0, self.q[j], st)
+        be.decode(0, self.q[j], self.out, st)
+
+    def cycle_steps(self) -> int:
+        """Graph steps covering whole reuse cycles of every set (at least 8 passes' worth)."""
+        return self.n_sets * REUSE * max(1, math.ceil(8 / self.n_sets))
+
     def selector_bytes(self) -> int:
         st = self.cache.stats[0]
         return 2 * (-(-self.context // PAGE)) * st.g * self.n_dense * st.kmax.shape[-1] * st.kmax.element_size()
@@ -246,45 +274,22 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
         if n_dense == 8:
             s.select_all()  # attention alone on a reuse step (the selection stored by a first select)
 
-            def dyn(i, s=s, be=be, reuse=reuse):
-                j = i % s.n_sets
-                be.decode(0, s.q[j], s.out, reuse[j])
-
-            row[dyn_key] = _graph_time(dyn, inner)
+            row[dyn_key] = _graph_time(s.reuse_step, inner)
         else:
-            def cycle(i, s=s, be=be, sel=sel, reuse=reuse):
-                j, phase = i % s.n_sets, (i // s.n_sets) % REUSE
-                st = sel[j] if phase == 0 else reuse[j]
-                be.select_stage(0, s.q[j], st)
-                be.decode(0, s.q[j], s.out, st)
-
-            row[dyn_key] = _graph_time(cycle, n_sets * REUSE * max(1, math.ceil(8 / n_sets)))
-
-            def reuse_attn(i, s=s, be=be, reuse=reuse):
-                j = i % s.n_sets
-                be.decode(0, s.q[j], s.out, reuse[j])
+            row[dyn_key] = _graph_time(s.cycle_step, s.cycle_steps())
 
             def reuse_step(i, s=s, be=be, reuse=reuse):
                 j = i % s.n_sets
                 be.select_stage(0, s.q[j], reuse[j])
                 be.decode(0, s.q[j], s.out, reuse[j])
 
-            row["lserve_reuse_step_ms"] = _graph_time(reuse_attn, inner)
+            row["lserve_reuse_step_ms"] = _graph_time(s.reuse_step, inner)
             # The selector stage of a reuse step launches nothing; its cost is what it adds to
             # the step, measured as the difference of the two graphs (noise-level by design).
             row["selector_reuse_ms"] = _graph_time(reuse_step, inner) - row["lserve_reuse_step_ms"]
             if dynamic:
-                def selector(i, s=s, be=be, sel=sel):
-                    j = i % s.n_sets
-                    be.select(0, s.q[j], sel[j])
-
-                def select_step(i, s=s, be=be, sel=sel):
-                    j = i % s.n_sets
-                    be.select_stage(0, s.q[j], sel[j])
-                    be.decode(0, s.q[j], s.out, sel[j])
-
-                row["selector_ms"] = _graph_time(selector, inner)
-                row["lserve_select_step_ms"] = _graph_time(select_step, inner)
+                row["selector_ms"] = _graph_time(s.selector, inner)
+                row["lserve_select_step_ms"] = _graph_time(s.select_step, inner)
                 be.select(0, s.q[0], sel[0])  # leaves the score buffer the top-k part reads
                 for part in ("scores", "topk"):
                     row[f"selector_{part}_ms"] = _graph_time(
@@ -296,9 +301,7 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
                 be.score_hpc = None
             else:  # the context fits the budget: no selection happens at all
                 row["selector_ms"] = row["lserve_select_step_ms"] = None
-            row["lserve_attn_kernel_ms"] = _graph_time(
-                lambda i, s=s, be=be, reuse=reuse: be.decode(0, s.q[i % s.n_sets], s.out, reuse[i % s.n_sets],
-                                                             merge=False), inner)
+            row["lserve_attn_kernel_ms"] = _graph_time(lambda i, s=s: s.reuse_step(i, merge=False), inner)
             row["selector_floor_ms"] = s.selector_bytes() / (bw_tbps * 1e12) * 1e3
             row["dynamic_active"] = bool(dynamic)
         del s
