@@ -3,7 +3,8 @@
 
     python scripts/probe_selector.py OUT_DIR [--contexts 65536 262144]
 
-Prints, per context: graph-timed scores with several pages-per-CTA settings; the CUPTI duration
+Prints, per context: graph-timed scores with several pages-per-CTA settings; the top-k cut
+short after each of its stages (TOPK_EDITS); the CUPTI duration
 of every kernel of a select step and of a reuse step, with the statistics L2-hot (replayed on the
 same data) and L2-cold (a 256 MB write in between); a D2D copy of the statistics' size. Writes
 probe_selector.json.
@@ -58,6 +59,19 @@ EDITS = {
     "scores_l2_resident": [("const i64 off = ((page * g_log + T.j0 + j) * hd + h) * D + d0;",
                             "const i64 off = ((i64)(T.j0 + j) * hd + h) * D + d0 + 0 * page;")],
 }
+# Edits of ls_page_topk that end it early (uniformly, every thread) after a stage: the time up
+# to each stage, as a graph node of the top-k alone.
+_TK_WAIT = ("    pdl_wait();  // the scores (and the selection state this overwrites) belong to earlier kernels\n"
+            "    pdl_trigger();\n")
+TOPK_EDITS = {
+    "topk_exit_after_wait": [(_TK_WAIT, _TK_WAIT + "    if (r >= 0) return;\n")],
+    "topk_exit_after_keys": [("        const u32 bit = 1u << sr;\n", "        if (sr >= 0) return;\n")],
+    "topk_exit_after_hist": [("            topk_find_bin(s_hist, k, s_scan, &s_digit, &s_above, &s_cnt);\n",
+                              "            topk_find_bin(s_hist, k, s_scan, &s_digit, &s_above, &s_cnt);\n"
+                              "            if (sr >= 0) return;\n")],
+    "topk_exit_before_compaction": [("    // Compact the marked pages in ascending order.\n",
+                                     "    if (ncand >= 0) return;\n")],
+}
 
 
 def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
@@ -78,6 +92,10 @@ def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
         be._kernel = kb.edited_kernels(be, "selector", EDITS[edit])
         row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
         del be._kernel  # back to the class method
+    for edit in TOPK_EDITS:
+        be._kernel = kb.edited_kernels(be, "selector", TOPK_EDITS[edit])
+        row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
+        del be._kernel
     nbytes = s.selector_bytes()
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
