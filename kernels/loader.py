@@ -34,11 +34,12 @@ FAMILIES = {
     "decode_tc": ("decode_tc.cu", ("ls_decode_tc",)),  # tensor cores: bf16/fp16 pools
     "merge": ("merge.cu", ("ls_decode_merge",)),
     "selector": ("selector.cu", ("ls_page_scores", "ls_page_topk")),
+    "selector_tc": ("selector_tc.cu", ("ls_page_scores_tc",)),  # page scores on tensor cores
     "prefill": ("prefill.cu", ("ls_prefill",)),
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }
-TENSOR_CORE_FAMILIES = ("prefill", "decode_tc")
+TENSOR_CORE_FAMILIES = ("prefill", "decode_tc", "selector_tc")
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
 QUANTS = {"none": 0, "int8": 1, "int4": 2}
 HEAD_DIMS = (64, 128, 256)
@@ -205,6 +206,7 @@ def all_variants() -> list[Variant]:
                 out.append(Variant("merge", dt, d, "none", gq))
                 if dt != "fp32":
                     out.append(Variant("decode_tc", dt, d, "none", gq))
+                    out.append(Variant("selector_tc", dt, d, "none", gq))
             if dt != "fp32":
                 out.append(Variant("prefill", dt, d))
             out.append(Variant("fused", dt, d))

@@ -1,5 +1,6 @@
-"""Launch-gap probe (issue 3): programmatic dependent launch (``CupyBackend.pdl``) off, on, and
-on with text-edited kernel sources (VARIANTS), one layer of Llama-3-8B shape (bf16, batch 1).
+"""Decode-step probe (issue 3): programmatic dependent launch (``CupyBackend.pdl``) off and on,
+the CUDA-core page scores against the tensor-core ones, and text-edited kernel sources
+(VARIANTS), one layer of Llama-3-8B shape (bf16, batch 1).
 
     python scripts/probe_launch.py OUT_DIR [--contexts 65536 131072 262144]
 
@@ -20,24 +21,26 @@ import torch
 
 from lserve.bench import kernels as kb
 
-# name: (pdl, {kernel family: text edits of the shipped source})
+# name: (backend attributes, {kernel family: text edits of the shipped source})
 VARIANTS = {
-    "plain": (False, {}),
-    "pdl": (True, {}),
+    "plain": ({"pdl": False}, {}),
+    "pdl": ({}, {}),
+    # The CUDA-core page-score kernel instead of the tensor-core one.
+    "pdl-cuda-scores": ({"score_impl": "cuda"}, {}),
     # The decode kernel waits before reading the stored selection even on reuse steps.
-    "pdl-sel-after-wait": (True, {"decode_tc": [("const bool early_sel = sel_ready != 0;",
+    "pdl-sel-after-wait": ({}, {"decode_tc": [("const bool early_sel = sel_ready != 0;",
                                                  "const bool early_sel = false;")]}),
     # The top-k without its linear-histogram pass (the radix select alone, as before).
-    "pdl-radix-topk": (True, {"selector": [("if (k < ncand && span > 0.f", "if (false && span > 0.f")]}),
+    "pdl-radix-topk": ({}, {"selector": [("if (k < ncand && span > 0.f", "if (false && span > 0.f")]}),
     # The page-score kernel triggers the top-k's launch at its start (the first PDL version).
-    "pdl-scores-early-trigger": (True, {"selector": [("    // Host-copied tables only before the wait;",
-                                                      "    pdl_trigger();\n    // Host-copied tables only before the wait;")]}),
+    "pdl-scores-early-trigger": ({}, {"selector_tc": [("    // Host-copied tables only before the wait;",
+                                                        "    pdl_trigger();\n    // Host-copied tables only before the wait;")]}),
 }
 
 
-def _set(s, pdl: bool, edits: dict) -> None:
+def _set(s, attrs: dict, edits: dict) -> None:
     for be in s.backends.values():
-        be.pdl = pdl
+        be.pdl, be.score_impl = attrs.get("pdl", True), attrs.get("score_impl", "tc")
         if "_kernel" in vars(be):
             del be._kernel  # back to the shipped sources
         for family, ed in edits.items():
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(), "variants": {k: {"pdl": v[0], "edits": v[1]}
+    report = {"device": torch.cuda.get_device_name(), "variants": {k: {"attrs": v[0], "edits": v[1]}
                                                                     for k, v in VARIANTS.items()}, "rows": []}
     for ctx in a.contexts:
         n_sets, inner = kb._rotation(ctx)
@@ -72,9 +75,9 @@ def main(argv=None) -> int:
         dense = kb._DecodeSetup(ctx, 8, n_sets)
         ls = kb._DecodeSetup(ctx, 4, n_sets)
         ls.select_all()
-        for name, (pdl, edits) in VARIANTS.items():
-            _set(dense, pdl, edits)
-            _set(ls, pdl, edits)
+        for name, (attrs, edits) in VARIANTS.items():
+            _set(dense, attrs, edits)
+            _set(ls, attrs, edits)
             r = {"variant": name, "dense_ms": _dense_ms(dense, inner)}
             r.update(_lserve_times(ls, inner))
             row["runs"].append(r)

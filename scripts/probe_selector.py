@@ -65,7 +65,8 @@ _TK_WAIT = ("    pdl_wait();  // the scores (and the selection state this overwr
             "    pdl_trigger();\n")
 TOPK_EDITS = {
     "topk_exit_after_wait": [(_TK_WAIT, _TK_WAIT + "    if (r >= 0) return;\n")],
-    "topk_exit_after_keys": [("        const u32 bit = 1u << sr;\n", "        if (sr >= 0) return;\n")],
+    "topk_exit_after_keys": [("        const u32 bit = 1u << sr;\n",
+                              "        if (sr >= 0) return;\n        const u32 bit = 1u << sr;\n")],
     "topk_exit_after_hist": [("            topk_find_bin(s_hist, k, s_scan, &s_digit, &s_above, &s_cnt);\n",
                               "            topk_find_bin(s_hist, k, s_scan, &s_digit, &s_above, &s_cnt);\n"
                               "            if (sr >= 0) return;\n")],
@@ -88,10 +89,12 @@ def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
     be.score_ppb = None
     row["topk_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
     row["selector_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0]), 32)
+    impl, be.score_impl = be.score_impl, "cuda"  # EDITS change the CUDA-core score kernel
     for edit in EDITS:
         be._kernel = kb.edited_kernels(be, "selector", EDITS[edit])
         row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
         del be._kernel  # back to the class method
+    be.score_impl = impl
     for edit in TOPK_EDITS:
         be._kernel = kb.edited_kernels(be, "selector", TOPK_EDITS[edit])
         row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)

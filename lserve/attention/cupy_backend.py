@@ -142,9 +142,12 @@ class CupyBackend(AttentionBackend):
         Fewest table entries per decode unit (default 2: fewer, longer units and splits).
     prefill_dense : str
         ``"sdpa"`` (default) or ``"kernel"``: what runs the dense heads at prefill.
+    score_impl : str
+        ``"tc"`` (tensor cores, ``ls_page_scores_tc``; the default for bf16/fp16 caches whose
+        page holds 1, 2, 4, 8 or 16 logical pages) or ``"cuda"`` (``ls_page_scores``).
     score_hpc : int or None
-        Dense heads per CTA of the page-score kernel (1, 2 or 4; None: the largest that divides
-        the layer's dense heads).
+        Dense heads per CTA of the CUDA-core page-score kernel (1, 2 or 4; None: the largest that
+        divides the layer's dense heads).
     score_ppb : int or None
         Physical pages per page-score CTA (None: sized for one wave of ~3 CTAs per SM).
     pdl : bool
@@ -186,6 +189,8 @@ class CupyBackend(AttentionBackend):
         self.target_ctas: int | None = None  # None: one wave of resident decode CTAs
         self.min_chunk = 2
         self.prefill_dense = "sdpa"
+        tc_scores = self.dtype != torch.float32 and self.g_log in (1, 2, 4, 8, 16)
+        self.score_impl = "tc" if tc_scores else "cuda"
         self.score_hpc: int | None = None  # dense heads per page-score CTA (None: 4, 2 or 1)
         self.score_ppb: int | None = None  # physical pages per page-score CTA (None: one wave)
         self.pdl = os.environ.get("LSERVE_PDL", "1") != "0" and pdl_available(torch.cuda.get_device_capability(self.device))
@@ -535,23 +540,11 @@ class CupyBackend(AttentionBackend):
         if stats is not None:
             stats.reuses += st.n_dynamic - st.n_sel_rows
 
-    def select(self, layer: int, q: torch.Tensor, st: _Step, only: str | None = None) -> None:
-        """Run the page selector for the decode sequences that select this step.
-
-        ``only`` (``"scores"`` or ``"topk"``) launches one of the two kernels, for benchmarks.
-        """
+    def _scores_cuda(self, q, st: _Step, stats, nd: int, npmax: int, scores: torch.Tensor, only) -> None:
+        """Page scores through ``ls_page_scores`` (CUDA cores)."""
         from lserve.kernels.loader import KernelError, i32, i64, launch, ptr
 
-        t0 = time.perf_counter()
-        nd = self.cache.n_dense[layer]
-        stats = self.cache.stats[layer]
-        R, npmax = st.n_sel_rows, st.max_np_sel
-        rows_per_seq = nd * (self.group if self.qmode else self.nqs)
-        scores = torch.empty((R, rows_per_seq, npmax), dtype=torch.float32, device=self.device)
-        if only == "topk":
-            scores = self._scores_buf
-        elif only is None:
-            self._scores_buf = scores
+        R = st.n_sel_rows
         kern = self._kernel("selector", "ls_page_scores", "none", self.gq)
         hpc = self.score_hpc or next(c for c in (4, 2, 1) if nd % c == 0)  # heads per CTA
         if nd % hpc:
@@ -568,6 +561,45 @@ class CupyBackend(AttentionBackend):
                 ptr(st.meta), i32(st.nb), ptr(st.sel_rows), ptr(st.pages), i32(st.pages.shape[1]),
                 ptr(scores), i32(npmax), i32(self.group), i32(self.nqs), i32(int(self.qmode)), i32(ppb),
                 i32(hpc)), pdl=self.pdl)
+
+    def _scores_tc(self, q, st: _Step, stats, nd: int, npmax: int, scores: torch.Tensor, only) -> None:
+        """Page scores through ``ls_page_scores_tc`` (tensor cores): one dense head per CTA, pages
+        per CTA sized for one wave of resident CTAs."""
+        from lserve.kernels.loader import i32, i64, launch, ptr
+
+        R = st.n_sel_rows
+        smem = 2 * 3 * 64 * (self.D + 8) * 2  # STAGES kmax + kmin tiles of 64 rows
+        per_sm = max(1, min(4, (228 * 1024) // (smem + 2048)))
+        ppb = -(-npmax * nd * self.nqs * R // (per_sm * self.num_sms))
+        ppb = min(SCORE_PAGES_MAX, max(1, self.score_ppb or ppb))
+        kern = self._kernel("selector_tc", "ls_page_scores_tc", "none", self.gq)
+        launch(kern, (-(-npmax // ppb) if only != "topk" else 0, nd * self.nqs, R), (128,),
+               (ptr(q), i64(q.stride(0)), ptr(stats.kmax), ptr(stats.kmin), i32(nd), i32(self.g_log),
+                i32(self.g_log.bit_length() - 1), ptr(st.meta), i32(st.nb), ptr(st.sel_rows), ptr(st.pages),
+                i32(st.pages.shape[1]), ptr(scores), i32(npmax), i32(self.group), i32(self.nqs),
+                i32(int(self.qmode)), i32(ppb)), shared_mem=smem, pdl=self.pdl)
+
+    def select(self, layer: int, q: torch.Tensor, st: _Step, only: str | None = None) -> None:
+        """Run the page selector for the decode sequences that select this step.
+
+        ``only`` (``"scores"`` or ``"topk"``) launches one of the two kernels, for benchmarks.
+        """
+        from lserve.kernels.loader import KernelError, i32, launch, ptr
+
+        t0 = time.perf_counter()
+        nd = self.cache.n_dense[layer]
+        stats = self.cache.stats[layer]
+        R, npmax = st.n_sel_rows, st.max_np_sel
+        rows_per_seq = nd * (self.group if self.qmode else self.nqs)
+        scores = torch.empty((R, rows_per_seq, npmax), dtype=torch.float32, device=self.device)
+        if only == "topk":
+            scores = self._scores_buf
+        elif only is None:
+            self._scores_buf = scores
+        if self.score_impl == "tc":
+            self._scores_tc(q, st, stats, nd, npmax, scores, only)
+        else:
+            self._scores_cuda(q, st, stats, nd, npmax, scores, only)
         smem = 2 * 4 * max(npmax - 1, 1)
         if smem > 227 * 1024:
             raise KernelError(f"page selection over {npmax} pages exceeds the top-k kernel's shared memory")

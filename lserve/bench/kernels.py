@@ -11,8 +11,8 @@ Decode (contexts 4k..256k), per step of one layer:
   reuse cycle of 4 steps as it runs (1 step: selector + attention, 3 steps: attention reading the
   stored selection).
 * ``selector_ms``: the page selector alone (scores + top-k) for the 4 dense heads; its parts
-  ``selector_scores_ms`` / ``selector_topk_ms``, and for comparison the score kernel with fewer
-  heads per CTA.
+  ``selector_scores_ms`` / ``selector_topk_ms``, and for comparison the CUDA-core score kernel
+  (``selector_scores_cuda_ms``, and with fewer heads per CTA: ``_hpc1`` / ``_hpc2``).
 * ``selector_reuse_ms``: what the selector stage adds to a reuse step (it launches nothing:
   the decode kernel reads the stored selection), measured as the difference between graphs of
   reuse steps with and without the stage call (so it is noise around zero).
@@ -294,11 +294,13 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
                 for part in ("scores", "topk"):
                     row[f"selector_{part}_ms"] = _graph_time(
                         lambda i, s=s, be=be, sel=sel, part=part: be.select(0, s.q[0], sel[0], only=part), inner)
-                for hpc in (1, 2):  # the score kernel with fewer heads per CTA, for comparison
+                # The CUDA-core score kernel (4 heads per CTA, and fewer), for comparison.
+                impl, be.score_impl = be.score_impl, "cuda"
+                for hpc, key in ((None, "cuda"), (1, "hpc1"), (2, "hpc2")):
                     be.score_hpc = hpc
-                    row[f"selector_scores_hpc{hpc}_ms"] = _graph_time(
+                    row[f"selector_scores_{key}_ms"] = _graph_time(
                         lambda i, s=s, be=be, sel=sel: be.select(0, s.q[0], sel[0], only="scores"), inner)
-                be.score_hpc = None
+                be.score_hpc, be.score_impl = None, impl
             else:  # the context fits the budget: no selection happens at all
                 row["selector_ms"] = row["lserve_select_step_ms"] = None
             row["lserve_attn_kernel_ms"] = _graph_time(lambda i, s=s: s.reuse_step(i, merge=False), inner)

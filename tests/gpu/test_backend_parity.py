@@ -40,11 +40,22 @@ SCENARIOS = {
                                 split="many"),
     # The CUDA-core decode kernel on unquantized bf16 pools (the tensor-core one is the default).
     "bf16-d128-g4-cudacore": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(1, 2), decode_impl="cuda"),
-    # Four dense heads: page scores with 4 heads per CTA (kv mode), and with 1 (the older layout).
-    "bf16-d128-g4-hpc4": dict(dtype=torch.bfloat16, D=128, hkv=4, G=4, n_dense=(4, 4)),
-    "bf16-d128-g4-hpc1": dict(dtype=torch.bfloat16, D=128, hkv=4, G=4, n_dense=(4, 2), score_hpc=1),
-    # Query mode with 4 heads per score CTA; the next layer's 2 dense heads run 2 per CTA.
-    "fp16-d64-g2-query-hpc4": dict(dtype=torch.float16, D=64, hkv=4, G=2, n_dense=(4, 2), select_mode="query"),
+    # The CUDA-core page scores (tensor cores are the default for 16-bit caches): four dense
+    # heads with 4 heads per CTA (kv mode), and with 1 (the older layout); query mode with 4 heads
+    # per CTA, the next layer's 2 dense heads 2 per CTA.
+    "bf16-d128-g4-hpc4": dict(dtype=torch.bfloat16, D=128, hkv=4, G=4, n_dense=(4, 4), score_impl="cuda"),
+    "bf16-d128-g4-hpc1": dict(dtype=torch.bfloat16, D=128, hkv=4, G=4, n_dense=(4, 2), score_hpc=1,
+                              score_impl="cuda"),
+    "fp16-d64-g2-query-hpc4": dict(dtype=torch.float16, D=64, hkv=4, G=2, n_dense=(4, 2), select_mode="query",
+                                   score_impl="cuda"),
+    # Tensor-core page scores with 1, 2, 8 and 16 logical pages per page (the others use 4).
+    "bf16-d128-g4-scores-g1": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(1, 2), logical=16),
+    "fp16-d64-g8-query-scores-g2": dict(dtype=torch.float16, D=64, hkv=2, G=8, n_dense=(2, 1), logical=8,
+                                        select_mode="query"),
+    "bf16-d64-g4-scores-g8": dict(dtype=torch.bfloat16, D=64, hkv=2, G=4, n_dense=(2, 2), page_size=32, logical=4,
+                                  sink=32, local=64, budget=256),
+    "bf16-d128-g2-query-scores-g16": dict(dtype=torch.bfloat16, D=128, hkv=2, G=2, n_dense=(2, 1), page_size=64,
+                                          logical=4, sink=64, local=128, budget=512, select_mode="query"),
     # No streaming heads at all; dense prefill heads through our mma kernel instead of SDPA.
     "bf16-d128-g4-dense-kernelprefill": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(2, 2),
                                              prefill_kernel=True),
@@ -60,6 +71,7 @@ SCENARIOS = {
 }
 
 LENGTHS = {"bf16-d128-g4-int8-p64": [3001, 1500, 77], "bf16-d128-g4-p64-tc": [3001, 1500, 77],
+           "bf16-d128-g2-query-scores-g16": [3001, 1500, 77],
            "fp16-d64-g8-p128-tc": [2600, 700, 130]}
 
 
@@ -92,11 +104,14 @@ def test_backend_parity(name, seed):
     prefill_kernel = kw.pop("prefill_kernel", False)
     decode_impl = kw.pop("decode_impl", None)
     score_hpc = kw.pop("score_hpc", None)
+    score_impl = kw.pop("score_impl", None)
     pdl = kw.pop("pdl", None)
     pair = Pair(seed=seed, **kw)
     if pdl is not None:
         pair.cup.pdl = pdl
     pair.cup.score_hpc = score_hpc
+    if score_impl:
+        pair.cup.score_impl = score_impl
     if prefill_kernel:
         pair.cup.prefill_dense = "kernel"
     if decode_impl:
