@@ -303,14 +303,16 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
     const int ncand = npg - 1;                          // the last page is always kept
     const int k = meta[META_KK * nb + b] - 1;           // pages chosen by score
     const int slot = meta[META_SLOT * nb + b];
-    pdl_wait();  // the scores (and the selection state this overwrites) belong to earlier kernels
-    pdl_trigger();
     u32* keys = smem;
     u32* bits = smem + ncand;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Shared-memory set-up overlaps the score kernel's tail (nothing global is touched).
+    for (int i = tid; i < ncand; i += TK_THREADS) bits[i] = 0u;
+    for (int i = tid; i < TK_BINS; i += TK_THREADS) s_hist[i] = 0;
+    pdl_wait();  // the scores (and the selection state this overwrites) belong to earlier kernels
+    pdl_trigger();
     const int rows_per_seq = qmode ? hd * group : hd * nqs;
     const float* sbase = scores + (i64)r * rows_per_seq * score_stride;
-    for (int i = tid; i < ncand; i += TK_THREADS) bits[i] = 0u;
     // Contiguous ranges per thread for the order-preserving steps.
     const int per = (ncand + TK_THREADS - 1) / TK_THREADS;
     const int c0 = min(ncand, tid * per), c1 = min(ncand, c0 + per);
@@ -356,7 +358,8 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
         bool resolved = false;
         if (k < ncand && span > 0.f && span < LS_INF && scale < LS_INF) {  // uniform per CTA
             auto lin_bin = [&](u32 key) { return min(TK_BINS - 1, (int)((key_float(key) - fmn) * scale)); };
-            for (int i = tid; i < TK_BINS; i += TK_THREADS) s_hist[i] = 0;
+            if (sr > 0)  // the first row's histogram was cleared before the wait
+                for (int i = tid; i < TK_BINS; i += TK_THREADS) s_hist[i] = 0;
             if (tid == 0) s_nm = 0;
             __syncthreads();
             for (int i = tid; i < ncand; i += TK_THREADS) atomicAdd(&s_hist[lin_bin(keys[i])], 1);
@@ -428,20 +431,38 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
         }
     }
     __syncthreads();
-    // Compact the marked pages in ascending order.
-    int n_keep = 0;
-    for (int i = c0; i < c1; ++i) n_keep += bits[i] != 0u;
-    const int incl = block_inclusive_scan(n_keep, s_scan);
-    int o = incl - n_keep;
+    // Compact the marked pages in ascending order: warp w owns candidates [w * cw, +cw) (cw a
+    // multiple of 32), counts its kept ones with ballots, and writes them after the counts of
+    // the warps before it (one barrier; consecutive lanes read consecutive words).
+    constexpr int TK_WARPS = TK_THREADS / 32;
+    const int cw = (ncand + TK_THREADS - 1) / TK_THREADS * 32;
+    const int w0 = min(ncand, warp * cw), w1 = min(ncand, w0 + cw);
+    int wcnt = 0;
+    for (int i0 = w0; i0 < w1; i0 += 32) {
+        const int i = i0 + lane;
+        wcnt += __popc(__ballot_sync(0xffffffffu, i < w1 && bits[i] != 0u));
+    }
+    if (lane == 0) s_scan[warp] = wcnt;
+    __syncthreads();
+    int o = 0, total = 0;
+#pragma unroll
+    for (int v = 0; v < TK_WARPS; ++v) {
+        const int c = s_scan[v];
+        o += v < warp ? c : 0;
+        total += c;
+    }
     int* out_idx = sel_idx + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
     int* out_msk = sel_mask + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
-    for (int i = c0; i < c1; ++i) {
-        const u32 bm = bits[i];
+    for (int i0 = w0; i0 < w1; i0 += 32) {
+        const int i = i0 + lane;
+        const u32 bm = i < w1 ? bits[i] : 0u;
+        const u32 bal = __ballot_sync(0xffffffffu, bm != 0u);
         if (bm) {
-            out_idx[o] = i;
-            if (qmode) out_msk[o] = (int)bm;
-            ++o;
+            const int oi = o + __popc(bal & ((1u << lane) - 1u));
+            out_idx[oi] = i;
+            if (qmode) out_msk[oi] = (int)bm;
         }
+        o += __popc(bal);
     }
-    if (tid == TK_THREADS - 1) sel_cnt[(i64)slot * cnt_slot_stride + h] = incl;
+    if (tid == 0) sel_cnt[(i64)slot * cnt_slot_stride + h] = total;
 }
