@@ -177,17 +177,10 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
     for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
     float mrow = LS_NEG_INF, lrow = 0.f;  // row r_lo (rows r_lo + 8 are padding)
 
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < ntiles) load_tile(st, st);
-        cp_async_commit();
-    }
+    ring_start<STAGES>(ntiles, load_tile);
     const int mi = lane >> 3, ri = lane & 7;
     for (int t = 0; t < ntiles; ++t) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
-        if (t + STAGES - 1 < ntiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
-        cp_async_commit();
+        ring_next<STAGES>(t, ntiles, load_tile);  // tile t landed; stage (t-1) % STAGES refilled
         const u16* Ks = sK + (t % STAGES) * BN * ROWP + warp * 16 * ROWP;
         const u16* Vs = sV + (t % STAGES) * BN * ROWP + warp * 16 * ROWP;
 
@@ -196,12 +189,7 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < DK; ++kk) {
-            u32 b0, b1, b2, b3;
-            ldsm_x4(smem_u32(Ks + (ri + (mi >> 1) * 8) * ROWP + kk * 16 + (mi & 1) * 8), b0, b1, b2, b3);
-            mma16816(s[0], qa[kk], b0, b1);
-            mma16816(s[1], qa[kk], b2, b3);
-        }
+        for (int kk = 0; kk < DK; ++kk) mma_rows16(s, qa[kk], Ks, ROWP, kk * 16);
         // Mask: token exists, causal/Λ window, and the query head reads this page.
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {

@@ -57,3 +57,33 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return (u32)a;
 }
 
+// A STAGES-deep cp.async ring of tiles: ``load(t, stage)`` issues the copies of tile t into a
+// stage. ring_start issues tiles 0 .. STAGES-2; ring_next(t) waits until tile t has landed for
+// every thread (its stage may then be read) and issues tile t + STAGES - 1 into the stage that
+// tile t - 1 used. One commit group per tile, empty ones included, so the wait count is fixed.
+template <int STAGES, class Load>
+__device__ __forceinline__ void ring_start(int ntiles, Load&& load) {
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < ntiles) load(st, st);
+        cp_async_commit();
+    }
+}
+template <int STAGES, class Load>
+__device__ __forceinline__ void ring_next(int t, int ntiles, Load&& load) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (t + STAGES - 1 < ntiles) load(t + STAGES - 1, (t + STAGES - 1) % STAGES);
+    cp_async_commit();
+}
+
+// s[nt] += A B_nt for one 16-wide k-step: B_nt^T = 8 shared rows (16-bit, pitch ``rowp``
+// elements) at ``rows`` + nt * 8 rows, columns [k0, k0 + 16) (the K^T of attention scores).
+__device__ __forceinline__ void mma_rows16(float (&s)[2][4], const u32 (&a)[4], const u16* rows, int rowp, int k0) {
+    const int lane = threadIdx.x & 31, mi = lane >> 3, ri = lane & 7;
+    u32 b0, b1, b2, b3;
+    ldsm_x4(smem_u32(rows + (ri + (mi >> 1) * 8) * rowp + k0 + (mi & 1) * 8), b0, b1, b2, b3);
+    mma16816(s[0], a, b0, b1);
+    mma16816(s[1], a, b2, b3);
+}
+

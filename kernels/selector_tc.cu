@@ -109,17 +109,9 @@ ls_page_scores_tc(const act_t* __restrict__ q, i64 q_tok_stride,                
 
     const int rows_per_seq = qmode ? hd * group : hd * nqs;
     float* srow = scores + (i64)r * rows_per_seq * score_stride;
-    const int mi = lane >> 3, ri = lane & 7;
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < ntiles) load_tile(st, st);
-        cp_async_commit();
-    }
+    ring_start<STAGES>(ntiles, load_tile);
     for (int t = 0; t < ntiles; ++t) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
-        if (t + STAGES - 1 < ntiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
-        cp_async_commit();
+        ring_next<STAGES>(t, ntiles, load_tile);  // tile t landed; stage (t-1) % STAGES refilled
         const u16* Xs = sX + (t % STAGES) * BN * ROWP + warp * 16 * ROWP;
         const u16* Ns = sN + (t % STAGES) * BN * ROWP + warp * 16 * ROWP;
         float s[2][4];
@@ -129,14 +121,8 @@ ls_page_scores_tc(const act_t* __restrict__ q, i64 q_tok_stride,                
         for (int kk = 0; kk < DK; ++kk) {
             const u32 a_p[4] = {qp[kk][0], 0u, qp[kk][1], 0u};
             const u32 a_n[4] = {qn[kk][0], 0u, qn[kk][1], 0u};
-            const int off = (ri + (mi >> 1) * 8) * ROWP + kk * 16 + (mi & 1) * 8;
-            u32 b0, b1, b2, b3;
-            ldsm_x4(smem_u32(Xs + off), b0, b1, b2, b3);
-            mma16816(s[0], a_p, b0, b1);
-            mma16816(s[1], a_p, b2, b3);
-            ldsm_x4(smem_u32(Ns + off), b0, b1, b2, b3);
-            mma16816(s[0], a_n, b0, b1);
-            mma16816(s[1], a_n, b2, b3);
+            mma_rows16(s, a_p, Xs, ROWP, kk * 16);
+            mma_rows16(s, a_n, Ns, ROWP, kk * 16);
         }
         // Column n of this warp = logical row L0 + n; this lane holds row (query head) r_lo of
         // columns nt * 8 + cq + e. Max over the g logical rows of each page: within the lane
