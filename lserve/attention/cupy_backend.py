@@ -6,8 +6,9 @@ Per layer ``run`` does, on torch's current stream:
 1. ``ls_kv_write``: decode tokens' K/V into the dense pool and the streaming ring (quantized as
    configured) plus the key statistics (before attention, so a token attends to itself).
 2. Page selection (only when some decode sequence has ``SeqPlan.select`` and the layer
-   selects): ``ls_page_scores`` + ``ls_page_topk`` write the selection state (logical page
-   indices, per (layer, sequence slot, dense KV head)) on the GPU. Steps that reuse a selection
+   selects): ``ls_page_scores_tc`` (tensor cores; ``ls_page_scores`` on CUDA cores for fp32
+   caches) + ``ls_page_topk`` write the selection state (logical page indices, per (layer,
+   sequence slot, dense KV head)) on the GPU. Steps that reuse a selection
    launch nothing: the decode kernel reads the stored state and appends every page from the one
    that was last at selection time (exactly ``TorchBackend._page_mask``).
 3. ``ls_decode_tc`` (tensor cores, bf16/fp16 pools) or ``ls_decode`` (CUDA cores, fp32 or
