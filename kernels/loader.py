@@ -57,10 +57,10 @@ class Variant:
     Parameters
     ----------
     family : str
-        ``"kv_write"``, ``"decode"``, ``"decode_tc"``, ``"merge"``, ``"selector"``, ``"prefill"`` or
-        ``"fused"``.
+        ``"kv_write"``, ``"decode"``, ``"decode_tc"``, ``"merge"``, ``"selector"``,
+        ``"selector_tc"``, ``"prefill"`` or ``"fused"``.
     dtype : str
-        ``"bf16"``, ``"fp16"`` or ``"fp32"`` (prefill: 16-bit only).
+        ``"bf16"``, ``"fp16"`` or ``"fp32"`` (tensor-core families: 16-bit only).
     head_dim : int
         64, 128 or 256.
     kv_quant : str
