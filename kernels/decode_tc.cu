@@ -152,24 +152,13 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
         if (page_shift >= 0) { ei = j >> page_shift; off = j & (page_size - 1); }
         else { ei = j / page_size; off = j - ei * page_size; }
     };
-    // Each thread copies one 16-byte column chunk of rows r0, r0 + RPP, ... of the tile.
-    constexpr int CPR = D / 8, RPP = NTHREADS / CPR;
-    const int col = (tid % CPR) * 8, r0 = tid / CPR;
-    const u32 sK0 = smem_u32(sK) + (u32)(r0 * ROWP + col) * 2u;
-    const u32 sV0 = smem_u32(sV) + (u32)(r0 * ROWP + col) * 2u;
-    auto load_tile = [&](int t, int stage) {
-        const u32 so = (u32)(stage * BN * ROWP) * 2u;
-#pragma unroll
-        for (int row = r0, k = 0; k < BN / RPP; row += RPP, ++k) {
-            const int j = t * BN + row;
-            const bool ok = j < ntok;
-            int ei = 0, off = 0;
-            if (ok) entry_of(j, ei, off);
-            const i64 src = (s_row[ei] + off) * D + col;
-            const u32 dst = so + (u32)(k * RPP * ROWP) * 2u;
-            cp_async16(sK0 + dst, kbase + src, ok ? 16 : 0);
-            cp_async16(sV0 + dst, vbase + src, ok ? 16 : 0);
-        }
+    const TilePairCopy<BN, NTHREADS, D, ROWP> copy(sK, sV);
+    auto load_tile = [&](int t, int stage) {  // K and V rows of tokens [t * BN, + BN) of the unit
+        copy(t, stage, ntok, kbase, vbase, [&](int j) {
+            int ei, off;
+            entry_of(j, ei, off);
+            return (s_row[ei] + off) * D;
+        });
     };
 
     float o[DT][4];

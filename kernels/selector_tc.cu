@@ -87,24 +87,13 @@ ls_page_scores_tc(const act_t* __restrict__ q, i64 q_tok_stride,                
         }
     }
 
-    // Each thread copies one 16-byte column chunk of rows r0, r0 + RPP, ... of a tile.
-    constexpr int CPR = D / 8, RPP = NTHREADS / CPR;
-    const int col = (tid % CPR) * 8, r0 = tid / CPR;
-    const u32 sX0 = smem_u32(sX) + (u32)(r0 * ROWP + col) * 2u;
-    const u32 sN0 = smem_u32(sN) + (u32)(r0 * ROWP + col) * 2u;
     const i64 row_step = (i64)hd * D;  // between logical rows of one page
-    auto load_tile = [&](int t, int stage) {
-        const u32 so = (u32)(stage * BN * ROWP) * 2u;
-#pragma unroll
-        for (int row = r0, k = 0; k < BN / RPP; row += RPP, ++k) {
-            const int L = t * BN + row;
-            const bool ok = L < nrows;
-            const int pi = ok ? L >> g_shift : 0;
-            const i64 src = s_base[pi] + (L - (pi << g_shift)) * row_step + col;
-            const u32 dst = so + (u32)(k * RPP * ROWP) * 2u;
-            cp_async16(sX0 + dst, kmax + src, ok ? 16 : 0);
-            cp_async16(sN0 + dst, kmin + src, ok ? 16 : 0);
-        }
+    const TilePairCopy<BN, NTHREADS, D, ROWP> copy(sX, sN);
+    auto load_tile = [&](int t, int stage) {  // kmax and kmin rows of logical rows [t * BN, + BN)
+        copy(t, stage, nrows, kmax, kmin, [&](int L) {
+            const int pi = L >> g_shift;
+            return s_base[pi] + (L - (pi << g_shift)) * row_step;
+        });
     };
 
     const int rows_per_seq = qmode ? hd * group : hd * nqs;
