@@ -57,31 +57,32 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return (u32)a;
 }
 
-// Copies of a pair of BN-row tiles (two global arrays, same row offsets) into stage ``stage`` of
-// two shared rings [STAGES][BN][ROWP_] of 16-bit rows of DIM elements: thread t owns the 16-byte
-// column chunk (t % (DIM / 8)) of rows r0, r0 + RPP, ... (RPP = NT / (DIM / 8)). ``src(L)`` is
-// the element offset of tile row L's first element, asked only for L < nrows; rows >= nrows are
-// zero-filled.
-template <int BN_, int NT, int DIM, int ROWP_>
+// Copies of a pair of TP_ROWS-row tiles (two global arrays, same row offsets) into stage
+// ``stage`` of two shared rings [STAGES][TP_ROWS][TP_PITCH] of 16-bit rows of TP_DIM elements:
+// thread t owns the 16-byte column chunk t % (TP_DIM / 8) of rows r0, r0 + RPP, ...
+// (RPP = TP_THREADS / (TP_DIM / 8)). ``src(L)`` is the element offset of tile row L's first
+// element, asked only for L < nrows; rows >= nrows are zero-filled. (TP_ names: the including
+// kernels #define BN, NT, ROWP.)
+template <int TP_ROWS, int TP_THREADS, int TP_DIM, int TP_PITCH>
 struct TilePairCopy {
-    static constexpr int CPR = DIM / 8, RPP = NT / CPR;
+    static constexpr int CPR = TP_DIM / 8, RPP = TP_THREADS / CPR;
     u32 sa0, sb0;
     int col, r0;
     __device__ __forceinline__ TilePairCopy(const u16* sa, const u16* sb)
         : col((threadIdx.x % CPR) * 8), r0(threadIdx.x / CPR) {
-        sa0 = smem_u32(sa) + (u32)(r0 * ROWP_ + col) * 2u;
-        sb0 = smem_u32(sb) + (u32)(r0 * ROWP_ + col) * 2u;
+        sa0 = smem_u32(sa) + (u32)(r0 * TP_PITCH + col) * 2u;
+        sb0 = smem_u32(sb) + (u32)(r0 * TP_PITCH + col) * 2u;
     }
     template <class Src>
     __device__ __forceinline__ void operator()(int t, int stage, int nrows, const u16* a, const u16* b,
                                                Src&& src) const {
-        const u32 so = (u32)(stage * BN_ * ROWP_) * 2u;
+        const u32 so = (u32)(stage * TP_ROWS * TP_PITCH) * 2u;
 #pragma unroll
-        for (int k = 0; k < BN_ / RPP; ++k) {
-            const int L = t * BN_ + r0 + k * RPP;
+        for (int k = 0; k < TP_ROWS / RPP; ++k) {
+            const int L = t * TP_ROWS + r0 + k * RPP;
             const bool ok = L < nrows;
             const i64 off = (ok ? src(L) : 0) + col;
-            const u32 dst = so + (u32)(k * RPP * ROWP_) * 2u;
+            const u32 dst = so + (u32)(k * RPP * TP_PITCH) * 2u;
             cp_async16(sa0 + dst, a + off, ok ? 16 : 0);
             cp_async16(sb0 + dst, b + off, ok ? 16 : 0);
         }
