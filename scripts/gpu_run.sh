@@ -8,7 +8,7 @@
 #   threshold  threshold_h200.{json,png}, threshold.log (lserve bench profile-threshold; the
 #              profile it saves is what the e2e engines then use)
 #   e2e        e2e_h200.{json,png}, e2e.log (lserve bench e2e; E2E_ARGS adds flags)
-#   probe      probe_*.json, probe.log (scripts/probe_$PROBE.py: PROBE=decode (default), selector or launch;
+#   probe      probe_*.json, probe.log (scripts/probe_$PROBE.py: PROBE=decode (default), selector, launch or timeline;
 #              PROBE_ARGS adds flags)
 #   profile    profile_*.json, profile.log (kernels of the prefill and eager decode steps by GPU time;
 #              PROFILE_ARGS, e.g. "--config lserve --context 32768")
