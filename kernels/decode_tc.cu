@@ -24,6 +24,7 @@
 #define DT (D / 8)    // 8-dim n-tiles of O
 #define STAGES 3
 #define MAX_CHUNK 256
+#define EPT (MAX_CHUNK / NTHREADS)  // table entries per thread
 
 #if GQ > 8
 #error "decode_tc handles at most 8 query heads per CTA"
@@ -41,6 +42,7 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
              const int* __restrict__ pages, int pages_stride,         // [nb, pages_stride]
              const int* __restrict__ ring_pages, const int* __restrict__ ring_pos, int ring_stride,
              const int* __restrict__ sel_idx, const int* __restrict__ sel_mask, const int* __restrict__ sel_cnt,
+             const int* __restrict__ sel_page,                        // physical pages of sel_idx
              int sel_slot_stride, int sel_head_stride, int cnt_slot_stride, int qmode, int selects,
              const void* __restrict__ dk, const void* __restrict__ dv,
              const float* __restrict__ dks, const float* __restrict__ dvs,
@@ -62,58 +64,70 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
     // Before pdl_wait: host-copied tables (units, meta, page tables) and, when no top-k ran in
     // this step (sel_ready), the stored selection: every kernel here triggers its dependents
     // only after its own wait, so what a kernel two launches back wrote is complete by then.
+    // Each level of dependent global loads here costs ~0.3 us before the K/V stream starts, so
+    // the chain is kept to units (+ meta of sequence 0) -> selection (+ guessed tail pages).
     const bool early_sel = sel_ready != 0;
     const int u = blockIdx.x;
-    const int w = units[2 * u], split = units[2 * u + 1];
+    const int tid = threadIdx.x;
     const int hkv = hd + hs;
+    MetaRow m = load_meta(meta, nb, 0);  // alongside the unit's row: a batch of one needs no other
+    const int w = units[2 * u], split = units[2 * u + 1];
     const int qsub = w % nqs;
     const int h = (w / nqs) % hkv;
     const int b = w / (nqs * hkv);
-    const int tok = meta[META_TOK * nb + b];
-    const int len = meta[META_LEN * nb + b];
-    const int npg = meta[META_NPAGES * nb + b];
+    if (b != 0) m = load_meta(meta, nb, b);
+    const int tok = m.tok, len = m.len;
     const bool dense = h < hd;
-    const bool dyn = dense && selects && meta[META_DYN * nb + b] != 0;
-    int total, cnt = 0, nsel = 0;
-    const int* sidx = nullptr;
-    const int* smsk = nullptr;
-    if (!dense) {
-        total = meta[META_NRING * nb + b];
-    } else if (dyn) {
-        const int slot = meta[META_SLOT * nb + b];
-        nsel = meta[META_NSEL * nb + b];
-        sidx = sel_idx + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
-        smsk = sel_mask + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
-        if (!early_sel) pdl_wait();  // the selection comes from the top-k just before
-        cnt = sel_cnt[(i64)slot * cnt_slot_stride + h];
-        total = cnt + npg - nsel + 1;
-    } else {
-        total = npg;
-    }
+    const bool dyn = dense && selects && m.dyn != 0;
     const int e0 = split * chunk;
-    const int ne = max(0, min(total, e0 + chunk) - e0);
-    const int tid = threadIdx.x;
     const int H = dense ? hd : hs;
     const int hh = dense ? h : h - hd;
-    for (int i = tid; i < ne; i += NTHREADS) {
-        const int e = e0 + i;
+    const i64 prow = (i64)b * pages_stride;
+    // Entry e of a dynamic head: selected page e (e < cnt), else page nsel - 1 + (e - cnt) of the
+    // sequence. The top-k keeps min(K - 1, candidates) pages per KV head (at least that per query
+    // head), so the tail pages are loaded for that count before cnt arrives, again on a miss.
+    const int cguess = dyn ? max(0, min(m.kk - 1, m.nsel - 1)) : 0;
+    int tpage[EPT];
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+        const int i = tid + j * NTHREADS, idx = m.nsel - 1 + (e0 + i - cguess);
+        tpage[j] = (dyn && i < chunk && idx >= 0 && idx < m.npg) ? pages[prow + idx] : 0;
+    }
+    if (dyn && !early_sel) pdl_wait();  // the selection comes from the top-k just before
+    const i64 soff = (i64)m.slot * sel_slot_stride + (i64)h * sel_head_stride;
+    const int cnt = dyn ? sel_cnt[(i64)m.slot * cnt_slot_stride + h] : 0;
+    int spg[EPT], sid[EPT];
+    u32 smk[EPT];
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) {  // selected entries, loaded before cnt is known
+        const int i = tid + j * NTHREADS, e = e0 + i;
+        const bool ok = dyn && i < chunk && e < sel_head_stride;  // a row holds sel_head_stride
+        spg[j] = ok ? sel_page[soff + e] : 0;
+        sid[j] = ok ? sel_idx[soff + e] : 0;
+        smk[j] = ok && qmode ? (u32)sel_mask[soff + e] : 0xffffffffu;
+    }
+    const int total = !dense ? m.nring : dyn ? cnt + m.npg - m.nsel + 1 : m.npg;
+    const int ne = max(0, min(total, e0 + chunk) - e0);
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+        const int i = tid + j * NTHREADS, e = e0 + i;
+        if (i >= ne) continue;
         int page, pos;
         u32 bits = 0xffffffffu;
         if (!dense) {
             page = ring_pages[(i64)b * ring_stride + e];
             pos = ring_pos[(i64)b * ring_stride + e];
-        } else {
-            int idx = e;
-            if (dyn) {
-                if (e < cnt) {
-                    idx = sidx[e];
-                    if (qmode) bits = (u32)smsk[e];
-                } else {
-                    idx = nsel - 1 + (e - cnt);
-                }
-            }
-            page = pages[(i64)b * pages_stride + idx];
+        } else if (dyn && e < cnt) {
+            page = spg[j];
+            pos = sid[j] * page_size;
+            bits = smk[j];
+        } else if (dyn) {
+            const int idx = m.nsel - 1 + (e - cnt);
+            page = cnt == cguess ? tpage[j] : pages[prow + idx];
             pos = idx * page_size;
+        } else {
+            page = pages[prow + e];
+            pos = e * page_size;
         }
         s_row[i] = ((i64)page * H + hh) * page_size;
         s_pos[i] = pos;

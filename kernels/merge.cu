@@ -6,9 +6,11 @@
 #define GQ LS_GQ
 
 // Combine the splits of each work item: out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
-// One CTA per (work item, query head); warp w folds splits w, w+8, ... with an online rescale
-// (its loads are independent, so a warp keeps several in flight), then the 8 warps combine.
+// One CTA per (work item, query head); warp w folds splits w, w + 8, ... in batches of
+// MERGE_BATCH whose loads are all issued before any is used (one L2 round trip per batch:
+// up to 64 splits in one), rescaling once per batch, then the 8 warps combine.
 #define MERGE_WARPS 8
+#define MERGE_BATCH 8
 #define DPL (D / 32)  // dims per lane
 
 extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32)
@@ -30,18 +32,32 @@ ls_decode_merge(const float* __restrict__ part_o, const float* __restrict__ part
     float m = LS_NEG_INF, l = 0.f, acc[DPL];
 #pragma unroll
     for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
-#pragma unroll 4
-    for (int u = u0 + warp; u < u1; u += MERGE_WARPS) {
-        const float lse = part_lse[(i64)u * GQ + g];
-        float x[DPL];
+    for (int ub = u0 + warp; ub < u1; ub += MERGE_WARPS * MERGE_BATCH) {
+        float lse[MERGE_BATCH], x[MERGE_BATCH][DPL];
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) x[i] = part_o[((i64)u * GQ + g) * D + lane + 32 * i];
-        if (lse == LS_NEG_INF) continue;
-        const float mn = fmaxf(m, lse);
-        const float a = exp2f(m - mn), c = exp2f(lse - mn);  // m = -inf -> a = 0
-        l = l * a + c;
+        for (int k = 0; k < MERGE_BATCH; ++k) {
+            const int u = ub + k * MERGE_WARPS;
+            const bool ok = u < u1;
+            lse[k] = ok ? part_lse[(i64)u * GQ + g] : LS_NEG_INF;
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * a + c * x[i];
+            for (int i = 0; i < DPL; ++i) x[k][i] = ok ? part_o[((i64)u * GQ + g) * D + lane + 32 * i] : 0.f;
+        }
+        float mb = LS_NEG_INF;
+#pragma unroll
+        for (int k = 0; k < MERGE_BATCH; ++k) mb = fmaxf(mb, lse[k]);
+        if (mb == LS_NEG_INF) continue;  // nothing attended in this batch
+        const float mn = fmaxf(m, mb);
+        const float a = exp2f(m - mn);  // m = -inf -> a = 0
+        l *= a;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[i] *= a;
+#pragma unroll
+        for (int k = 0; k < MERGE_BATCH; ++k) {
+            const float c = exp2f(lse[k] - mn);  // lse = -inf -> 0
+            l += c;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[i] += c * x[k][i];
+        }
         m = mn;
     }
     if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }

@@ -255,6 +255,7 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
 #define TK_BITS 11                    // radix digit width
 #define TK_BINS (1 << TK_BITS)
 #define TK_PER (TK_BINS / TK_THREADS)  // bins per thread in the scan
+#define TK_PREFETCH 8                 // 32-candidate groups per warp whose pages are read early
 
 // The float whose order_key is ``key`` (common.cuh).
 __device__ __forceinline__ float key_float(u32 key) {
@@ -283,12 +284,15 @@ __device__ __forceinline__ void topk_find_bin(const int* hist, int need, int* sc
     __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(TK_THREADS)
+// One CTA per (row, head) and few of them: registers over occupancy (a cap spilled).
+extern "C" __global__ void __launch_bounds__(TK_THREADS, 1)
 ls_page_topk(const float* __restrict__ scores, int score_stride,
              const int* __restrict__ meta, int nb,
              const int* __restrict__ rows, int hd, int group, int nqs, int qmode,
              int* __restrict__ sel_idx, int* __restrict__ sel_mask, int* __restrict__ sel_cnt,
-             int sel_slot_stride, int sel_head_stride, int cnt_slot_stride) {
+             int sel_slot_stride, int sel_head_stride, int cnt_slot_stride,
+             const int* __restrict__ pages, int pages_stride,  // [nb, pages_stride] physical pages
+             int* __restrict__ sel_page) {                    // like sel_idx: the physical pages
     extern __shared__ u32 smem[];  // keys [ncand], bits [ncand]
     __shared__ int s_hist[TK_BINS];
     __shared__ int s_scan[32];
@@ -309,6 +313,19 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
     // Shared-memory set-up overlaps the score kernel's tail (nothing global is touched).
     for (int i = tid; i < ncand; i += TK_THREADS) bits[i] = 0u;
     for (int i = tid; i < TK_BINS; i += TK_THREADS) s_hist[i] = 0;
+    // The physical pages of the candidates this lane writes out in the compaction below (warp
+    // w owns candidates [w * cw, +cw), cw a multiple of 32), read from the host-copied page
+    // table before the wait so the writes do not wait for them.
+    constexpr int TK_WARPS = TK_THREADS / 32;
+    const int cw = (ncand + TK_THREADS - 1) / TK_THREADS * 32;
+    const int w0 = min(ncand, warp * cw), w1 = min(ncand, w0 + cw);
+    const int* prow = pages + (i64)b * pages_stride;
+    int pg[TK_PREFETCH];
+#pragma unroll
+    for (int j = 0; j < TK_PREFETCH; ++j) {
+        const int i = w0 + 32 * j + lane;
+        pg[j] = i < w1 ? prow[i] : 0;
+    }
     pdl_wait();  // the scores (and the selection state this overwrites) belong to earlier kernels
     pdl_trigger();
     const int rows_per_seq = qmode ? hd * group : hd * nqs;
@@ -431,12 +448,9 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
         }
     }
     __syncthreads();
-    // Compact the marked pages in ascending order: warp w owns candidates [w * cw, +cw) (cw a
-    // multiple of 32), counts its kept ones with ballots, and writes them after the counts of
-    // the warps before it (one barrier; consecutive lanes read consecutive words).
-    constexpr int TK_WARPS = TK_THREADS / 32;
-    const int cw = (ncand + TK_THREADS - 1) / TK_THREADS * 32;
-    const int w0 = min(ncand, warp * cw), w1 = min(ncand, w0 + cw);
+    // Compact the marked pages in ascending order: warp w counts its kept candidates with
+    // ballots and writes them after the counts of the warps before it (one barrier;
+    // consecutive lanes read consecutive words).
     int wcnt = 0;
     for (int i0 = w0; i0 < w1; i0 += 32) {
         const int i = i0 + lane;
@@ -451,18 +465,22 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
         o += v < warp ? c : 0;
         total += c;
     }
-    int* out_idx = sel_idx + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
-    int* out_msk = sel_mask + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
-    for (int i0 = w0; i0 < w1; i0 += 32) {
+    const i64 so = (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
+    auto emit = [&](int i0, int page) {  // candidates [i0, i0 + 32) of this warp
         const int i = i0 + lane;
         const u32 bm = i < w1 ? bits[i] : 0u;
         const u32 bal = __ballot_sync(0xffffffffu, bm != 0u);
         if (bm) {
             const int oi = o + __popc(bal & ((1u << lane) - 1u));
-            out_idx[oi] = i;
-            if (qmode) out_msk[oi] = (int)bm;
+            sel_idx[so + oi] = i;
+            sel_page[so + oi] = page;
+            if (qmode) sel_mask[so + oi] = (int)bm;
         }
         o += __popc(bal);
-    }
+    };
+#pragma unroll
+    for (int j = 0; j < TK_PREFETCH; ++j)
+        if (w0 + 32 * j < w1) emit(w0 + 32 * j, pg[j]);
+    for (int i0 = w0 + 32 * TK_PREFETCH; i0 < w1; i0 += 32) emit(i0, i0 + lane < w1 ? prow[i0 + lane] : 0);
     if (tid == 0) sel_cnt[(i64)slot * cnt_slot_stride + h] = total;
 }

@@ -70,8 +70,8 @@ TOPK_EDITS = {
     "topk_exit_after_hist": [("            topk_find_bin(s_hist, k, s_scan, &s_digit, &s_above, &s_cnt);\n",
                               "            topk_find_bin(s_hist, k, s_scan, &s_digit, &s_above, &s_cnt);\n"
                               "            if (sr >= 0) return;\n")],
-    "topk_exit_before_compaction": [("    // Compact the marked pages in ascending order.\n",
-                                     "    if (ncand >= 0) return;\n")],
+    "topk_exit_before_compaction": [("    // Compact the marked pages in ascending order",
+                                     "    if (ncand >= 0) return;\n    // Compact the marked pages in ascending order")],
 }
 
 

@@ -24,7 +24,7 @@ import torch
 
 from lserve.bench import kernels as kb
 
-N_CTA, N_SLOT = 4096, 12  # stamp rows (CTAs) and columns (0: SM id, 1..: marks)
+N_CTA, N_SLOT = 4096, 16  # stamp rows (CTAs) and columns (0: SM id, 1..: marks)
 _TL = r"""
 __device__ unsigned long long ls_tl[N_CTA][N_SLOT];
 __device__ __forceinline__ void ls_mark(int k) {
@@ -41,7 +41,7 @@ __device__ __forceinline__ void ls_mark(int k) {
 # family: (mark names, [(old, new)]); every kernel marks 0 at entry.
 MARKS = {
     "decode_tc": (["entry", "tables", "waited", "tile0", "tile1", "tile2", "tile3", "tile8", "tile16",
-                   "loop_end", "end"], [
+                   "loop_end", "end", "ring_done", "warps_merged"], [
         ('#include "mma.cuh"\n', '#include "mma.cuh"\n' + _TL),
         ("    const bool early_sel = sel_ready != 0;", "    ls_mark(0);\n    const bool early_sel = sel_ready != 0;"),
         ("    if (!dyn || early_sel) pdl_wait();", "    ls_mark(1);\n    if (!dyn || early_sel) pdl_wait();\n    ls_mark(2);"),
@@ -49,7 +49,9 @@ MARKS = {
          "        ring_next<STAGES>(t, ntiles, load_tile);\n"
          "        if (t < 4) ls_mark(3 + t); else if (t == 8) ls_mark(7); else if (t == 16) ls_mark(8);\n"),
         ("    cp_async_wait<0>();\n    __syncthreads();  // the K/V ring", "    ls_mark(9);\n    cp_async_wait<0>();\n"
-         "    __syncthreads();  // the K/V ring"),
+         "    __syncthreads();\n    ls_mark(11);  // the K/V ring"),
+        ("    __syncthreads();\n    for (int i = tid; i < GQ * D; i += NTHREADS) {",
+         "    __syncthreads();\n    ls_mark(12);\n    for (int i = tid; i < GQ * D; i += NTHREADS) {"),
         (": LS_NEG_INF;\n        }\n    }\n}", ": LS_NEG_INF;\n        }\n    }\n    ls_mark(10);\n}"),
     ]),
     "merge": (["entry", "waited", "end"], [

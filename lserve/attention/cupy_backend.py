@@ -205,6 +205,7 @@ class CupyBackend(AttentionBackend):
         self._nsel: dict[int, int] = {}
         self._hd_max = max(self.cache.n_dense) if self.cache.n_dense else 0
         self._sel_idx = self._sel_mask = self._sel_cnt = None
+        self._sel_page: torch.Tensor | None = None  # the physical pages of _sel_idx (decode_tc reads these)
         self._cap_slots = 0
         self._cap_u = 0
         self._step: _Step | None = None
@@ -268,15 +269,17 @@ class CupyBackend(AttentionBackend):
         cap_u = max(u_needed, self._cap_u)
         L, H = self.model.num_layers, max(self._hd_max, 1)
         idx = torch.zeros((L, slots, H, cap_u), dtype=torch.int32, device=self.device)
+        page = torch.zeros_like(idx)
         cnt = torch.zeros((L, slots, H), dtype=torch.int32, device=self.device)
         msk = torch.zeros((L, slots, H, cap_u) if self.qmode else (1,), dtype=torch.int32, device=self.device)
         if self._sel_idx is not None:
             s, u = self._cap_slots, self._cap_u
             idx[:, :s, :, :u] = self._sel_idx
+            page[:, :s, :, :u] = self._sel_page
             cnt[:, :s] = self._sel_cnt
             if self.qmode:
                 msk[:, :s, :, :u] = self._sel_mask
-        self._sel_idx, self._sel_cnt, self._sel_mask = idx, cnt, msk
+        self._sel_idx, self._sel_cnt, self._sel_mask, self._sel_page = idx, cnt, msk, page
         self._cap_slots, self._cap_u = slots, cap_u
         self.static_generation += 1  # captured graphs point at the old buffers
         self._static_units.clear()
@@ -610,7 +613,7 @@ class CupyBackend(AttentionBackend):
                 i32(self.nqs), i32(int(self.qmode)),
                 ptr(self._sel_idx[layer]), ptr(self._sel_mask[layer] if self.qmode else self._sel_mask),
                 ptr(self._sel_cnt[layer]), i32(self._sel_idx.shape[2] * self._cap_u), i32(self._cap_u),
-                i32(self._sel_cnt.shape[2])),
+                i32(self._sel_cnt.shape[2]), ptr(st.pages), i32(st.pages.shape[1]), ptr(self._sel_page[layer])),
                shared_mem=smem, pdl=self.pdl)
         stats = getattr(self, "selector_stats", None)
         if stats is not None:  # launch time only: nothing here synchronizes
@@ -640,6 +643,7 @@ class CupyBackend(AttentionBackend):
                 ptr(st.meta), i32(st.nb), ptr(st.pages), i32(st.pages.shape[1]),
                 ptr(st.ring_pages), ptr(st.ring_pos), i32(st.ring_pages.shape[1]),
                 ptr(sel_idx), ptr(sel_mask), ptr(self._sel_cnt[layer]),
+                *((ptr(self._sel_page[layer]),) if self.decode_impl == "tc" else ()),
                 i32(sel_idx.shape[1] * sel_idx.shape[2]), i32(sel_idx.shape[2]), i32(self._sel_cnt.shape[2]),
                 i32(int(self.qmode)), i32(int(selects)),
                 ptr(dp.k), ptr(dp.v), ptr(dp.k_scale), ptr(dp.v_scale), ptr(dp.k_zero), ptr(dp.v_zero), i32(nd),

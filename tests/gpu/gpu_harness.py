@@ -176,6 +176,8 @@ class Pair:
         assert self.cup._nsel[sid] == n_at
         cnt = self.cup._sel_cnt[layer, slot, :nd].cpu()
         idx = self.cup._sel_idx[layer, slot, :nd].cpu()
+        page = self.cup._sel_page[layer, slot, :nd].cpu()
+        seq_pages = sp.pages.cpu()
         chosen = chosen.cpu()
         G, k1 = self.G, chosen.shape[1]
         stats = self.cache_t.stats[layer]
@@ -185,6 +187,7 @@ class Pair:
             c = int(cnt[h])
             got = idx[h, :c]
             assert torch.all(got[1:] > got[:-1]), "selection must be strictly ascending"
+            assert torch.equal(page[h, :c].long(), seq_pages[got.long()]), "sel_page must hold the selected pages"
             if mode == "kv":
                 assert c == k1, f"kv mode keeps K-1 = {k1} pages, got {c}"
                 self._same_or_tie(got, chosen[h], scores[h], k1)
