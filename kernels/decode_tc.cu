@@ -145,22 +145,6 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
     const int ntok = ne * page_size;
     const int ntiles = (ntok + BN - 1) / BN;
 
-    // Q as the A operand: row r = query head r of this CTA (rows >= GQ are zero).
-    const int r_lo = lane >> 2, cq = (lane & 3) * 2;
-    u32 qa[DK][4];
-    {
-        const u32* row0 = reinterpret_cast<const u32*>(q + (i64)tok * q_tok_stride + (i64)(qh0 + r_lo) * D);
-        const bool ok0 = r_lo < GQ;  // rows r_lo + 8 >= 8 >= GQ: always zero
-#pragma unroll
-        for (int kk = 0; kk < DK; ++kk) {
-            const int c = (kk * 16 + cq) >> 1;
-            qa[kk][0] = ok0 ? row0[c] : 0u;
-            qa[kk][1] = 0u;
-            qa[kk][2] = ok0 ? row0[c + 4] : 0u;
-            qa[kk][3] = 0u;
-        }
-    }
-
     // Token j of the unit -> (entry, offset); a shift when the page size is a power of two.
     auto entry_of = [&](int j, int& ei, int& off) {
         if (page_shift >= 0) { ei = j >> page_shift; off = j & (page_size - 1); }
@@ -181,6 +165,23 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
     float mrow = LS_NEG_INF, lrow = 0.f;  // row r_lo (rows r_lo + 8 are padding)
 
     ring_start<STAGES>(ntiles, load_tile);
+    // Q as the A operand: row r = query head r of this CTA (rows >= GQ are zero). Loaded after
+    // the first K/V copies are issued: only the first mma needs it.
+    const int r_lo = lane >> 2, cq = (lane & 3) * 2;
+    u32 qa[DK][4];
+    {
+        const u32* row0 = reinterpret_cast<const u32*>(q + (i64)tok * q_tok_stride + (i64)(qh0 + r_lo) * D);
+        const bool ok0 = r_lo < GQ;  // rows r_lo + 8 >= 8 >= GQ: always zero
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+            const int c = (kk * 16 + cq) >> 1;
+            qa[kk][0] = ok0 ? row0[c] : 0u;
+            qa[kk][1] = 0u;
+            qa[kk][2] = ok0 ? row0[c + 4] : 0u;
+            qa[kk][3] = 0u;
+        }
+    }
+
     const int mi = lane >> 3, ri = lane & 7;
     for (int t = 0; t < ntiles; ++t) {
         ring_next<STAGES>(t, ntiles, load_tile);  // tile t landed; stage (t-1) % STAGES refilled
@@ -188,11 +189,22 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
         const u16* Vs = sV + (t % STAGES) * BN * ROWP + warp * 16 * ROWP;
 
         // S = Q K^T for this warp's 16 keys (two n-tiles of 8).
-        float s[2][4];
+        // Two accumulator chains (even / odd k-steps): half the dependent mma latency.
+        float s[2][4], s2[2][4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        for (int nt = 0; nt < 2; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            s2[nt][0] = s2[nt][1] = s2[nt][2] = s2[nt][3] = 0.f;
+        }
 #pragma unroll
-        for (int kk = 0; kk < DK; ++kk) mma_rows16(s, qa[kk], Ks, ROWP, kk * 16);
+        for (int kk = 0; kk < DK; kk += 2) {
+            mma_rows16(s, qa[kk], Ks, ROWP, kk * 16);
+            mma_rows16(s2, qa[kk + 1], Ks, ROWP, (kk + 1) * 16);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
         // Mask: token exists, causal/Λ window, and the query head reads this page.
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
@@ -267,26 +279,37 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
         for (int dt = 0; dt < DT; ++dt) { dst[dt * 8 + cq] = o[dt][0]; dst[dt * 8 + cq + 1] = o[dt][1]; }
     }
     __syncthreads();
-    for (int i = tid; i < GQ * D; i += NTHREADS) {
-        const int g = i / D, d = i - g * D;
-        float M = LS_NEG_INF;
+    // Per query head: each warp's weight in the combined softmax (and the head's log2-sum-exp),
+    // once, so each output below is four multiply-adds of independent shared loads.
+    __shared__ float s_wt[NWARPS][GQ];
+    __shared__ float s_lse[GQ];
+    if (tid < GQ) {
+        float M = LS_NEG_INF, L = 0.f;
 #pragma unroll
-        for (int wi = 0; wi < NWARPS; ++wi) M = fmaxf(M, s_m[wi][g]);
-        float L = 0.f, O = 0.f;
-        if (M != LS_NEG_INF) {
+        for (int wi = 0; wi < NWARPS; ++wi) M = fmaxf(M, s_m[wi][tid]);
+        float a[NWARPS];
 #pragma unroll
-            for (int wi = 0; wi < NWARPS; ++wi) {
-                const float mw = s_m[wi][g];
-                const float a = mw == LS_NEG_INF ? 0.f : fast_exp2(mw - M);
-                L += s_l[wi][g] * a;
-                O += s_o[((i64)wi * GQ + g) * D + d] * a;
-            }
+        for (int wi = 0; wi < NWARPS; ++wi) {
+            const float mw = s_m[wi][tid];
+            a[wi] = (M == LS_NEG_INF || mw == LS_NEG_INF) ? 0.f : fast_exp2(mw - M);
+            L += s_l[wi][tid] * a[wi];
         }
-        if (direct) {
-            out[(i64)tok * out_tok_stride + (i64)(qh0 + g) * D + d] = f2act(O / L);
-        } else {
-            part_o[((i64)u * GQ + g) * D + d] = L > 0.f ? O / L : 0.f;
-            if (d == 0) part_lse[(i64)u * GQ + g] = L > 0.f ? M + __log2f(L) : LS_NEG_INF;
-        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+        for (int wi = 0; wi < NWARPS; ++wi) s_wt[wi][tid] = a[wi] * inv;
+        s_lse[tid] = L > 0.f ? M + __log2f(L) : LS_NEG_INF;
     }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < (GQ * D + NTHREADS - 1) / NTHREADS; ++k) {
+        const int i = tid + k * NTHREADS;
+        if (GQ * D % NTHREADS != 0 && i >= GQ * D) break;
+        const int g = i / D, d = i - g * D;
+        float O = 0.f;
+#pragma unroll
+        for (int wi = 0; wi < NWARPS; ++wi) O += s_wt[wi][g] * s_o[((i64)wi * GQ + g) * D + d];
+        if (direct) out[(i64)tok * out_tok_stride + (i64)(qh0 + g) * D + d] = f2act(O);
+        else part_o[((i64)u * GQ + g) * D + d] = O;
+    }
+    if (!direct && tid < GQ) part_lse[(i64)u * GQ + tid] = s_lse[tid];
 }

@@ -50,9 +50,9 @@ MARKS = {
          "        if (t < 4) ls_mark(3 + t); else if (t == 8) ls_mark(7); else if (t == 16) ls_mark(8);\n"),
         ("    cp_async_wait<0>();\n    __syncthreads();  // the K/V ring", "    ls_mark(9);\n    cp_async_wait<0>();\n"
          "    __syncthreads();\n    ls_mark(11);  // the K/V ring"),
-        ("    __syncthreads();\n    for (int i = tid; i < GQ * D; i += NTHREADS) {",
-         "    __syncthreads();\n    ls_mark(12);\n    for (int i = tid; i < GQ * D; i += NTHREADS) {"),
-        (": LS_NEG_INF;\n        }\n    }\n}", ": LS_NEG_INF;\n        }\n    }\n    ls_mark(10);\n}"),
+        ("    __syncthreads();\n    // Per query head: each warp's weight",
+         "    __syncthreads();\n    ls_mark(12);\n    // Per query head: each warp's weight"),
+        ("= s_lse[tid];\n}", "= s_lse[tid];\n    ls_mark(10);\n}"),
     ]),
     "merge": (["entry", "waited", "end"], [
         ('#include "common.cuh"\n', '#include "common.cuh"\n' + _TL),
@@ -67,13 +67,15 @@ MARKS = {
         ("= m[nt][e];\n                }\n        }\n    }\n}",
          "= m[nt][e];\n                }\n        }\n    }\n    ls_mark(2);\n}"),
     ]),
-    "selector": (["entry", "waited", "marked", "end"], [
+    "selector": (["entry", "waited", "marked", "end", "counted"], [
         ('#include "common.cuh"\n', '#include "common.cuh"\n' + _TL),
         ("    const int r = blockIdx.x, h = blockIdx.y;\n", "    ls_mark(0);\n    const int r = blockIdx.x, h = blockIdx.y;\n"),
         ("    pdl_trigger();\n    const int rows_per_seq", "    pdl_trigger();\n    ls_mark(1);\n    const int rows_per_seq"),
         ("    __syncthreads();\n    // Compact the marked pages",
          "    __syncthreads();\n    ls_mark(2);\n    // Compact the marked pages"),
         ("= total;\n}", "= total;\n    ls_mark(3);\n}"),
+        ("    if (lane == 0) s_scan[warp] = wcnt;\n    __syncthreads();\n",
+         "    if (lane == 0) s_scan[warp] = wcnt;\n    __syncthreads();\n    ls_mark(4);\n"),
     ]),
 }
 KERNEL_OF = {"decode_tc": "ls_decode_tc", "merge": "ls_decode_merge", "selector_tc": "ls_page_scores_tc",
@@ -83,14 +85,14 @@ KERNEL_OF = {"decode_tc": "ls_decode_tc", "merge": "ls_decode_merge", "selector_
 class Instrumented:
     """Stamped modules of the four families for a backend's variant; ``install`` points a backend at them."""
 
-    def __init__(self, be) -> None:
+    def __init__(self, be, extra: dict | None = None) -> None:
         import cupy
         from lserve.kernels.loader import Variant, options_of, source_of
 
         self.mods, self.bufs = {}, {}
         for fam, (_, edits) in MARKS.items():
             src = source_of(fam)
-            for a, b in edits:
+            for a, b in edits + (extra or {}).get(fam, []):
                 if src.count(a) != 1:
                     raise ValueError(f"{fam}: edit does not match exactly once: {a[:50]!r}")
                 src = src.replace(a, b)
@@ -173,8 +175,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "marks": {f: m[0] for f, m in MARKS.items()}, "cases": []}
 
-    def run(case, s, step, inner, be_keys):
-        ins = Instrumented(s.backends[be_keys[0]])
+    def run(case, s, step, inner, be_keys, extra=None):
+        ins = Instrumented(s.backends[be_keys[0]], extra)
         for k in be_keys:
             ins.install(s.backends[k])
         step_ms = kb._graph_time(step, inner)
@@ -193,6 +195,13 @@ def main(argv=None) -> int:
     for t in ls.tables[kb.BUDGET][1]:
         t.units.clear()
     run(f"lserve reuse step {ctx}, min_chunk 8", ls, ls.reuse_step, inner, [kb.BUDGET])
+    # One-page units: a 2-stage ring (3 CTAs per SM) and up to 3 units per SM.
+    be.min_chunk, be.target_ctas = 1, 3 * be.num_sms
+    be._tc_smem = lambda d=be.D: 2 * 2 * 64 * (d + 8) * 2
+    for t in ls.tables[kb.BUDGET][1]:
+        t.units.clear()
+    run(f"lserve reuse step {ctx}, 1-page units, 2 stages", ls, ls.reuse_step, inner, [kb.BUDGET],
+        {"decode_tc": [("#define STAGES 3\n", "#define STAGES 2\n")]})
     del ls, be
     torch.cuda.empty_cache()
 
