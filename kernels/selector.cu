@@ -255,7 +255,6 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
 #define TK_BITS 11                    // radix digit width
 #define TK_BINS (1 << TK_BITS)
 #define TK_PER (TK_BINS / TK_THREADS)  // bins per thread in the scan
-#define TK_PREFETCH 8                 // 32-candidate groups per warp whose pages are read early
 
 // The float whose order_key is ``key`` (common.cuh).
 __device__ __forceinline__ float key_float(u32 key) {
@@ -293,7 +292,7 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
              int sel_slot_stride, int sel_head_stride, int cnt_slot_stride,
              const int* __restrict__ pages, int pages_stride,  // [nb, pages_stride] physical pages
              int* __restrict__ sel_page) {                    // like sel_idx: the physical pages
-    extern __shared__ u32 smem[];  // keys [ncand], bits [ncand]
+    extern __shared__ u32 smem[];  // keys [ncand], bits [ncand], physical pages [ncand]
     __shared__ int s_hist[TK_BINS];
     __shared__ int s_scan[32];
     __shared__ u32 s_kmin[32], s_kmax[32];
@@ -309,23 +308,15 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
     const int slot = meta[META_SLOT * nb + b];
     u32* keys = smem;
     u32* bits = smem + ncand;
+    int* s_pg = reinterpret_cast<int*>(smem + 2 * ncand);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Shared-memory set-up overlaps the score kernel's tail (nothing global is touched).
     for (int i = tid; i < ncand; i += TK_THREADS) bits[i] = 0u;
     for (int i = tid; i < TK_BINS; i += TK_THREADS) s_hist[i] = 0;
-    // The physical pages of the candidates this lane writes out in the compaction below (warp
-    // w owns candidates [w * cw, +cw), cw a multiple of 32), read from the host-copied page
-    // table before the wait so the writes do not wait for them.
-    constexpr int TK_WARPS = TK_THREADS / 32;
-    const int cw = (ncand + TK_THREADS - 1) / TK_THREADS * 32;
-    const int w0 = min(ncand, warp * cw), w1 = min(ncand, w0 + cw);
+    // The candidates' physical pages (written out with the selection), from the host-copied
+    // page table before the wait, so the compaction's writes do not wait for them.
     const int* prow = pages + (i64)b * pages_stride;
-    int pg[TK_PREFETCH];
-#pragma unroll
-    for (int j = 0; j < TK_PREFETCH; ++j) {
-        const int i = w0 + 32 * j + lane;
-        pg[j] = i < w1 ? prow[i] : 0;
-    }
+    for (int i = tid; i < ncand; i += TK_THREADS) s_pg[i] = prow[i];
     pdl_wait();  // the scores (and the selection state this overwrites) belong to earlier kernels
     pdl_trigger();
     const int rows_per_seq = qmode ? hd * group : hd * nqs;
@@ -448,9 +439,12 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
         }
     }
     __syncthreads();
-    // Compact the marked pages in ascending order: warp w counts its kept candidates with
-    // ballots and writes them after the counts of the warps before it (one barrier;
-    // consecutive lanes read consecutive words).
+    // Compact the marked pages in ascending order: warp w owns candidates [w * cw, +cw) (cw a
+    // multiple of 32), counts its kept ones with ballots, and writes them after the counts of
+    // the warps before it (one barrier; consecutive lanes read consecutive words).
+    constexpr int TK_WARPS = TK_THREADS / 32;
+    const int cw = (ncand + TK_THREADS - 1) / TK_THREADS * 32;
+    const int w0 = min(ncand, warp * cw), w1 = min(ncand, w0 + cw);
     int wcnt = 0;
     for (int i0 = w0; i0 < w1; i0 += 32) {
         const int i = i0 + lane;
@@ -466,21 +460,17 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
         total += c;
     }
     const i64 so = (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
-    auto emit = [&](int i0, int page) {  // candidates [i0, i0 + 32) of this warp
+    for (int i0 = w0; i0 < w1; i0 += 32) {
         const int i = i0 + lane;
         const u32 bm = i < w1 ? bits[i] : 0u;
         const u32 bal = __ballot_sync(0xffffffffu, bm != 0u);
         if (bm) {
             const int oi = o + __popc(bal & ((1u << lane) - 1u));
             sel_idx[so + oi] = i;
-            sel_page[so + oi] = page;
+            sel_page[so + oi] = s_pg[i];
             if (qmode) sel_mask[so + oi] = (int)bm;
         }
         o += __popc(bal);
-    };
-#pragma unroll
-    for (int j = 0; j < TK_PREFETCH; ++j)
-        if (w0 + 32 * j < w1) emit(w0 + 32 * j, pg[j]);
-    for (int i0 = w0 + 32 * TK_PREFETCH; i0 < w1; i0 += 32) emit(i0, i0 + lane < w1 ? prow[i0 + lane] : 0);
+    }
     if (tid == 0) sel_cnt[(i64)slot * cnt_slot_stride + h] = total;
 }

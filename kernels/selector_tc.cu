@@ -56,7 +56,7 @@ ls_page_scores_tc(const act_t* __restrict__ q, i64 q_tok_stride,                
     const int h = blockIdx.y / nqs, qsub = blockIdx.y % nqs;
     const int tid = threadIdx.x;
     // Host-copied tables only before the wait; q and the statistics come from earlier kernels.
-    // No early pdl_trigger (see ls_page_scores): the top-k launches as this grid exits.
+    // No pdl_trigger at the start (see ls_page_scores): only in the last tile, below.
     const int npg = meta[META_NPAGES * nb + b];
     const int p_begin = blockIdx.x * ppb;
     const int p_end = min(npg, p_begin + ppb);
@@ -101,6 +101,9 @@ ls_page_scores_tc(const act_t* __restrict__ q, i64 q_tok_stride,                
     ring_start<STAGES>(ntiles, load_tile);
     for (int t = 0; t < ntiles; ++t) {
         ring_next<STAGES>(t, ntiles, load_tile);  // tile t landed; stage (t-1) % STAGES refilled
+        // The top-k may launch once every CTA is in its last tile: all CTAs of this one-wave grid
+        // are resident by then, so its CTAs take no slot a score CTA needs (see ls_page_scores).
+        if (t == ntiles - 1) pdl_trigger();
         const u16* Xs = sX + (t % STAGES) * BN * ROWP + warp * 16 * ROWP;
         const u16* Ns = sN + (t % STAGES) * BN * ROWP + warp * 16 * ROWP;
         float s[2][4];
