@@ -255,6 +255,7 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
 #define TK_BITS 11                    // radix digit width
 #define TK_BINS (1 << TK_BITS)
 #define TK_PER (TK_BINS / TK_THREADS)  // bins per thread in the scan
+#define TK_PG_REGS 8                  // candidate pages per thread held in registers (4096 in all)
 
 // The float whose order_key is ``key`` (common.cuh).
 __device__ __forceinline__ float key_float(u32 key) {
@@ -292,7 +293,7 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
              int sel_slot_stride, int sel_head_stride, int cnt_slot_stride,
              const int* __restrict__ pages, int pages_stride,  // [nb, pages_stride] physical pages
              int* __restrict__ sel_page) {                    // like sel_idx: the physical pages
-    extern __shared__ u32 smem[];  // keys [ncand], bits [ncand], physical pages [ncand]
+    extern __shared__ u32 smem[];  // keys [ncand] (then physical pages), bits [ncand]
     __shared__ int s_hist[TK_BINS];
     __shared__ int s_scan[32];
     __shared__ u32 s_kmin[32], s_kmax[32];
@@ -308,15 +309,20 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
     const int slot = meta[META_SLOT * nb + b];
     u32* keys = smem;
     u32* bits = smem + ncand;
-    int* s_pg = reinterpret_cast<int*>(smem + 2 * ncand);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Shared-memory set-up overlaps the score kernel's tail (nothing global is touched).
     for (int i = tid; i < ncand; i += TK_THREADS) bits[i] = 0u;
     for (int i = tid; i < TK_BINS; i += TK_THREADS) s_hist[i] = 0;
-    // The candidates' physical pages (written out with the selection), from the host-copied
-    // page table before the wait, so the compaction's writes do not wait for them.
+    // The candidates' physical pages (written out with the selection) are read from the
+    // host-copied page table before the wait, so the compaction does not wait for them; they
+    // replace the keys in shared memory once the keys are dead.
     const int* prow = pages + (i64)b * pages_stride;
-    for (int i = tid; i < ncand; i += TK_THREADS) s_pg[i] = prow[i];
+    int pg[TK_PG_REGS];
+#pragma unroll
+    for (int j = 0; j < TK_PG_REGS; ++j) {
+        const int i = tid + j * TK_THREADS;
+        pg[j] = i < ncand ? prow[i] : 0;
+    }
     pdl_wait();  // the scores (and the selection state this overwrites) belong to earlier kernels
     pdl_trigger();
     const int rows_per_seq = qmode ? hd * group : hd * nqs;
@@ -445,6 +451,13 @@ ls_page_topk(const float* __restrict__ scores, int score_stride,
     constexpr int TK_WARPS = TK_THREADS / 32;
     const int cw = (ncand + TK_THREADS - 1) / TK_THREADS * 32;
     const int w0 = min(ncand, warp * cw), w1 = min(ncand, w0 + cw);
+    int* s_pg = reinterpret_cast<int*>(keys);
+#pragma unroll
+    for (int j = 0; j < TK_PG_REGS; ++j) {
+        const int i = tid + j * TK_THREADS;
+        if (i < ncand) s_pg[i] = pg[j];
+    }
+    for (int i = tid + TK_PG_REGS * TK_THREADS; i < ncand; i += TK_THREADS) s_pg[i] = prow[i];
     int wcnt = 0;
     for (int i0 = w0; i0 < w1; i0 += 32) {
         const int i = i0 + lane;

@@ -604,7 +604,7 @@ class CupyBackend(AttentionBackend):
             self._scores_tc(q, st, stats, nd, npmax, scores, only)
         else:
             self._scores_cuda(q, st, stats, nd, npmax, scores, only)
-        smem = 3 * 4 * max(npmax - 1, 1)  # keys, bits and physical pages of the candidates
+        smem = 2 * 4 * max(npmax - 1, 1)  # keys (then the candidates' physical pages) and bits
         if smem > 227 * 1024:
             raise KernelError(f"page selection over {npmax} pages exceeds the top-k kernel's shared memory")
         kern = self._kernel("selector", "ls_page_topk", "none", self.gq)
