@@ -78,6 +78,18 @@ MARKS = {
          "    if (lane == 0) s_scan[warp] = wcnt;\n    __syncthreads();\n    ls_mark(4);\n"),
     ]),
 }
+# Text edits of decode_tc that remove one part of a tile's work (wrong results by design).
+ABLATIONS = {
+    "shipped": [],
+    "no K/V copies": [("        copy(t, stage, ntok, kbase, vbase, [&](int j) {",
+                       "        if (ntok > 0) return;\n        copy(t, stage, ntok, kbase, vbase, [&](int j) {")],
+    "no Q K^T mma": [("            mma_rows16(s, qa[kk], Ks, ROWP, kk * 16);\n"
+                      "            mma_rows16(s2, qa[kk + 1], Ks, ROWP, (kk + 1) * 16);\n", "")],
+    "no mask": [("                if (ok) {\n                    int ei, off;",
+                 "                if (false) {\n                    int ei, off;")],
+    "P V without the low half": [("            mma16816(o[dt], pl, b0, b1);\n"
+                                  "            mma16816(o[dt + 1], pl, b2, b3);\n", "")],
+}
 KERNEL_OF = {"decode_tc": "ls_decode_tc", "merge": "ls_decode_merge", "selector_tc": "ls_page_scores_tc",
              "selector": "ls_page_topk"}
 
@@ -170,6 +182,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--context", type=int, default=262144)
+    ap.add_argument("--cases", nargs="+", choices=["main", "ablate"], default=["main"])
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,30 +201,35 @@ def main(argv=None) -> int:
     n_sets, inner = kb._rotation(ctx)
     ls = kb._DecodeSetup(ctx, 4, n_sets)
     ls.select_all()
-    run(f"lserve reuse step {ctx}", ls, ls.reuse_step, inner, [kb.BUDGET])
-    run(f"lserve select step {ctx}", ls, ls.select_step, inner, [kb.BUDGET])
     be = ls.backends[kb.BUDGET]
-    be.min_chunk = 8
-    for t in ls.tables[kb.BUDGET][1]:
-        t.units.clear()
-    run(f"lserve reuse step {ctx}, min_chunk 8", ls, ls.reuse_step, inner, [kb.BUDGET])
-    # One-page units: a 2-stage ring (3 CTAs per SM) and up to 3 units per SM.
-    be.min_chunk, be.target_ctas = 1, 3 * be.num_sms
-    be._tc_smem = lambda d=be.D: 2 * 2 * 64 * (d + 8) * 2
-    for t in ls.tables[kb.BUDGET][1]:
-        t.units.clear()
-    run(f"lserve reuse step {ctx}, 1-page units, 2 stages", ls, ls.reuse_step, inner, [kb.BUDGET],
-        {"decode_tc": [("#define STAGES 3\n", "#define STAGES 2\n")]})
-    del ls, be
+
+    def units(min_chunk, target=None, s=ls):
+        s.backends[kb.BUDGET].min_chunk, s.backends[kb.BUDGET].target_ctas = min_chunk, target
+        for t in s.tables[kb.BUDGET][1]:
+            t.units.clear()
+
+    if "main" in a.cases:
+        run(f"lserve reuse step {ctx}", ls, ls.reuse_step, inner, [kb.BUDGET])
+        run(f"lserve select step {ctx}", ls, ls.select_step, inner, [kb.BUDGET])
+        units(8)
+        run(f"lserve reuse step {ctx}, min_chunk 8", ls, ls.reuse_step, inner, [kb.BUDGET])
+    if "ablate" in a.cases:  # per-tile costs: 8-tile units, one part of the tile's work removed each
+        units(8)
+        for name, edits in ABLATIONS.items():
+            run(f"lserve reuse step {ctx}, min_chunk 8, {name}", ls, ls.reuse_step, inner, [kb.BUDGET],
+                {"decode_tc": edits})
+    units(2)
+    del ls, be, units
     torch.cuda.empty_cache()
 
-    n_sets, inner = kb._rotation(65536)
-    dense = kb._DecodeSetup(65536, 8, n_sets)
+    if "main" in a.cases:
+        n_sets, inner = kb._rotation(65536)
+        dense = kb._DecodeSetup(65536, 8, n_sets)
 
-    def dense_step(i):
-        j = i % dense.n_sets
-        dense.backends[0].decode(0, dense.q[j], dense.out, dense.tables[0][0][j])
-    run("dense decode 65536", dense, dense_step, inner, [0])
+        def dense_step(i):
+            j = i % dense.n_sets
+            dense.backends[0].decode(0, dense.q[j], dense.out, dense.tables[0][0][j])
+        run("dense decode 65536", dense, dense_step, inner, [0])
     (out / "probe_timeline.json").write_text(json.dumps(report, indent=1))
     return 0
 
