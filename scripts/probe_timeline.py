@@ -21,10 +21,11 @@ import sys
 from pathlib import Path
 
 import torch
+from lserve.kernels.loader import KERNEL_DIR
 
 from lserve.bench import kernels as kb
 
-N_CTA, N_SLOT = 4096, 16  # stamp rows (CTAs) and columns (0: SM id, 1..: marks)
+N_CTA, N_SLOT = 4096, 16  # stamp rows (CTAs) and columns (0: SM id, 1..13: marks, 14/15: clock64)
 _TL = r"""
 __device__ unsigned long long ls_tl[N_CTA][N_SLOT];
 __device__ __forceinline__ void ls_mark(int k) {
@@ -33,8 +34,11 @@ __device__ __forceinline__ void ls_mark(int k) {
     if (c >= N_CTA) return;
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (k == 0) { unsigned s; asm volatile("mov.u32 %0, %%smid;" : "=r"(s)); ls_tl[c][0] = s; }
+    unsigned long long clk;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(clk));
+    if (k == 0) { unsigned s; asm volatile("mov.u32 %0, %%smid;" : "=r"(s)); ls_tl[c][0] = s; ls_tl[c][N_SLOT - 2] = clk; }
     ls_tl[c][1 + k] = t;
+    ls_tl[c][N_SLOT - 1] = clk;  // the SM clock at the latest mark (with slot N_SLOT - 2: the clock rate)
 }
 """.replace("N_CTA", str(N_CTA)).replace("N_SLOT", str(N_SLOT))
 
@@ -87,6 +91,10 @@ ABLATIONS = {
                       "            mma_rows16(s2, qa[kk + 1], Ks, ROWP, (kk + 1) * 16);\n", "")],
     "no mask": [("                if (ok) {\n                    int ei, off;",
                  "                if (false) {\n                    int ei, off;")],
+    # The K/V copies without the zero-fill operand (rows past the unit read row 0 instead).
+    "cp.async without src-size": [('#include "mma.cuh"\n', (KERNEL_DIR / "mma.cuh").read_text().replace(
+        'asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));',
+        'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");'))],
     "P V without the low half": [("            mma16816(o[dt], pl, b0, b1);\n"
                                   "            mma16816(o[dt + 1], pl, b2, b3);\n", "")],
 }
@@ -156,10 +164,15 @@ def _summary(stamps: dict) -> dict:
         rows = a[a[:, 1] > 0]
         if not len(rows):
             continue
+        marks = rows[:, 1: N_SLOT - 2].astype("int64")
+        span_ns = marks.max(axis=1) - marks[:, 0]
+        cycles = rows[:, N_SLOT - 1].astype("int64") - rows[:, N_SLOT - 2].astype("int64")
+        ghz = [c / t for c, t in zip(cycles.tolist(), span_ns.tolist()) if t > 500]
         per_sm = {}
         for sm in rows[:, 0].tolist():
             per_sm[sm] = per_sm.get(sm, 0) + 1
-        fam_out = {"ctas": int(len(rows)), "sms": len(per_sm), "max_ctas_per_sm": max(per_sm.values()), "marks": {}}
+        fam_out = {"ctas": int(len(rows)), "sms": len(per_sm), "max_ctas_per_sm": max(per_sm.values()),
+                   "sm_ghz": round(statistics.median(ghz), 3) if ghz else None, "marks": {}}
         for k, name in enumerate(names):
             col = rows[:, 1 + k]
             v = sorted((int(x) - t0) / 1e3 for x in col if x > 0)
@@ -173,7 +186,8 @@ def _summary(stamps: dict) -> dict:
 def _print(case: str, step_ms: float, summ: dict) -> None:
     print(f"== {case}: step {step_ms * 1e3:.2f} us (graph median)", flush=True)
     for fam, f in summ.items():
-        print(f"  {KERNEL_OF[fam]:<18} ctas {f['ctas']:4d} on {f['sms']:3d} SMs (max {f['max_ctas_per_sm']}/SM)")
+        print(f"  {KERNEL_OF[fam]:<18} ctas {f['ctas']:4d} on {f['sms']:3d} SMs (max {f['max_ctas_per_sm']}/SM), "
+              f"SM clock {f['sm_ghz']} GHz")
         for name, m in f["marks"].items():
             print(f"    {name:<9} n {m['n']:4d}  min {m['min']:8.2f}  med {m['median']:8.2f}  max {m['max']:8.2f} us")
 
