@@ -157,7 +157,8 @@ def _last_step_stamps(ins: Instrumented, step, inner: int) -> dict:
 
 def _summary(stamps: dict) -> dict:
     """Per family and mark: CTAs stamped, and min / median / max us from the step's first stamp."""
-    t0 = min(int(a[:, 1:][a[:, 1:] > 0].min()) for a in stamps.values() if (a[:, 1:] > 0).any())
+    marks = {fam: a[:, 1: N_SLOT - 2] for fam, a in stamps.items()}  # globaltimer columns only
+    t0 = min(int(m[m > 0].min()) for m in marks.values() if (m > 0).any())
     out = {}
     for fam, a in stamps.items():
         names = MARKS[fam][0]
