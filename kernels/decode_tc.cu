@@ -108,6 +108,7 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
     }
     const int total = !dense ? m.nring : dyn ? cnt + m.npg - m.nsel + 1 : m.npg;
     const int ne = max(0, min(total, e0 + chunk) - e0);
+    bool clean = true;  // every token of this thread's entries is read by every query row here
 #pragma unroll
     for (int j = 0; j < EPT; ++j) {
         const int i = tid + j * NTHREADS, e = e0 + i;
@@ -132,10 +133,15 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
         s_row[i] = ((i64)page * H + hh) * page_size;
         s_pos[i] = pos;
         s_bits[i] = bits >> (qsub * GQ);
+        const bool in_len = pos + page_size <= len;
+        const bool in_window = dense || pos + page_size <= sink || len - 1 - pos < local;
+        clean = clean && in_len && in_window && (s_bits[i] & ((1u << GQ) - 1u)) == (1u << GQ) - 1u;
     }
     if (!dyn || early_sel) pdl_wait();  // before q, K/V (written by earlier kernels) and any write
     pdl_trigger();
-    __syncthreads();
+    // Units whose tiles are all full and unmasked (most of a long selection: every page but the
+    // sequence's last) skip the per-element mask, the largest part of a tile's CUDA-core work.
+    const bool unmasked = __syncthreads_and(clean) != 0 && (ne * page_size) % BN == 0;
 
     const int warp = tid >> 5, lane = tid & 31;
     const int qh0 = h * group + qsub * GQ;
@@ -211,8 +217,8 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
 #pragma unroll
             for (int e = 0; e < 2; ++e) {  // c0, c1: row r_lo; c2, c3 (row r_lo + 8) are padding
                 const int j = t * BN + warp * 16 + nt * 8 + cq + e;
-                bool ok = j < ntok && r_lo < GQ;
-                if (ok) {
+                bool ok = r_lo < GQ && (unmasked || j < ntok);
+                if (ok && !unmasked) {
                     int ei, off;
                     entry_of(j, ei, off);
                     const int p = s_pos[ei] + off;

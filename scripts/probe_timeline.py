@@ -89,7 +89,7 @@ ABLATIONS = {
                        "        if (ntok > 0) return;\n        copy(t, stage, ntok, kbase, vbase, [&](int j) {")],
     "no Q K^T mma": [("            mma_rows16(s, qa[kk], Ks, ROWP, kk * 16);\n"
                       "            mma_rows16(s2, qa[kk + 1], Ks, ROWP, (kk + 1) * 16);\n", "")],
-    "no mask": [("                if (ok) {\n                    int ei, off;",
+    "no mask": [("                if (ok && !unmasked) {\n                    int ei, off;",
                  "                if (false) {\n                    int ei, off;")],
     # The K/V copies without the zero-fill operand (rows past the unit read row 0 instead).
     "cp.async without src-size": [('#include "mma.cuh"\n', (KERNEL_DIR / "mma.cuh").read_text().replace(
