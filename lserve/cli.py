@@ -8,6 +8,7 @@ import os
 import sys
 
 from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.serve.settings import DEFAULT_SHUTDOWN_GRACE_S
 
 DEMO_PROMPT = "The three most important ideas in computer science are"
 
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued-requests", type=int, default=64,
                    help="requests admitted beyond what the replicas hold; more get 429 + Retry-After")
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model value)")
+    s.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="on Ctrl-C/SIGTERM: refuse new requests (503), give running ones this long to finish, "
+                        "then end them with an error event (default: %(default)s)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve, device="auto")  # serving: one GPU per replica when there is one
 

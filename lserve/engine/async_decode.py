@@ -58,11 +58,14 @@ class LaunchedStep:
     fetch: tuple | None
     num_tokens: int
     chained: bool = False  # launched before the previous step's tokens were read
+    extras: object = None  # StepExtras: logprobs or processed logits (penalties, bias, min_tokens)
 
     @property
     def pure_greedy_decode(self) -> bool:
-        """Every row decodes one token and samples greedily: the next step can be chained."""
-        return bool(self.samplers) and len(self.samplers) == len(self.batch) and all(
+        """Every row decodes one token and samples greedily from the plain logits (no logprobs,
+        penalties, bias or ``min_tokens``, which need each token before the next step): the
+        next step can be chained."""
+        return self.extras is None and bool(self.samplers) and len(self.samplers) == len(self.batch) and all(
             item.decode and item.seq.params.greedy for item in self.batch)
 
     def live(self) -> list[tuple[int, object]]:

@@ -19,7 +19,15 @@ from lserve.cache.kv_cache import KVCache
 from lserve.config import ConfigError, EngineConfig
 from lserve.engine.async_decode import HostTokens, LaunchedStep
 from lserve.engine.cuda_graphs import DecodeGraphs
-from lserve.engine.sampling import SamplingParams, sample
+from lserve.engine.sampling import (
+    SampleLogprobs,
+    SamplingParams,
+    StepExtras,
+    needs_processing,
+    process_logits,
+    prompt_logprob_chunk,
+    sample,
+)
 from lserve.engine.scheduler import Scheduled, Scheduler
 from lserve.engine.sequence import RequestOutput, Sequence
 from lserve.models.llama import LlamaModel
@@ -32,7 +40,14 @@ log = logging.getLogger("lserve")
 
 
 class RequestError(ValueError):
-    """A request the engine cannot serve (too long, bad parameters); message for the user."""
+    """A request the engine cannot serve (too long, bad parameters); message for the user.
+
+    ``param`` names the offending request field when it is not the prompt.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -139,6 +154,10 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
+        bad = [t for t in params.logit_bias or {} if t >= self.model_config.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                               f"(0..{self.model_config.vocab_size - 1})", "logit_bias")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
@@ -218,6 +237,7 @@ class LLMEngine:
         """
         now = time.monotonic()
         steps, ids, pos, seq_lens, logit_rows, samplers = [], [], [], [], [], []
+        spans, hidden_rows = [], []  # prompt logprobs: (seq, first prompt token scored, rows), and those rows
         t = 0
         for item in batch:
             seq, n = item.seq, item.num_tokens
@@ -230,6 +250,10 @@ class LLMEngine:
                 ids.extend(seq.tokens(start, start + n))
             pos.extend(range(start, start + n))
             seq_lens.extend([start + n] * n)
+            lo, hi = seq.prompt_logprob_span(start, n)
+            if hi > lo:  # only this request's rows: position p scores prompt token p + 1
+                spans.append((seq, lo + 1, hi - lo))
+                hidden_rows.extend(range(t + lo - start, t + hi - start))
             t += n
             if start + n == seq.num_tokens:  # reached the end: this step yields a token
                 logit_rows.append(t - 1)
@@ -250,17 +274,54 @@ class LLMEngine:
             ids_dev = torch.tensor(ids, dtype=torch.long, device=dev)
             if prev_tokens is not None:
                 ids_dev = prev_tokens.index_select(0, ids_dev)
+            extra = {"hidden_index": torch.tensor(hidden_rows, dtype=torch.long, device=dev)} if hidden_rows else {}
             logits = self.model.forward(
                 ids_dev, torch.tensor(pos, dtype=torch.long, device=dev),
                 plan, self.backend, torch.tensor(logit_rows, dtype=torch.long, device=dev),
-                torch.tensor(seq_lens, dtype=torch.long, device=dev), max(seq_lens))
+                torch.tensor(seq_lens, dtype=torch.long, device=dev), max(seq_lens), **extra)
+            hidden = None
+            if hidden_rows:
+                logits, hidden = logits
             greedy_dev = self.model.greedy(logits) if samplers else None
+        logits, greedy_dev, extras = self._sampling_extras(logits, greedy_dev, samplers, spans,
+                                                           hidden if spans else None)
         for item in batch:
             item.seq.num_computed += item.num_tokens
             if not item.decode:
                 self.prompt_tokens += item.num_tokens
         fetch = self._host_tokens.start(greedy_dev) if samplers else None
-        return LaunchedStep(batch, samplers, logits, greedy_dev, fetch, t, chained=prev is not None)
+        return LaunchedStep(batch, samplers, logits, greedy_dev, fetch, t, chained=prev is not None, extras=extras)
+
+    def _sampling_extras(self, logits: torch.Tensor | None, greedy: torch.Tensor | None, samplers: list[Sequence],
+                         spans: list, hidden: torch.Tensor | None):
+        """Logprobs and logit processing of a launched step, on the device (nothing waits).
+
+        Rows without penalties, bias, ``min_tokens`` or logprobs keep the forward's (or graph
+        replay's) logits and greedy tokens untouched. Processed rows get their own copy of the
+        logits and, when greedy, a recomputed argmax; the result is a new [nb, V] tensor so a
+        graph's output buffers are never written.
+
+        Returns
+        -------
+        (logits [nb, V], greedy [nb], StepExtras or None)
+        """
+        chunks, off = [], 0
+        for seq, first, n in spans:  # hidden: [sum of n, H] in span order
+            chunks.append(prompt_logprob_chunk(seq, first, hidden[off: off + n], self.model.lm_logits))
+            off += n
+        lp_rows = [r for r, s in enumerate(samplers) if s.params.logprobs is not None]
+        sample_lps = None
+        if lp_rows:  # raw logprobs: before any processing below
+            sample_lps = SampleLogprobs.of(logits, lp_rows, [samplers[r].params.logprobs for r in lp_rows])
+        proc = [r for r, s in enumerate(samplers) if needs_processing(s)]
+        if proc:
+            idx = torch.tensor(proc, dtype=torch.long, device=logits.device)
+            sub = process_logits(logits.index_select(0, idx), [samplers[r] for r in proc], self.eos_ids)  # [R, V]
+            logits = logits.index_copy(0, idx, sub)
+            greedy = greedy.index_copy(0, idx, torch.argmax(sub, dim=-1))
+        if not (chunks or lp_rows or proc):
+            return logits, greedy, None
+        return logits, greedy, StepExtras(sample_lps, chunks)
 
     def _chain(self, prev: LaunchedStep) -> LaunchedStep | None:
         """Launch the decode step after ``prev`` before ``prev``'s tokens are read; None (the
@@ -280,27 +341,60 @@ class LLMEngine:
 
     def _finish(self, st: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (the decode loop's one wait on the device), append them
-        and free finished sequences; the outputs of the sequences that got a token."""
+        and free finished sequences; the outputs of the sequences that got a token (or, asking
+        for prompt logprobs with ``max_tokens`` 0, finished after their prefill)."""
         greedy = self._host_tokens.read(st.fetch) if st.samplers else []
+        ex = st.extras
+        if ex is not None:
+            self._record_prompt_logprobs(ex)
+        # finished at the step before or aborted while this one ran: a wasted row
+        live = [(row, seq) for row, seq in enumerate(st.samplers) if seq.finish_reason is None]
         logits_cpu = None
-        outputs = []
-        for row, seq in enumerate(st.samplers):
-            if seq.finish_reason is not None:
-                continue  # finished at the step before or aborted while this one ran: a wasted row
-            if seq.params.greedy:
+        picks: list[int | None] = []
+        for row, seq in live:
+            if seq.params.max_tokens == 0:
+                tok = None
+            elif seq.params.greedy:
                 tok = greedy[row]
             else:
                 if logits_cpu is None:
                     logits_cpu = st.logits.cpu()
                 tok = sample(logits_cpu[row], seq.params, seq.generator)
-            seq.in_decode = True
-            seq.append_token(tok, self.tokenizer, self.eos_ids, self.max_model_len)
-            self.generation_tokens += 1
+            picks.append(tok)
+        lps = self._token_logprobs(ex, live, picks)
+        outputs = []
+        for (row, seq), tok in zip(live, picks):
+            if tok is None:  # the prompt's logprobs were all it asked for
+                seq.finish_reason = "length"
+            else:
+                seq.in_decode = True
+                if row in lps:
+                    seq.logprobs.append(lps[row])
+                seq.append_token(tok, self.tokenizer, self.eos_ids, self.max_model_len)
+                self.generation_tokens += 1
             if seq.finish_reason is not None:
                 self._seqs.pop(seq.request_id, None)
                 self.scheduler.finish(seq)
             outputs.append(seq.snapshot())
         return outputs
+
+    @staticmethod
+    def _record_prompt_logprobs(ex: StepExtras) -> None:
+        for chunk in ex.prompt_chunks:
+            seq = chunk.seq
+            # aborted meanwhile, or (never in practice) not the next tokens to record
+            if seq.finish_reason is None and len(seq.prompt_logprobs) == chunk.first:
+                seq.prompt_logprobs.extend(chunk.entries())
+
+    @staticmethod
+    def _token_logprobs(ex: StepExtras | None, live: list, picks: list) -> dict:
+        """Sampler row -> logprob entry of the token picked there (one device read)."""
+        if ex is None or ex.sample_logprobs is None:
+            return {}
+        picked = {row: tok for (row, _), tok in zip(live, picks) if tok is not None}
+        sl = ex.sample_logprobs
+        got = sl.entries([picked.get(r, 0) for r in sl.rows])
+        return {r: e for r, e in got.items() if r in picked}
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False, progress: bool = False) -> list[RequestOutput]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lserve.engine.sampling import SamplingParams
+from lserve.engine.sampling import SamplingParams, TokenLogprob
 
 PLACEHOLDER = -1  # an output id whose token is still on the device (never a vocabulary id)
 
@@ -35,6 +35,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # every generated token's, when asked for
+    delta_logprobs: list[TokenLogprob] | None = None  # those of ``delta_token_ids``
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first None), once complete
 
 
 class Sequence:
@@ -60,6 +63,11 @@ class Sequence:
         self.dense_pages: list[int] = []
         self.stream_pages: list[int] = []
         self.generator: torch.Generator | None = None
+        # Logprobs (see lserve.engine.sampling): per generated token, and per prompt token once
+        # prefill computed them (the first prompt token has none).
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
+        self._prompt_mask: torch.Tensor | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         # Detokenization state (incremental, windowed).
@@ -97,6 +105,25 @@ class Sequence:
         are appended (``ahead=0``: now; :meth:`append_token`'s length stop)."""
         return len(self.output_ids) + ahead >= self.params.max_tokens or self.num_tokens + ahead >= max_model_len
 
+    def prompt_logprob_span(self, start: int, n: int) -> tuple[int, int]:
+        """Positions ``[lo, hi)`` of a prefill chunk ``[start, start + n)`` whose logits give a
+        prompt token's logprob not recorded yet (position p scores prompt token p + 1; a
+        recompute after preemption scores nothing twice). Empty unless prompt logprobs were asked."""
+        if self.prompt_logprobs is None:
+            return 0, 0
+        lo = max(start, len(self.prompt_logprobs) - 1)
+        hi = min(start + n, len(self.prompt_ids) - 1)
+        return lo, max(lo, hi)
+
+    def prompt_token_mask(self, vocab: int, device) -> torch.Tensor:
+        """bool [vocab] on ``device``: the tokens of the prompt (built once; repetition penalty)."""
+        m = self._prompt_mask
+        if m is None or m.numel() != vocab or m.device != torch.device(device):
+            m = torch.zeros(vocab, dtype=torch.bool, device=device)
+            m[torch.tensor([t for t in self.prompt_ids if t < vocab], dtype=torch.long, device=device)] = True
+            self._prompt_mask = m
+        return m
+
     def reserve_token(self) -> None:
         """Hold the place of a token still being sampled on the device, so the step after it can
         be scheduled (positions, pages); :meth:`append_token` puts the real token there."""
@@ -113,13 +140,15 @@ class Sequence:
             self.first_token_time = now
         self.token_times.append(now)
         p = self.params
-        if (not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids:
+        # min_tokens: nothing stops the request before that many tokens (vLLM's rule)
+        stops = len(self.output_ids) + 1 >= p.min_tokens
+        if stops and ((not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids):
             self.finish_reason = "stop"  # the stop token itself is not part of the text
             self.output_ids.append(tok)
             return
         self.output_ids.append(tok)
         self._detokenize(tokenizer)
-        if p.stop:
+        if p.stop and stops:
             for s in p.stop:
                 # Only the new tail can hold a fresh match.
                 at = self.text.find(s, max(0, self._emitted_chars - len(s)))
@@ -147,9 +176,14 @@ class Sequence:
         delta = self.text[self._emitted_chars: visible]
         self._emitted_chars = visible
         new_ids = self.output_ids[self._emitted_tokens:]
+        lps = delta_lps = None
+        if self.logprobs is not None:
+            lps, delta_lps = list(self.logprobs), self.logprobs[self._emitted_tokens:]
         self._emitted_tokens = len(self.output_ids)
+        done = self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.prompt_ids)
         return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text[:visible],
-                             delta, new_ids, finished, self.finish_reason, self.metrics())
+                             delta, new_ids, finished, self.finish_reason, self.metrics(), lps, delta_lps,
+                             self.prompt_logprobs if done else None)
 
     def metrics(self) -> dict:
         m = {"arrival": self.arrival, "first_scheduled": self.first_scheduled,

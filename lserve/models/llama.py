@@ -108,7 +108,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
                 backend: AttentionBackend, logits_index: torch.Tensor,
-                seq_lens: torch.Tensor | None = None, max_len: int | None = None) -> torch.Tensor:
+                seq_lens: torch.Tensor | None = None, max_len: int | None = None,
+                hidden_index: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one step.
 
         Parameters
@@ -121,18 +122,22 @@ class LlamaModel:
             Per token, its sequence's length after this step (dynamic RoPE only).
         max_len : int, optional
             Host-side upper bound of ``seq_lens`` / positions + 1 (no device read for RoPE).
+        hidden_index : [E] long, optional
+            More token rows whose final (normed) hidden states are wanted: prompt logprobs need
+            every position of a chunk, and :meth:`lm_logits` turns them into logits a block at a
+            time instead of one [T, vocab] tensor.
 
         Returns
         -------
-        torch.Tensor
-            float32 [B, vocab] logits.
+        torch.Tensor or (torch.Tensor, torch.Tensor)
+            float32 [B, vocab] logits; with ``hidden_index`` also the hidden states [E, hidden].
         """
         cfg = self.cfg
         T = input_ids.shape[0]
         hq, hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if self.fused is not None and not (self.rope.dynamic and (max_len is None or
                                                                   max_len > cfg.max_position_embeddings)):
-            return self._forward_fused(input_ids, positions, plan, backend, logits_index, max_len)
+            return self._forward_fused(input_ids, positions, plan, backend, logits_index, max_len, hidden_index)
         cos, sin = self.rope.cos_sin(positions, seq_lens, max_len)
         h = self.embed[input_ids]  # [T, H]
         for i, L in enumerate(self.layers):
@@ -147,10 +152,16 @@ class LlamaModel:
             x = rms_norm(h, L.ln2, cfg.rms_norm_eps)
             gate, up = F.linear(x, L.wgu).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, L.wd)
-        x = rms_norm(h[logits_index], self.norm, cfg.rms_norm_eps)
+        logits = self.lm_logits(rms_norm(h[logits_index], self.norm, cfg.rms_norm_eps))
+        if hidden_index is None:
+            return logits
+        return logits, rms_norm(h[hidden_index], self.norm, cfg.rms_norm_eps)
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""
         return F.linear(x, self.lm_head).float()
 
-    def _forward_fused(self, input_ids, positions, plan, backend, logits_index, max_len) -> torch.Tensor:
+    def _forward_fused(self, input_ids, positions, plan, backend, logits_index, max_len, hidden_index=None):
         """:meth:`forward` with the elementwise steps in :mod:`lserve.models.fused` kernels (the
         residual add folds into the next RMSNorm)."""
         cfg, f = self.cfg, self.fused
@@ -173,4 +184,5 @@ class LlamaModel:
             f.add_rmsnorm(h, f.linear(a.reshape(T, hq * D), L.wo), L.ln2, eps, x)
             delta = F.linear(f.silu_mul(F.linear(x, L.wgu)), L.wd)
         f.add_rmsnorm(h, delta, self.norm, eps, x)
-        return F.linear(x[logits_index], self.lm_head).float()
+        logits = self.lm_logits(x[logits_index])
+        return logits if hidden_index is None else (logits, x[hidden_index])

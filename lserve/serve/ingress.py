@@ -5,7 +5,9 @@ deployment through a Ray Serve handle (routed by :mod:`lserve.serve.ray_router`)
 engine's event stream back into OpenAI responses or SSE chunks. :func:`build_openai_app` wraps it
 in a FastAPI app whose every error is OpenAI's JSON shape. The first event of every engine stream is
 read before the HTTP response starts, so overload (429/503 + ``Retry-After``) and bad input (400)
-are answered with a proper status instead of a broken 200 stream.
+are answered with a proper status instead of a broken 200 stream. :class:`GuardMiddleware`, the
+outermost layer, checks the API key before anything reads the body, refuses requests while a
+shutdown drains (:class:`Lifecycle`) and counts every response once (499 for a client that left).
 """
 
 from __future__ import annotations
@@ -124,6 +126,62 @@ class SubRequest:
             self._admission = None
 
 
+class Lifecycle:
+    """Drain state of one ingress replica: requests in flight, refusal of new ones, the cut.
+
+    :meth:`drain` (called at shutdown) makes :class:`GuardMiddleware` refuse new requests with
+    503, waits for the requests in flight to finish up to a grace period, then sets ``cut``:
+    streams still running end with an SSE error event and ``data: [DONE]``
+    (:meth:`OpenAIServer.until_cut`), and non-streaming requests get a 503.
+    """
+
+    #: Seconds the cut streams get to write their final events before the drain returns.
+    CUT_FLUSH_S = 5.0
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.draining = False
+        self._cut: asyncio.Event | None = None  # made on first use, in the serving event loop
+
+    @property
+    def cut(self) -> asyncio.Event:
+        if self._cut is None:
+            self._cut = asyncio.Event()
+        return self._cut
+
+    async def _wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight == 0
+
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """Refuse new requests, let those in flight finish for up to ``grace_s``, then cut the rest.
+
+        Returns
+        -------
+        dict
+            ``{"in_flight": requests when the drain began, "cut": requests still running at the
+            end of the grace period, "left": requests not finished even after the cut}``.
+        """
+        self.draining = True
+        started = self.in_flight
+        if await self._wait_idle(grace_s):
+            return {"in_flight": started, "cut": 0, "left": 0}
+        cut = self.in_flight
+        log.warning("shutdown grace period (%.0fs) over: ending %d request(s) with an error", grace_s, cut)
+        self.cut.set()
+        await self._wait_idle(self.CUT_FLUSH_S)
+        return {"in_flight": started, "cut": cut, "left": self.in_flight}
+
+
+def shutting_down_error(retry_after_s: float) -> OpenAIError:
+    """The 503 of a request refused because the server is shutting down."""
+    return OpenAIError(503, "The server is shutting down and accepts no new requests; retry on another instance.",
+                       "service_unavailable", None, "server_shutting_down",
+                       {"Retry-After": str(max(1, round(retry_after_s)))})
+
+
 class OpenAIServer:
     """Request handling behind the OpenAI endpoints.
 
@@ -146,6 +204,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self._max_model_len = settings.max_model_len or None
         self.admission = Admission(settings.replica_max_ongoing, settings.max_queued_requests, self.num_replicas)
+        self.lifecycle = Lifecycle()
 
     def num_replicas(self) -> int:
         """Engine replicas the router currently knows (the configured count before the first request)."""
@@ -153,16 +212,25 @@ class OpenAIServer:
         return max(counts) if counts else self.settings.replicas
 
     # -- checks -------------------------------------------------------------------------------
-    def authorize(self, request: Request) -> None:
-        """401 unless the request carries the configured API key (``Authorization: Bearer``)."""
+    def auth_error(self, auth: str) -> OpenAIError | None:
+        """The 401 for an ``Authorization`` header value without the configured API key (None if it has it)."""
         if self.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
+            return None
         scheme, _, token = auth.partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())):
-            msg = "Incorrect API key provided." if auth else "Missing API key: send 'Authorization: Bearer <key>'."
-            raise OpenAIError(401, msg, "invalid_request_error", None, "invalid_api_key",
-                              {"WWW-Authenticate": "Bearer"})
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return None
+        msg = "Incorrect API key provided." if auth else "Missing API key: send 'Authorization: Bearer <key>'."
+        return OpenAIError(401, msg, "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+    def authorize(self, request: Request) -> None:
+        """401 unless the request carries the configured API key (``Authorization: Bearer``).
+
+        :class:`GuardMiddleware` already checks every protected path before the body is read;
+        this is for callers of the endpoint methods outside that app.
+        """
+        err = self.auth_error(request.headers.get("authorization", ""))
+        if err is not None:
+            raise err
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is the served model (or left out)."""
@@ -304,6 +372,33 @@ class OpenAIServer:
             for t in tasks:
                 t.cancel()
 
+    async def until_cut(self, events: AsyncIterator) -> AsyncIterator:
+        """``events``, ended by a 503 :class:`OpenAIError` when a shutdown's grace period runs out."""
+        cut = self.lifecycle.cut
+        if cut.is_set():
+            raise shutting_down_error(self.settings.retry_after_s)
+        it = events.__aiter__()
+        waiter = asyncio.ensure_future(cut.wait())
+        nxt: asyncio.Future | None = None
+        try:
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                await asyncio.wait((nxt, waiter), return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    raise OpenAIError(503, "The server shut down before this request finished (the shutdown grace "
+                                      "period ran out); retry on another instance.", "service_unavailable", None,
+                                      "server_shutting_down")
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            waiter.cancel()
+            if nxt is not None and not nxt.done():  # cut, or our consumer was cancelled (client gone)
+                nxt.cancel()
+                nxt.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody reads it now
+
     @staticmethod
     def stream_error(e: BaseException) -> dict[str, Any]:
         """The in-band SSE error event for a stream that fails after its 200 was sent."""
@@ -372,7 +467,7 @@ class OpenAIServer:
 
     async def _collect(self, subs: list[SubRequest]) -> None:
         try:
-            async for sub, ev in self.events(subs):
+            async for sub, ev in self.until_cut(self.events(subs)):
                 self._apply(sub, ev)
         except OpenAIError:
             raise
@@ -429,7 +524,7 @@ class OpenAIServer:
                         yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}])
                 try:
-                    async for sub, ev in self.events(subs):
+                    async for sub, ev in self.until_cut(self.events(subs)):
                         text = self._apply(sub, ev)
                         finish = _FINISH.get(sub.finish_reason) if ev.get("finished") else None
                         if text or finish:
@@ -534,6 +629,131 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+#: Probes and scrapes: open without the API key, served while draining, not counted as traffic.
+PROBE_PATHS = ("/health", "/metrics")
+#: Path prefixes that need the API key (when one is configured).
+PROTECTED_PREFIXES = ("/v1", "/admin")
+#: Status counted for a request whose client went away before its response was complete
+#: (nginx's "client closed request"): not a server error.
+CLIENT_CLOSED = 499
+
+
+class _Exchange:
+    """What one request's ASGI messages showed: the status sent, completion, a vanished client."""
+
+    def __init__(self, receive, send) -> None:
+        self._receive, self._send = receive, send
+        self.status: int | None = None
+        self.complete = False
+        self.client_gone = False
+        self.left_early = False
+        self.failed = False
+
+    async def receive(self):
+        try:
+            msg = await self._receive()
+        except Exception as e:
+            from ray.exceptions import TaskCancelledError
+
+            # Ray's proxy cancels its side of the request when the client disconnects; reading
+            # then fails instead of returning the disconnect message the ASGI spec promises.
+            if not isinstance(e, TaskCancelledError):
+                raise
+            msg = {"type": "http.disconnect"}
+        if msg["type"] == "http.disconnect":
+            self.client_gone = True
+            # gone before the answer began: whatever the app then sends (FastAPI turns a body cut
+            # short into a 400) reaches no one
+            self.left_early = self.status is None
+        return msg
+
+    async def send(self, msg) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = int(msg["status"])
+        elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+            self.complete = True
+        await self._send(msg)
+
+    def counted_status(self) -> int:
+        if self.left_early:
+            return CLIENT_CLOSED
+        if self.complete and self.status is not None:
+            return self.status
+        if self.client_gone:
+            return CLIENT_CLOSED
+        return 500 if self.failed or self.status is None else self.status
+
+
+class GuardMiddleware:
+    """The outermost layer: the API key first, refusal while draining, one count per response.
+
+    * Paths under :data:`PROTECTED_PREFIXES` need the API key, checked on the headers before
+      anything reads the body: a request without the key gets 401 whatever its body holds.
+    * While the server drains (:class:`Lifecycle`), every request but the probes gets 503.
+    * A client that goes away is not a server error: the request ends quietly (no traceback)
+      and is counted with status :data:`CLIENT_CLOSED`.
+    * Every response except the probes' is counted once in ``lserve:http_responses_total``, by
+      route and status, when it has been sent (a stream when it ends).
+
+    Parameters
+    ----------
+    app
+        The ASGI app inside.
+    server : OpenAIServer
+    routes : list
+        The app's routes (to label a request refused before routing).
+    """
+
+    def __init__(self, app, server: OpenAIServer, routes: list) -> None:
+        self.app, self.server, self.routes = app, server, routes
+
+    def _endpoint(self, scope) -> str:
+        route = scope.get("route")
+        if route is None:
+            from starlette.routing import Match
+
+            route = next((r for r in self.routes if r.matches(scope)[0] == Match.FULL), None)
+        return getattr(route, "path", "unmatched")
+
+    def _refusal(self, scope) -> OpenAIError | None:
+        path = scope["path"]
+        if any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES):
+            auth = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"authorization"), "")
+            err = self.server.auth_error(auth)
+            if err is not None:
+                return err
+        if self.server.lifecycle.draining:
+            return shutting_down_error(self.server.settings.retry_after_s)
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        err = self._refusal(scope)
+        if err is not None:
+            response = JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
+            await response(scope, receive, send)
+            self.server.http_metrics.count(self._endpoint(scope), err.status)
+            return
+        ex = _Exchange(receive, send)
+        lifecycle = self.server.lifecycle
+        lifecycle.in_flight += 1
+        try:
+            await self.app(scope, ex.receive, ex.send)
+        except asyncio.CancelledError:  # Ray cancels the request when its client disconnects
+            ex.client_gone = True
+            raise
+        except Exception:
+            if not ex.client_gone:
+                ex.failed = True
+                raise  # the app's error handler answers 500 and logs it
+            # the client is gone (e.g. it left while its body was being read): no one to answer
+        finally:
+            lifecycle.in_flight -= 1
+            self.server.http_metrics.count(self._endpoint(scope), ex.counted_status())
+
+
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 # OpenAPI 3.1: a sequential media type's schema describes each event. Each `data` is one JSON chunk
 # (chat.completion.chunk / text_completion, or an {"error": ...} object) and the last is "[DONE]".
@@ -546,11 +766,11 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
     """The FastAPI app of the OpenAI endpoints, admin views, ``/health`` and ``/metrics``."""
     app = FastAPI(title="LServe", version="0.1.0", description="OpenAI-compatible API of LServe.")
     app.add_middleware(BodyLimitMiddleware, max_bytes=server.settings.max_body_bytes)
-    hm = server.http_metrics
+    # Added last, so outermost: the API key is checked before the body limit and the body.
+    # Responses are counted there, labelled by route, not raw path (scanners must not explode cardinality).
+    app.add_middleware(GuardMiddleware, server=server, routes=app.routes)
 
     def error_response(e: OpenAIError, request: Request) -> JSONResponse:
-        route = request.scope.get("route")  # label by route, not raw path: scanners must not explode cardinality
-        hm.count(getattr(route, "path", "unmatched"), e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
     @app.exception_handler(OpenAIError)
@@ -597,25 +817,21 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**_ERRORS, 200: {"content": _STREAMING_200}})
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        resp = await server.completions(req, request)
-        hm.count("/v1/completions", resp.status_code)
-        return resp
+        return await server.completions(req, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={**_ERRORS, 200: {"content": _STREAMING_200}})
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        resp = await server.chat(req, request)
-        hm.count("/v1/chat/completions", resp.status_code)
-        return resp
+        return await server.chat(req, request)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models(request: Request) -> ModelList:
-        out = await server.models(request)
-        hm.count("/v1/models", 200)
-        return out
+        return await server.models(request)
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
     async def health() -> HealthResponse:
+        if server.lifecycle.draining:  # load balancers stop sending here while in-flight requests finish
+            raise shutting_down_error(server.settings.retry_after_s)
         alive = await server.healthy_replicas()
         if not alive:
             raise OpenAIError(503, "no healthy engine replica", "service_unavailable", None, "service_unavailable",

@@ -106,7 +106,9 @@ class EngineMetrics:
         self.finished = counter("request_success", "Requests finished, by finish reason (stop, length, abort, error).",
                                 ("finished_reason",))
         self.preemptions = counter("num_preemptions", "Sequences preempted (pages freed, recomputed later).")
-        self.aborts = counter("num_aborted_requests", "Requests aborted in the engine (client gone or cancelled).")
+        self.aborts = counter("num_aborted_requests",
+                              "Accepted requests that ended before the engine finished them (client gone, cancelled, "
+                              "cut at shutdown): the events of request_success{finished_reason=\"abort\"}.")
         self.steps = counter("engine_steps", "Engine steps run.")
 
     def init_series(self) -> None:
@@ -139,7 +141,9 @@ class HttpMetrics:
         from prometheus_client import Counter
 
         self.labels = {"model": model, "replica": replica}
-        self.responses = Counter(PREFIX + "http_responses", "HTTP responses of the OpenAI ingress.",
+        self.responses = Counter(PREFIX + "http_responses",
+                                 "HTTP responses of the OpenAI ingress by route and status (probes and scrapes "
+                                 "not counted); status 499: the client went away before its response was complete.",
                                  ("model", "replica", "endpoint", "status"))
 
     def count(self, endpoint: str, status: int) -> None:

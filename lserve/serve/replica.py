@@ -75,6 +75,7 @@ class EngineReplica:
         self.metrics.init_series()
         self._queued: dict[str, int] = {}  # request id -> prompt tokens not yet prefilled
         self._ids = itertools.count()
+        self.aborted = 0  # see _count_end
         self._stop = threading.Event()
         self._static_gauges(core)
         self._poller = threading.Thread(target=self._poll_stats, name="lserve-metrics", daemon=True)
@@ -157,7 +158,21 @@ class EngineReplica:
             self._queued.pop(rid, None)
             if stream is not None and not finished:
                 await stream.aclose()  # aborts the request: its pages are freed before the next step
-            m.of(m.finished, finished_reason=reason).inc()
+            self._count_end(reason)
+
+    def _count_end(self, reason: str) -> None:
+        """Count an accepted request's end, by finish reason (stop, length, abort, error).
+
+        The one definition of an abort: a request this replica accepted that ended before the
+        engine finished it, because its caller went away (client disconnect, cancellation,
+        a shutdown's cut). ``request_success{finished_reason="abort"}``,
+        ``num_aborted_requests`` and ``engine_stats()["aborted"]`` all count these events, here.
+        """
+        m = self.metrics
+        m.of(m.finished, finished_reason=reason).inc()
+        if reason == "abort":
+            self.aborted += 1
+            m.of(m.aborts).inc()
 
     def _observe_finished(self, em: dict, t_recv: float, now: float, n_out: int) -> None:
         m = self.metrics
@@ -190,7 +205,7 @@ class EngineReplica:
                 "dense_pages_total": core.cache.dense_alloc.num_pages,
                 "stream_pages_used": core.cache.stream_alloc.num_used, "all_pages_free": core.cache.all_free(),
                 "queued_prompt_tokens": sum(self._queued.values()), "num_preemptions": st.num_preemptions,
-                "aborted": self.engine.aborted, "steps": st.steps}
+                "aborted": self.aborted, "steps": st.steps}
 
     def info(self) -> dict[str, Any]:
         """Model facts the ingress shows in ``/v1/models``."""
@@ -226,8 +241,8 @@ class EngineReplica:
 
     def _poll_stats(self) -> None:
         m = self.metrics
-        last: dict[str, float] = {"prompt": 0, "gen": 0, "pre": 0, "abort": 0, "steps": 0, "runs": 0, "reuses": 0,
-                                  "pages": 0, "seconds": 0.0}
+        last: dict[str, float] = {"prompt": 0, "gen": 0, "pre": 0, "steps": 0, "runs": 0, "reuses": 0, "pages": 0,
+                                  "seconds": 0.0}
         while not self._stop.wait(STATS_PERIOD_S):
             try:
                 st = self.engine.stats()
@@ -252,9 +267,9 @@ class EngineReplica:
                             m.of(counter).inc(value - last[key])
                         last[key] = value
                 now = {"prompt": st.prompt_tokens, "gen": st.generation_tokens, "pre": st.num_preemptions,
-                       "abort": self.engine.aborted, "steps": st.steps}
+                       "steps": st.steps}
                 for key, counter in (("prompt", m.prompt_tokens), ("gen", m.generation_tokens),
-                                     ("pre", m.preemptions), ("abort", m.aborts), ("steps", m.steps)):
+                                     ("pre", m.preemptions), ("steps", m.steps)):
                     if now[key] > last[key]:
                         m.of(counter).inc(now[key] - last[key])
                 last.update(now)

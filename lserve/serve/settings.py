@@ -23,6 +23,9 @@ ENGINE_FIELDS = (
 )
 
 API_KEY_ENV = "LSERVE_API_KEY"
+#: Seconds a shutdown lets running requests finish (Kubernetes' default termination grace period;
+#: vLLM-style servers drain for about as long). The one default of ``--shutdown-grace-s``.
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -90,6 +93,10 @@ class ServeSettings:
         ``max_tokens`` of a chat request that gives none (capped by the context left).
     request_timeout_s : float or None
         End-to-end HTTP timeout of Ray Serve's proxy (None: no limit).
+    shutdown_grace_s : float
+        At shutdown, new requests get 503 at once; running ones get this long to finish, then
+        streams end with an SSE error event (``lserve serve``). Engine replicas stopped by Ray
+        Serve (``serve run``, Kubernetes) wait as long for their requests.
     metrics_dir : str or None
         ``PROMETHEUS_MULTIPROC_DIR`` shared by the ingress and engine replicas on one host (None: a
         fresh temporary folder per deployment).
@@ -150,6 +157,7 @@ class ServeSettings:
     max_body_bytes: int = 16 * 1024 * 1024
     default_max_tokens: int = 1024
     request_timeout_s: float | None = None
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -183,6 +191,7 @@ class ServeSettings:
         _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
         _check(self.default_max_tokens >= 1, "default_max_tokens must be >= 1")
         _check(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         self.engine_config()  # validates the engine fields with the engine's own messages
 
     # -- construction -------------------------------------------------------------------------

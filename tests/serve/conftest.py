@@ -41,6 +41,7 @@ class ServeApp:
     api_key: str
     settings: object
     app_name: str
+    log_dir: str = ""  # Ray's session logs (every replica's and the proxy's output)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -69,6 +70,24 @@ class ServeApp:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engines not idle after {timeout}s: {reps}")
             time.sleep(0.25)
+
+    def log_offsets(self) -> dict[str, int]:
+        """Size of every Ray log file now (to read what is written after)."""
+        out = {}
+        for root, _, files in os.walk(self.log_dir):
+            for f in files:
+                path = os.path.join(root, f)
+                out[path] = os.path.getsize(path)
+        return out
+
+    def logs_since(self, offsets: dict[str, int]) -> str:
+        """Everything Ray's processes logged since :meth:`log_offsets` returned ``offsets``."""
+        parts = []
+        for path in self.log_offsets():
+            with open(path, "rb") as fh:
+                fh.seek(offsets.get(path, 0))
+                parts.append(fh.read().decode(errors="replace"))
+        return "".join(parts)
 
 
 def _free_port() -> int:
@@ -105,7 +124,8 @@ def serve_app():
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
         serve.run(build_app_from_settings(settings, total_cpus=2), name=APP_NAME, route_prefix="/",
                   logging_config={"log_level": "WARNING", "enable_access_log": False})
-        yield ServeApp(f"http://127.0.0.1:{port}", API_KEY, settings, APP_NAME)
+        yield ServeApp(f"http://127.0.0.1:{port}", API_KEY, settings, APP_NAME,
+                       os.path.join(tmp, "session_latest", "logs"))
     finally:
         try:
             serve.shutdown()

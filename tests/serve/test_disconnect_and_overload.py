@@ -115,3 +115,92 @@ def test_burst_beyond_capacity_is_served_or_refused_never_hung(app):
         elif body:
             assert body["usage"]["completion_tokens"] == 12
     app.wait_idle(timeout=60)
+
+
+def _counts(app) -> dict[tuple[str, str], float]:
+    """``lserve:`` counters by (name, label): HTTP responses by status, ends of requests, aborts."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{app.url}/metrics", timeout=30).text
+    out: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "lserve:http_responses_total":
+                key = (s.name, f"{s.labels['endpoint']} {s.labels['status']}")
+            elif s.name == "lserve:request_success_total":
+                key = (s.name, s.labels["finished_reason"])
+            elif s.name == "lserve:num_aborted_requests_total":
+                key = (s.name, "")
+            else:
+                continue
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+async def _leave_mid_stream(client: httpx.AsyncClient, i: int, after_tokens: int) -> None:
+    body = {"prompt": f"Storm {i}: a long story begins", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: {"):
+                seen += 1
+            if seen > after_tokens:  # after_tokens 0: gone right after the headers and first chunk
+                break
+        del lines
+
+
+async def _give_up_waiting(i: int, url: str, headers: dict, after_s: float) -> None:
+    body = {"prompt": f"Storm {i}: an essay about rivers", "max_tokens": 300, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=after_s) as c:
+            await c.post("/v1/completions", json=body)
+
+
+async def _leave_while_sending(url: str, key: str) -> None:
+    """Send the headers and part of the body, then hang up."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n")
+    writer.write(head.encode() + b'{"prompt": "half a bo')
+    await writer.drain()
+    await asyncio.sleep(0.5)
+    writer.close()
+
+
+def test_disconnect_storm_is_no_server_error_and_aborts_count_once(app):
+    """Clients leaving at every stage: no 500, no traceback, pages freed, abort counters agree."""
+    before, offsets = _counts(app), app.log_offsets()
+    aborted_before = sum(r["aborted"] for r in app.engines())
+    n = 30
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=n + 5)
+        async with httpx.AsyncClient(base_url=app.url, headers=app.headers, timeout=120, limits=limits) as c:
+            jobs = []
+            for i in range(n):
+                if i % 3 == 2:
+                    jobs.append(_give_up_waiting(i, app.url, app.headers, 0.5 + (i % 4) * 0.5))
+                else:
+                    jobs.append(_leave_mid_stream(c, i, after_tokens=(i % 4)))
+            jobs += [_leave_while_sending(app.url, app.api_key) for _ in range(3)]
+            await asyncio.gather(*jobs)
+
+    asyncio.run(main())
+    after_idle = app.wait_idle(timeout=30)  # every request aborted, every page of both pools free
+    assert all(r["dense_pages_used"] == 0 and r["stream_pages_used"] == 0 for r in after_idle)
+    time.sleep(1.0)  # let Ray's log monitor and the metrics files catch up
+    after = _counts(app)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    statuses = {k[1]: v for k, v in delta.items() if k[0] == "lserve:http_responses_total"}
+    assert not any(label.endswith(" 500") for label in statuses), statuses
+    assert statuses.get("/v1/completions 499", 0) >= n // 2, statuses
+    # one definition of an abort, counted once by every view of it
+    aborts = delta.get(("lserve:num_aborted_requests_total", ""), 0)
+    assert aborts == delta.get(("lserve:request_success_total", "abort"), 0), delta
+    assert aborts == sum(r["aborted"] for r in after_idle) - aborted_before, (delta, after_idle)
+    assert aborts >= n // 2, delta
+    logged = app.logs_since(offsets)
+    assert "Traceback" not in logged and "unhandled error" not in logged, logged[-5000:]

@@ -130,6 +130,18 @@ def test_missing_or_wrong_api_key_is_401(app, headers):
     assert httpx.get(f"{app.url}/metrics", timeout=30).status_code == 200
 
 
+@pytest.mark.parametrize("content", [b"{not json", b'{"prompt": 5, "max_tokens": "many"}', b"",
+                                     b"x" * (300 * 1024)])
+def test_authentication_comes_before_the_body(app, content):
+    """Without the key every body, broken, invalid or too large, gets 401 (with it: 400 or 413)."""
+    h = {"content-type": "application/json"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(f"{app.url}{path}", content=content, headers=h, timeout=30)
+        assert_openai_error(r, 401, code="invalid_api_key")
+        r = httpx.post(f"{app.url}{path}", content=content, headers={**h, **app.headers}, timeout=30)
+        assert r.status_code == (413 if len(content) > app.settings.max_body_bytes else 400), r.text
+
+
 def test_oversized_bodies_are_413(app):
     limit = app.settings.max_body_bytes
     big = comp(prompt="x" * (limit + 10))

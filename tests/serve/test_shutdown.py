@@ -1,0 +1,161 @@
+"""``lserve serve`` shuts down by draining: signals sent to a real server process, streams read as a client.
+
+One server (the default model, one CPU replica, a short grace period) and one SIGTERM cover the
+whole sequence: new requests and ``/health`` get 503 at once, a stream that can finish within the
+grace period ends normally with ``data: [DONE]``, one that cannot is ended at the grace period's end
+with an error event then ``data: [DONE]``, and the process exits 0 without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+GRACE_S = 10.0
+START_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stream(threading.Thread):
+    """One streaming completion read line by line, with when each token and the end arrived."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.events: list[str] = []
+        self.token_times: list[float] = []
+        self.ended_at: float | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"prompt": "Once upon a time, in a land far away,", "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    self.events.append(line[6:])
+                    if line.startswith("data: {") and json.loads(line[6:]).get("choices", [{}])[0].get("text"):
+                        self.token_times.append(time.monotonic())
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+
+    def wait_tokens(self, n: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.token_times) < n:
+            assert self.error is None and self.ended_at is None, (self.error, self.events[-3:])
+            assert time.monotonic() < deadline, "no tokens"
+            time.sleep(0.02)
+
+
+def _start_server(port: int, log: Path, ray_tmp: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("LSERVE_API_KEY", "RAY_ADDRESS")}
+    env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, LSERVE_LOG="WARNING")
+    cmd = [sys.executable, "-m", "lserve.cli", "serve", "--port", str(port), "--device", "cpu", "--replicas", "1",
+           "--max-num-seqs", "4", "--max-cache-tokens", "4096", "--max-model-len", "2048", "--token-budget", "0",
+           "--shutdown-grace-s", str(GRACE_S)]
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"not healthy after {START_TIMEOUT_S}s:\n{log.read_text()}"
+        time.sleep(0.5)
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def server(tmp_path):
+    port, log = _free_port(), tmp_path / "server.log"
+    ray_tmp = tempfile.mkdtemp(prefix="lsd-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    proc = _start_server(port, log, ray_tmp)
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
+        yield proc, f"http://127.0.0.1:{port}", log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_sigterm_drains_running_streams_then_cuts_the_rest(server):
+    proc, url, log = server
+    cut = Stream(url, max_tokens=1900)  # cannot finish within the grace period on this machine
+    cut.start()
+    cut.wait_tokens(6)
+    rate = 5 / (cut.token_times[5] - cut.token_times[0])  # tokens/s of one stream, measured here
+    # about a quarter of the grace period's worth at the measured rate: still running when the
+    # signal arrives, done well before the grace period ends (two streams share the CPU)
+    drained = Stream(url, max_tokens=int(min(400, max(12, rate * GRACE_S / 4))))
+    drained.start()
+    drained.wait_tokens(1)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+
+    def health_status() -> int:
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code
+        except httpx.HTTPError:
+            return 0
+
+    _wait_for(lambda: health_status() == 503, 10, "/health did not turn 503 while draining")
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    assert r.headers.get("retry-after")
+
+    drained.join(GRACE_S + 30)
+    cut.join(GRACE_S + 30)
+    assert drained.error is None and cut.error is None, (drained.error, cut.error)
+    # the drained stream was still running at the signal and finished normally
+    assert drained.ended_at > signalled and drained.token_times[-1] > signalled
+    assert drained.events[-1] == "[DONE]"
+    assert json.loads(drained.events[-2])["choices"][0]["finish_reason"] == "length"
+    assert not any('"error"' in e for e in drained.events)
+    # the long one was cut when the grace period ran out: an error event, then [DONE]
+    assert cut.ended_at - signalled >= GRACE_S - 1
+    assert cut.events[-1] == "[DONE]", cut.events[-3:]
+    err = json.loads(cut.events[-2])["error"]
+    assert err["code"] == "server_shutting_down" and err["type"] == "service_unavailable", err
+    assert len(cut.token_times) < 1900
+
+    rc = proc.wait(60)
+    out = log.read_text(errors="replace")
+    assert rc == 0, out
+    assert "Traceback" not in out and "ActorDiedError" not in out, out
+    assert "1 request(s) still running" in out, out
