@@ -5,7 +5,9 @@
   for the Grafana dashboard sidecar of kube-prometheus-stack;
 * ``serveConfigV2`` of ``k8s/rayservice.yaml``: ``deploy/serve_config.yaml`` with the cluster
   overrides of :data:`CLUSTER_ARGS` and :data:`CLUSTER_HTTP_OPTIONS` (GPU device and kernels,
-  listening on the pod's address); the rest of that file is kept as written.
+  listening on the pod's address), and every pod template's ``terminationGracePeriodSeconds``
+  (:func:`termination_grace_s`, from the config's ``shutdown_grace_s``); the rest of that file is
+  kept as written.
 
 ``python deploy/render_k8s.py`` writes them; ``--check`` exits 1 (and writes nothing) when a
 committed file differs from what would be written.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -108,15 +111,65 @@ def cluster_serve_config(local: dict) -> dict:
     return doc
 
 
+def shutdown_grace_s(serve_config: dict) -> float:
+    """The LServe application's ``shutdown_grace_s`` (the settings' default when not given)."""
+    from lserve.serve.settings import DEFAULT_SHUTDOWN_GRACE_S
+
+    (app,) = [a for a in serve_config.get("applications") or [] if a.get("import_path") == LSERVE_IMPORT_PATH]
+    return float((app.get("args") or {}).get("shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S))
+
+
+def pre_stop_s(template: dict) -> float:
+    """Seconds the ``sleep N`` preStop hooks of a pod template's containers hold the pod (0 if none)."""
+    longest = 0.0
+    for c in template["spec"]["containers"]:
+        cmd = " ".join(c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", []))
+        m = re.search(r"\bsleep (\d+(?:\.\d+)?)", cmd)
+        longest = max(longest, float(m.group(1)) if m else 0.0)
+    return longest
+
+
+def termination_grace_s(template: dict, grace_s: float) -> int:
+    """A pod's ``terminationGracePeriodSeconds``: its preStop wait, then Ray Serve's longest replica stop.
+
+    Parameters
+    ----------
+    template : dict
+        The pod template (its preStop hooks run first).
+    grace_s : float
+        The application's ``shutdown_grace_s``.
+
+    Returns
+    -------
+    int
+    """
+    from lserve.serve.app import stop_timeouts_s
+
+    return math.ceil(pre_stop_s(template) + max(stop_timeouts_s(grace_s).values()))
+
+
+def _pod_templates(doc: dict) -> list[dict]:
+    cluster = doc["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+
+
 def rayservice(serve_config: Path = SERVE_CONFIG) -> str:
-    """``k8s/rayservice.yaml`` with its ``serveConfigV2`` block rendered from ``serve_config``."""
+    """``k8s/rayservice.yaml`` with its ``serveConfigV2`` block and termination grace periods rendered."""
     text = RAYSERVICE.read_text()
-    block = dump(cluster_serve_config(yaml.safe_load(serve_config.read_text())))
+    local = yaml.safe_load(serve_config.read_text())
+    block = dump(cluster_serve_config(local))
     indented = "".join(f"    {line}\n" if line else "\n" for line in block.splitlines())
     pattern = re.compile(r"^(  serveConfigV2: \|\n)((?:    .*\n|\n)*)", re.MULTILINE)
     if not pattern.search(text):
         raise ValueError(f"no '  serveConfigV2: |' block in {RAYSERVICE}")
-    return pattern.sub(lambda m: m.group(1) + indented, text, count=1)
+    text = pattern.sub(lambda m: m.group(1) + indented, text, count=1)
+    # head first, then the worker groups: the order of the templates in the file
+    values = iter([termination_grace_s(t, shutdown_grace_s(local)) for t in _pod_templates(yaml.safe_load(text))])
+    grace = re.compile(r"^(\s+terminationGracePeriodSeconds: )\d+$", re.MULTILINE)
+    text, n = grace.subn(lambda m: m.group(1) + str(next(values)), text)
+    if n != len(_pod_templates(yaml.safe_load(text))):
+        raise ValueError(f"expected one terminationGracePeriodSeconds per pod template in {RAYSERVICE}, found {n}")
+    return text
 
 
 def outputs(serve_config: Path = SERVE_CONFIG) -> dict[Path, str]:

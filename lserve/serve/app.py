@@ -36,6 +36,26 @@ SLOW_STARTUP_WARNING_S = 180
 SHUTDOWN_MARGIN_S = 5.0
 
 
+def stop_timeouts_s(grace_s: float) -> dict[str, float]:
+    """Seconds Ray Serve gives each deployment's replicas to stop before killing them.
+
+    Engine replicas get the grace period for their running requests plus a margin; the ingress
+    one margin more, so it can still end cut streams with their final events. A Kubernetes pod's
+    termination grace period must cover the longest (``deploy/render_k8s.py``).
+
+    Parameters
+    ----------
+    grace_s : float
+        ``ServeSettings.shutdown_grace_s``.
+
+    Returns
+    -------
+    dict
+        Deployment name -> ``graceful_shutdown_timeout_s``.
+    """
+    return {ENGINE_DEPLOYMENT: grace_s + SHUTDOWN_MARGIN_S, INGRESS_DEPLOYMENT: grace_s + 2 * SHUTDOWN_MARGIN_S}
+
+
 class OpenAIIngress:
     """Ingress deployment: builds the FastAPI app around an :class:`OpenAIServer` at replica start.
 
@@ -102,7 +122,7 @@ def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = 
         "health_check_period_s": s.health_check_period_s,
         "health_check_timeout_s": s.health_check_timeout_s,
         # Ray Serve stopping a replica (serve run, scale-down, Kubernetes) waits for its requests.
-        "graceful_shutdown_timeout_s": s.shutdown_grace_s + SHUTDOWN_MARGIN_S,
+        "graceful_shutdown_timeout_s": stop_timeouts_s(s.shutdown_grace_s)[ENGINE_DEPLOYMENT],
         "graceful_shutdown_wait_loop_s": 0.5,
         "max_constructor_retry_count": 2,
         "request_router_config": router,
@@ -118,7 +138,7 @@ def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = 
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=s.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": s.ingress_num_cpus, "runtime_env": {"env_vars": ingress_env}},
         max_constructor_retry_count=2, graceful_shutdown_wait_loop_s=0.5,
-        graceful_shutdown_timeout_s=s.shutdown_grace_s + 2 * SHUTDOWN_MARGIN_S)
+        graceful_shutdown_timeout_s=stop_timeouts_s(s.shutdown_grace_s)[INGRESS_DEPLOYMENT])
     conf = s.to_dict()
     return ingress.bind(conf, engine.bind(conf))
 

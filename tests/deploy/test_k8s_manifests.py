@@ -363,6 +363,33 @@ def test_serve_config_v2_builds_valid_settings_within_the_gpu_bounds(rayservice)
     assert cfg["http_options"]["host"] == "0.0.0.0" and cfg["http_options"]["port"] == 8000
 
 
+def test_pods_outlive_the_shutdown_grace_period(rayservice, tmp_path):
+    """Every pod waits out its preStop hook, then the longest replica stop Ray Serve allows."""
+    from lserve.serve.app import stop_timeouts_s
+    from lserve.serve.settings import ServeSettings
+
+    cfg = serve_config_v2(rayservice)
+    (app,) = [a for a in cfg["applications"] if a["import_path"] == render.LSERVE_IMPORT_PATH]
+    grace = ServeSettings.from_dict(app.get("args")).shutdown_grace_s
+    assert grace > 0
+    stops = stop_timeouts_s(grace)
+    assert min(stops.values()) > grace  # running requests get the whole grace period
+    for name, template in pod_templates(rayservice).items():
+        pre_stop = render.pre_stop_s(template)
+        assert template["spec"]["terminationGracePeriodSeconds"] >= pre_stop + max(stops.values()), name
+    # and it follows the setting: a longer grace period gives longer pod grace periods
+    local = yaml.safe_load(SERVE_CONFIG.read_text())
+    for a in local["applications"]:
+        if a["import_path"] == render.LSERVE_IMPORT_PATH:
+            a["args"]["shutdown_grace_s"] = grace + 100
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(local))
+    longer = pod_templates(yaml.safe_load(render.rayservice(path)))
+    for name, template in pod_templates(rayservice).items():
+        assert (longer[name]["spec"]["terminationGracePeriodSeconds"]
+                == template["spec"]["terminationGracePeriodSeconds"] + 100), name
+
+
 def test_generated_files_are_up_to_date():
     assert render.main(["--check"]) == 0, "run: python deploy/render_k8s.py"
 
