@@ -28,6 +28,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lserve.serve.logprobs import chat_logprobs, completion_logprobs
 from lserve.serve.metrics import get_http_metrics, render_metrics
 from lserve.serve.protocol import (
     MAX_CHOICES,
@@ -37,7 +38,9 @@ from lserve.serve.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
@@ -58,6 +61,17 @@ REPLICA_HEADER = "x-lserve-replica"
 _FINISH = {"stop": "stop", "length": "length"}
 GREEDY_BELOW = 1e-5
 MIN_TOP_P = 1e-6
+NEUTRAL_RESPONSE_FORMAT = {"type": "text"}
+
+
+def check_unicode(texts, param: str) -> None:
+    """400 for text holding a lone UTF-16 surrogate (JSON ``"\\ud800"``): no tokenizer can encode it."""
+    for s in texts:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad_request(f"{param} contains an unpaired UTF-16 surrogate (U+{ord(s[e.start]):04X} at character "
+                              f"{e.start}), which is not valid Unicode text", param) from None
 
 
 # -- the engine-facing side -------------------------------------------------------------------
@@ -109,6 +123,10 @@ class SubRequest:
         self.finish_reason: str | None = None
         self.prompt_tokens = int(first.get("prompt_tokens", 0))
         self.completion_tokens = 0
+        self.logprobs: list = []  # lserve.serve.logprobs entries of the text so far (echoed prompt first)
+        self.new_logprobs: list = []  # those of the last event
+        self.text_offset = 0  # completions' text_offset of the next streamed token
+        self.echoed = False
         self._admission: Admission | None = admission
 
     def cancel(self) -> None:
@@ -240,20 +258,15 @@ class OpenAIServer:
 
     def sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> dict[str, Any]:
         """Engine sampling fields from an OpenAI request (400 for unsupported or out-of-range values)."""
-        unsupported = [("presence_penalty", req.presence_penalty != 0), ("frequency_penalty", req.frequency_penalty != 0),
-                       ("logit_bias", bool(req.logit_bias)), ("logprobs", bool(req.logprobs))]
-        if isinstance(req, CompletionRequest):
-            unsupported += [("echo", req.echo), ("best_of", (req.best_of or 1) != 1), ("suffix", req.suffix is not None)]
-        else:
-            unsupported += [("top_logprobs", req.top_logprobs is not None)]
-        for name, bad in unsupported:
-            if bad:
-                raise bad_request(f"'{name}' is not supported by this server; leave it unset", name)
+        refuse_unsupported(req)
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP:
             raise bad_request(f"at most {MAX_STOP} stop strings are allowed, got {len(stop)}", "stop")
         if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
             raise bad_request(f"stop strings must have 1 to {MAX_STOP_CHARS} characters", "stop")
+        check_unicode(stop, "stop")
         token_budget = None
         if req.lserve is not None:
             if req.lserve.streaming is False:
@@ -275,7 +288,8 @@ class OpenAIServer:
         # A top_p that rounds to 0 in float32 would drop every token: it means "the top token only".
         top_p = 1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P)
         return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": req.top_k or 0,
-                "seed": req.seed, "stop": stop, "ignore_eos": req.ignore_eos, "token_budget": token_budget}
+                "seed": req.seed, "stop": stop, "ignore_eos": req.ignore_eos, "token_budget": token_budget,
+                **logit_fields(req, max_tokens), **logprob_fields(req)}
 
     # -- engine calls -------------------------------------------------------------------------
     async def _open(self, index: int, payload: dict[str, Any]) -> SubRequest:
@@ -432,14 +446,17 @@ class OpenAIServer:
             prompts = list(prompt)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise bad_request("the prompt is empty", "prompt")
+        check_unicode([p for p in prompts if isinstance(p, str)], "prompt")
         params = self.sampling(req, req.max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         subs = await self.open_all(self._payloads(prompts, False, params, req.n, rid))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(subs, rid, "text_completion", include_usage, n=req.n)
+            return self._sse(subs, rid, "text_completion", include_usage, n=req.n, logprobs=req.logprobs is not None)
         await self._collect(subs)
-        choices = [CompletionChoice(index=s.index, text="".join(s.text), finish_reason=_FINISH.get(s.finish_reason))
+        choices = [CompletionChoice(index=s.index, text="".join(s.text), finish_reason=_FINISH.get(s.finish_reason),
+                                    logprobs=None if req.logprobs is None else
+                                    CompletionLogprobs(**completion_logprobs(s.logprobs, 0)[0]))
                    for s in subs]
         body = CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self._usage(subs, req.n))
         return JSONResponse(body.model_dump(), headers={REPLICA_HEADER: subs[0].first.get("replica", "")})
@@ -450,17 +467,19 @@ class OpenAIServer:
         self.check_model(req.model)
         await self.max_model_len()
         messages = []
-        for m in req.messages:
-            content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-            messages.append({"role": m.role, "content": content or ""})
+        for i, m in enumerate(req.messages):
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+            check_unicode([content], f"messages.{i}.content")
+            messages.append({"role": m.role, "content": content})
         params = self.sampling(req, req.max_completion_tokens or req.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         subs = await self.open_all(self._payloads([messages], True, params, req.n, rid))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(subs, rid, "chat.completion.chunk", include_usage, n=req.n)
+            return self._sse(subs, rid, "chat.completion.chunk", include_usage, n=req.n, logprobs=bool(req.logprobs))
         await self._collect(subs)
         choices = [ChatChoice(index=s.index, message=AssistantMessage(content="".join(s.text)),
+                              logprobs=ChatLogprobs(**chat_logprobs(s.logprobs)) if req.logprobs else None,
                               finish_reason=_FINISH.get(s.finish_reason)) for s in subs]
         body = ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self._usage(subs, req.n))
         return JSONResponse(body.model_dump(), headers={REPLICA_HEADER: subs[0].first.get("replica", "")})
@@ -487,12 +506,18 @@ class OpenAIServer:
                               None, ev.get("code"))
         if ev.get("type") != "delta":
             return ""
-        sub.text.append(ev["text"])
+        text = ev["text"]
+        sub.new_logprobs = list(ev.get("prompt_logprobs") or []) + list(ev.get("logprobs") or [])
+        if "prompt_text" in sub.first and not sub.echoed:  # echo: the prompt leads the choice's text
+            sub.echoed = True
+            text = sub.first["prompt_text"] + text
+        sub.logprobs += sub.new_logprobs
+        sub.text.append(text)
         sub.completion_tokens = int(ev.get("completion_tokens", sub.completion_tokens))
         sub.prompt_tokens = int(ev.get("prompt_tokens", sub.prompt_tokens))
         if ev.get("finished"):
             sub.finish_reason = ev.get("finish_reason")
-        return ev["text"]
+        return text
 
     @staticmethod
     def _usage(subs: list[SubRequest], n: int) -> Usage:
@@ -500,7 +525,8 @@ class OpenAIServer:
         completion = sum(s.completion_tokens for s in subs)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    def _sse(self, subs: list[SubRequest], rid: str, obj: str, include_usage: bool, n: int) -> StreamingResponse:
+    def _sse(self, subs: list[SubRequest], rid: str, obj: str, include_usage: bool, n: int,
+             logprobs: bool = False) -> StreamingResponse:
         created = int(time.time())
         chat = obj == "chat.completion.chunk"
 
@@ -511,11 +537,19 @@ class OpenAIServer:
                 body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+        def choice_logprobs(sub: SubRequest) -> dict | None:
+            if not logprobs:
+                return None
+            if chat:
+                return chat_logprobs(sub.new_logprobs)
+            out, sub.text_offset = completion_logprobs(sub.new_logprobs, sub.text_offset)
+            return out
+
         def choice(sub: SubRequest, text: str | None, finish: str | None) -> dict:
             if chat:
                 delta = {} if text is None else {"content": text}
-                return {"index": sub.index, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": sub.index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": sub.index, "delta": delta, "logprobs": choice_logprobs(sub), "finish_reason": finish}
+            return {"index": sub.index, "text": text or "", "logprobs": choice_logprobs(sub), "finish_reason": finish}
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -527,7 +561,7 @@ class OpenAIServer:
                     async for sub, ev in self.until_cut(self.events(subs)):
                         text = self._apply(sub, ev)
                         finish = _FINISH.get(sub.finish_reason) if ev.get("finished") else None
-                        if text or finish:
+                        if text or finish or (logprobs and sub.new_logprobs):
                             yield chunk([choice(sub, text if text else None, finish)])
                 except Exception as e:  # noqa: BLE001 - reported in-band: the 200 has been sent
                     log.warning("stream %s failed: %r", rid, e)
@@ -556,8 +590,17 @@ class OpenAIServer:
     async def models(self, request: Request) -> ModelList:
         """``GET /v1/models``."""
         self.authorize(request)
-        card = ModelCard(id=self.model_name, created=self.created, max_model_len=await self.max_model_len())
-        return ModelList(data=[card])
+        return ModelList(data=[await self.model_card()])
+
+    async def model_card(self) -> ModelCard:
+        """The served model's card."""
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=await self.max_model_len())
+
+    async def model(self, request: Request, model_id: str) -> ModelCard:
+        """``GET /v1/models/{model_id}``: the card of the served model, 404 for any other id."""
+        self.authorize(request)
+        self.check_model(model_id)
+        return await self.model_card()
 
     def reported_stats(self) -> list[dict[str, Any]] | None:
         """Every engine replica's last report to the router, if all are fresh (None otherwise).
@@ -591,6 +634,55 @@ class OpenAIServer:
         results = await self.engine.broadcast("engine_stats").results_async(timeout_s=timeout_s,
                                                                              return_exceptions=True)
         return [r if isinstance(r, dict) else f"{type(r).__name__}: {r}" for r in results]
+
+
+# -- request fields -> engine fields ----------------------------------------------------------
+def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for fields set to a value that would change the output in a way LServe does not implement."""
+    fmt = req.response_format
+    unsupported = [("response_format", fmt is not None and fmt != NEUTRAL_RESPONSE_FORMAT,
+                    'structured output is not supported; use {"type": "text"} or leave it unset')]
+    if isinstance(req, CompletionRequest):
+        unsupported += [("best_of", (req.best_of or 1) != 1, "only 1 (or null) is supported"),
+                        ("suffix", req.suffix is not None, "leave it unset")]
+    else:
+        no_tools = "tool and function calling are not supported; leave it unset"
+        unsupported += [("tools", bool(req.tools), no_tools),
+                        ("tool_choice", req.tool_choice not in (None, "none"), no_tools),
+                        ("functions", bool(req.functions), no_tools),
+                        ("function_call", req.function_call not in (None, "none"), no_tools)]
+    for name, bad, why in unsupported:
+        if bad:
+            raise bad_request(f"'{name}' is not supported by this server: {why}", name)
+
+
+def logit_fields(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> dict[str, Any]:
+    """Penalties, ``logit_bias`` (token-id string keys) and ``min_tokens`` as engine fields."""
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}",
+                              "logit_bias")
+        bias[int(key)] = value
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+    return {"presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            "logit_bias": bias or None, "min_tokens": req.min_tokens}
+
+
+def logprob_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """``logprobs`` / ``top_logprobs`` / ``echo`` as engine fields (``echo`` is read by the replica)."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return {"logprobs": (req.top_logprobs or 0) if req.logprobs else None}
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 is only allowed with echo: true (to score the prompt)", "max_tokens")
+    prompt_logprobs = None
+    if req.echo:  # max_tokens 0 generates nothing: the engine then only runs the prompt (and scores it)
+        prompt_logprobs = req.logprobs if req.logprobs is not None else (0 if req.max_tokens == 0 else None)
+    return {"logprobs": req.logprobs, "prompt_logprobs": prompt_logprobs, "echo": req.echo}
 
 
 # -- the HTTP app -----------------------------------------------------------------------------
@@ -827,6 +919,10 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models(request: Request) -> ModelList:
         return await server.models(request)
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={401: _ERRORS[401], 404: _ERRORS[404]})
+    async def model(model_id: str, request: Request) -> ModelCard:
+        return await server.model(request, model_id)
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
     async def health() -> HealthResponse:

@@ -1,14 +1,16 @@
 """OpenAI-compatible request/response models and the error shape.
 
 Requests are validated strictly (wrong JSON types are rejected, not coerced) with OpenAI's bounds;
-parameters LServe does not implement are accepted only at their neutral values, so a client never
-gets silently different behaviour. The ``lserve`` object is LServe's per-request extension.
+parameters LServe does not implement (tools, structured output, ``best_of``, ``suffix``) are
+accepted only at their neutral values and answered 400 otherwise, so a client never gets silently
+different behaviour. vLLM's ``repetition_penalty``, ``min_tokens``, ``top_k`` and ``ignore_eos``
+are accepted too. The ``lserve`` object is LServe's per-request extension.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,6 +18,8 @@ MAX_CHOICES = 8  # n times the number of prompts, per request
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions (vLLM allows 20)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 
 
 class OpenAIError(Exception):
@@ -87,9 +91,21 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Only 0 is supported.")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (null or empty only).")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0,
+                                    description="Subtracted from the logit of every token generated so far.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0,
+                                     description="Times a token's count in the generated text, subtracted from its "
+                                                 "logit.")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, le=100.0, description="vLLM's: divides the positive logits (multiplies the negative ones) of "
+                                            "tokens in the prompt or the generated text; 1 is off.")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100] added to its logit.")
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT,
+                            description="EOS, stop_token_ids and stop strings do not end the output before this many "
+                                        "tokens.")
+    response_format: dict[str, Any] | None = Field(
+        None, description='Only {"type": "text"} (or null): structured output is not supported.')
     user: str | None = None
     lserve: LServeOptions | None = None
 
@@ -99,9 +115,11 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="Text, token ids, or a batch of either (each prompt gets n choices).")
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
-    echo: bool = Field(False, description="Not supported (false only).")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Not supported (null only).")
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT, description="0 only with echo (score the prompt).")
+    echo: bool = Field(False, description="Prepend the prompt to the text (and, with logprobs, its tokens' "
+                                          "logprobs; the first prompt token's is null).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+                                 description="Each token's logprob and this many most likely alternatives.")
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Only 1 (or null) is supported.")
     suffix: str | None = Field(None, description="Not supported (null only).")
 
@@ -113,7 +131,8 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] = Field(..., description="Required: messages without content (tool calls) are not "
+                                                           "supported.")
     name: str | None = None
 
 
@@ -122,8 +141,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    logprobs: bool | None = Field(None, description="Not supported (null or false only).")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported (null only).")
+    logprobs: bool | None = Field(None, description="Return each generated token's logprob.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="With logprobs: this many most likely alternatives per token.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (null or empty only).")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='Not supported (null or "none" only).')
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = Field(None, description="Not supported (null or empty only).")
+    function_call: str | dict[str, Any] | None = Field(None, description='Not supported (null or "none" only).')
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -144,10 +169,19 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Per token of the choice's text (the prompt's first when echoed): OpenAI's legacy shape."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -165,10 +199,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

@@ -5,8 +5,11 @@ streams one plain-dict event per engine output to the caller (the ingress), so n
 crosses process boundaries:
 
 * ``{"type": "accepted", "replica", "prompt_tokens"}`` once the request is tokenized and checked;
+  (plus ``"prompt_text"`` when the params ask for ``echo``);
 * ``{"type": "delta", "text", "num_tokens", "finished", "finish_reason", "prompt_tokens",
-  "completion_tokens"}`` per engine step that touched the request;
+  "completion_tokens"}`` per engine step that touched the request, with ``"logprobs"`` (the new
+  tokens') when asked for, and ``"prompt_logprobs"`` once, in the first delta after prefill, when
+  asked for (entries as :mod:`lserve.serve.logprobs` describes);
 * ``{"type": "error", "status", "message", "param", "code"}`` instead, for a request the engine
   cannot serve (400) or a dead engine (503).
 
@@ -30,6 +33,7 @@ from lserve.config import ConfigError
 from lserve.engine.async_engine import AsyncEngine, EngineDeadError
 from lserve.engine.llm_engine import RequestError
 from lserve.engine.sampling import SamplingParams
+from lserve.serve.logprobs import TokenTexts
 from lserve.serve.metrics import EngineMetrics, get_engine_metrics
 from lserve.serve.settings import ServeSettings
 
@@ -86,6 +90,7 @@ class EngineReplica:
     # -- requests -----------------------------------------------------------------------------
     def _params(self, p: dict[str, Any], prompt_len: int) -> SamplingParams:
         p = dict(p)
+        p.pop("echo", None)  # the ingress's business (the prompt text comes back in "accepted")
         if p.get("max_tokens") is None:
             room = self.max_model_len - prompt_len
             if room < 1:
@@ -114,14 +119,15 @@ class EngineReplica:
                                           bool(request.get("chat")))
             params = self._params(request.get("params") or {}, len(ids))
             self.engine.validate(ids, params)
+            echo = bool((request.get("params") or {}).get("echo"))
         except EngineDeadError as e:
             yield {"type": "error", "status": 503, "message": f"the engine of replica {self.replica_id} has stopped "
                    f"and is being replaced; retry shortly ({e})", "code": "engine_dead"}
             return
         except RequestError as e:
             code = "context_length_exceeded" if "context length" in str(e) or "KV pages" in str(e) else None
-            yield {"type": "error", "status": 400, "message": str(e), "param": "messages" if request.get("chat")
-                   else "prompt", "code": code}
+            yield {"type": "error", "status": 400, "message": str(e), "param": getattr(e, "param", None) or
+                   ("messages" if request.get("chat") else "prompt"), "code": code}
             return
         except (ConfigError, ValueError, TypeError) as e:  # bad sampling fields, no chat template
             yield {"type": "error", "status": 400, "message": str(e), "param": None, "code": None}
@@ -131,7 +137,12 @@ class EngineReplica:
         finished, reason = False, "abort"
         stream = None
         try:
-            yield {"type": "accepted", "replica": self.replica_id, "prompt_tokens": len(ids)}
+            accepted = {"type": "accepted", "replica": self.replica_id, "prompt_tokens": len(ids)}
+            if echo:
+                prompt = request["prompt"]
+                accepted["prompt_text"] = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
+            yield accepted
+            prompt_lps_sent = False
             stream = self.engine.generate(ids, params, request_id=rid)
             last = None
             async for out in stream:
@@ -147,9 +158,16 @@ class EngineReplica:
                 if out.finished:
                     finished, reason = True, out.finish_reason or "stop"
                     self._observe_finished(out.metrics, t_recv, now, len(out.token_ids))
-                yield {"type": "delta", "text": out.delta_text, "num_tokens": n_new, "finished": out.finished,
-                       "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
-                       "completion_tokens": len(out.token_ids)}
+                ev = {"type": "delta", "text": out.delta_text, "num_tokens": n_new, "finished": out.finished,
+                      "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
+                      "completion_tokens": len(out.token_ids)}
+                if out.delta_logprobs is not None:
+                    ev["logprobs"] = self._token_texts().entries(out.delta_logprobs)
+                if out.prompt_logprobs is not None and not prompt_lps_sent:
+                    prompt_lps_sent = True
+                    first = (out.prompt_token_ids[0], None, None)  # the first prompt token has no logprob
+                    ev["prompt_logprobs"] = self._token_texts().entries([first, *out.prompt_logprobs[1:]])
+                yield ev
         except EngineDeadError as e:
             reason = "error"
             yield {"type": "error", "status": 503, "message": f"the engine stopped while generating ({e}); retry",
@@ -173,6 +191,13 @@ class EngineReplica:
         if reason == "abort":
             self.aborted += 1
             m.of(m.aborts).inc()
+
+    def _token_texts(self) -> TokenTexts:
+        """Token texts for logprobs (built on first use, cached per token)."""
+        texts = getattr(self, "_texts", None)
+        if texts is None:
+            texts = self._texts = TokenTexts(self.engine.tokenizer)
+        return texts
 
     def _observe_finished(self, em: dict, t_recv: float, now: float, n_out: int) -> None:
         m = self.metrics

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -27,7 +29,9 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = "?",
 
 def post(app, path: str, body, headers: dict | None = None, **kw) -> httpx.Response:
     h = dict(app.headers) if headers is None else headers
-    return httpx.post(f"{app.url}{path}", json=body, headers=h, timeout=60, **kw)
+    # JSON with non-ASCII escaped (\\uXXXX), as many clients send it: a lone surrogate can travel too
+    return httpx.post(f"{app.url}{path}", content=json.dumps(body, separators=(",", ":")),
+                      headers={"content-type": "application/json", **h}, timeout=60, **kw)
 
 
 def comp(**kw) -> dict:
@@ -45,7 +49,7 @@ def chat(**kw) -> dict:
     (comp(top_p=0), "top_p", "greater than 0"),
     (comp(top_p=1.5), "top_p", "less than or equal to 1"),
     (comp(top_k=-2), "top_k", "greater than or equal to -1"),
-    (comp(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+    (comp(max_tokens=-1), "max_tokens", "greater than or equal to 0"),
     (comp(max_tokens="10"), "max_tokens", "valid integer"),
     (comp(n=0), "n", "greater than or equal to 1"),
     (comp(n=9), "n", "less than or equal to 8"),
@@ -53,9 +57,19 @@ def chat(**kw) -> dict:
     (comp(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4 stop strings"),
     (comp(stop=[""]), "stop", "1 to 256 characters"),
     (comp(stream="yes"), "stream", "valid boolean"),
-    (comp(presence_penalty=0.5), "presence_penalty", "not supported"),
-    (comp(logprobs=2), "logprobs", "not supported"),
-    (comp(echo=True), "echo", "not supported"),
+    (comp(presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
+    (comp(frequency_penalty=-3), "frequency_penalty", "greater than or equal to -2"),
+    (comp(repetition_penalty=0), "repetition_penalty", "greater than 0"),
+    (comp(logprobs=6), "logprobs", "less than or equal to 5"),
+    (comp(max_tokens=0), "max_tokens", "only allowed with echo"),
+    (comp(logit_bias={"abc": 1}), "logit_bias", "token ids"),
+    (comp(logit_bias={"5": 101}), "logit_bias.5", "less than or equal to 100"),
+    (comp(logit_bias={"99999999": 1}), "logit_bias", "outside the vocabulary"),
+    (comp(min_tokens=3), "min_tokens", "must not exceed max_tokens (2)"),
+    (comp(response_format={"type": "json_object"}), "response_format", "not supported"),
+    (comp(stream_options={"include_usage": True}), "stream_options", "only allowed with stream: true"),
+    (comp(prompt="ab\ud800cd"), "prompt", "unpaired UTF-16 surrogate (U+D800 at character 2)"),
+    (comp(stop=["\udfff"]), "stop", "unpaired UTF-16 surrogate"),
     (comp(best_of=3), "best_of", "not supported"),
     (comp(prompt=""), "prompt", "empty"),
     (comp(prompt=[]), "prompt", "empty"),
@@ -81,8 +95,15 @@ def test_invalid_completion_parameters_are_400(app, body, param, contains):
      "messages.0.content", ""),
     (chat(messages="hello"), "messages", "valid list"),
     (chat(max_completion_tokens=0), "max_completion_tokens", "greater than or equal to 1"),
-    (chat(top_logprobs=3), "top_logprobs", "not supported"),
-    (chat(logit_bias={"50": 10}), "logit_bias", "not supported"),
+    (chat(top_logprobs=3), "top_logprobs", "needs logprobs: true"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "not supported"),
+    (chat(tool_choice="auto"), "tool_choice", "not supported"),
+    (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "not supported"),
+    (chat(messages=[{"role": "user"}]), "messages.0.content", "Field required"),
+    (chat(messages=[{"role": "assistant", "content": None}]), "messages.0.content", ""),
+    (chat(messages=[{"role": "user", "content": "hi \ud800"}]), "messages.0.content", "unpaired UTF-16 surrogate"),
+    (chat(stream_options={"include_usage": True}, stream=False), "stream_options", "only allowed with stream"),
 ])
 def test_invalid_chat_parameters_are_400(app, body, param, contains):
     assert_openai_error(post(app, "/v1/chat/completions", body), 400, param=param, contains=contains)
