@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
     d.add_argument("--context-len", type=int, default=2048, help="passkey: prompt tokens")
     d.add_argument("--tokenizer", default="default",
-                   help="'default' (the bundled model's), a tokenizer.json, a model directory or a .gguf file")
+                   help="'default' (the bundled model's), a tokenizer.json, a model directory, a .gguf file or "
+                        "preset:VOCAB (LServe's random-weight presets, e.g. preset:128256 for llama3-8b)")
     d.add_argument("--send-text", action="store_true", help="send decoded text instead of token ids")
     d.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
     lo = p.add_argument_group("load shape (pick one; default: --request-rate 1)")

@@ -88,6 +88,32 @@ def _default_tokenizer_json() -> str | None:
     return hits[0] if hits else None
 
 
+class _PresetBackend:
+    """LServe's random-weight preset tokenizer behind the ``transformers``-like calls used here."""
+
+    def __init__(self, vocab_size: int) -> None:
+        from lserve.models.tokenizer import PresetTokenizer
+
+        self.tok = PresetTokenizer(vocab_size)
+        self.all_special_ids = [self.tok.BOS, self.tok.EOS]
+
+    def __len__(self) -> int:
+        return self.tok.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids)
+
+
+def _preset_tokenizer(spec: str) -> Tokenizer:
+    vocab = spec.split(":", 1)[1]
+    if not vocab.isdigit() or int(vocab) < 258:
+        raise ValueError(f"tokenizer {spec!r}: give preset:VOCAB_SIZE (at least 258), e.g. preset:128256")
+    return Tokenizer(_PresetBackend(int(vocab)), spec)
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """Load a tokenizer.
 
@@ -95,12 +121,15 @@ def load_tokenizer(spec: str) -> Tokenizer:
     ----------
     spec : str
         ``default`` (the bundled SmolLM2 model's tokenizer), a ``tokenizer.json`` file, a Hugging
-        Face model directory, or a ``.gguf`` file.
+        Face model directory, a ``.gguf`` file, or ``preset:VOCAB_SIZE`` (LServe's random-weight
+        presets: every id decodes to its own text, so streamed chunks count tokens exactly).
 
     Returns
     -------
     Tokenizer
     """
+    if spec.startswith("preset:"):
+        return _preset_tokenizer(spec)
     from tokenizers import Tokenizer as FastTokenizer
 
     path = Path(spec).expanduser()

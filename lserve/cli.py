@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.config import CLI_MAX_BATCHED_TOKENS, CLI_STEP_TIME_TARGET, CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.serve.settings import DEFAULT_SHUTDOWN_GRACE_S
 
 DEMO_PROMPT = "The three most important ideas in computer science are"
@@ -24,7 +24,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="torch", choices=["torch", "cupy"], help="attention backend")
     g.add_argument("--max-model-len", type=int, default=0, help="context limit (0: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=16)
-    g.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
+    g.add_argument("--max-batched-tokens", type=int, default=CLI_MAX_BATCHED_TOKENS,
+                   help="token-equivalents per step at most (long prompts are prefilled in chunks)")
+    g.add_argument("--step-time-target", type=float, default=CLI_STEP_TIME_TARGET,
+                   help="seconds a step with prefill should take, from measured speed (0: token cap only)")
+    g.add_argument("--decode-stall", type=float, default=1.0,
+                   help="prefill time in a step with decodes, as a multiple of a decode step's time")
     g.add_argument("--seed", type=int, default=0, help="seed for random-weight presets")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps as CUDA graphs (cupy backend)")
@@ -67,7 +72,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
                         max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
                         max_model_len=a.max_model_len, seed=a.seed,
-                        cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode)
+                        cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode,
+                        step_time_target=a.step_time_target, decode_stall=a.decode_stall)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -130,6 +136,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from lserve.bench.kernels import run_kernel_bench
 
         run_kernel_bench(a.out)
+    elif a.what == "serve":
+        from lserve.bench.serve import run_serve_bench
+
+        run_serve_bench(a.out, name=a.name or "serve_h200", model=a.model or "llama3-8b", device=a.device or "cuda",
+                        backend=a.backend or "cupy", contexts=tuple(a.contexts or (2048, 32768, 131072)),
+                        output_len=a.decode_tokens or 64, deadline_s=a.deadline,
+                        configs=tuple(a.configs.split(",")), engine_contexts=tuple(
+                            c for c in (a.contexts or (2048, 32768, 131072)) if c >= 32768))
     return 0
 
 
@@ -159,11 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON + PNG under benchmarks/")
-    b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold"])
+    b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold", "serve"])
     b.add_argument("--out", default="benchmarks")
     b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096], help="cpu: prompt lengths")
     b.add_argument("--decode-tokens", type=int, default=None,
-                   help="decode steps measured per point (default 64 for e2e, else 32)")
+                   help="decode steps measured per point (default 64 for e2e, else 32; serve: tokens per request)")
     b.add_argument("--model", default=None,
                    help="e2e / profile-threshold: model or preset (default llama3-8b on a GPU, else default)")
     b.add_argument("--device", default=None, help="e2e (default cuda) / profile-threshold (default: cuda if present)")
@@ -176,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--side-max-context", type=int, default=None,
                    help="e2e: longest context for the static-only and dynamic-only configurations")
     b.add_argument("--deadline", type=float, default=None,
-                   help="e2e: seconds after which remaining runs are skipped (listed in the report)")
+                   help="e2e / serve: seconds after which remaining runs are skipped (listed in the report)")
     b.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="e2e: engines launch each decode step before reading the previous one's tokens")
     b.add_argument("--name", default=None, help="output file stem")
@@ -184,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile-file", default=None,
                    help="profile-threshold: where to save (default $LSERVE_CACHE_DIR/dynamic_threshold.json)")
     b.add_argument("--no-save", action="store_true", help="profile-threshold: measure and report only")
+    b.add_argument("--configs", default="lserve,dense", help="serve: configurations, comma-separated")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)")

@@ -199,6 +199,13 @@ class CacheConfig:
         return self.page_size // self.logical_page_size
 
 
+#: What ``lserve generate``/``lserve serve`` run with (the library's EngineConfig defaults keep the
+#: deterministic token budget): steps with prefill aim at this many seconds, within this many
+#: token-equivalents (see :mod:`lserve.engine.step_budget`).
+CLI_STEP_TIME_TARGET = 0.25
+CLI_MAX_BATCHED_TOKENS = 8192
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine needs; builds on the three configs above.
@@ -223,6 +230,13 @@ class EngineConfig:
         Launch each greedy decode step before reading the previous step's tokens, so the host
         work of one overlaps the GPU work of the other (see :mod:`lserve.engine.async_decode`);
         outputs are unchanged.
+    step_time_target : float
+        Seconds a step with prefill should take (0: no time model, ``max_batched_tokens`` alone
+        bounds a step). The prefill budget then follows measured speed and an attention-aware
+        cost per chunk (:mod:`lserve.engine.step_budget`), so steps stay short at any context.
+    decode_stall : float
+        With a time target: prefill time in a step with decodes, as a multiple of a decode-only
+        step's time (bounds the inter-token latency of running requests).
     """
 
     model: str = "default"
@@ -238,6 +252,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     fused_ops: bool = True
     async_decode: bool = True
+    step_time_target: float = 0.0
+    decode_stall: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -246,6 +262,8 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_batched_tokens >= 16, f"max_batched_tokens must be >= 16, got {self.max_batched_tokens}")
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+        _check(0 <= self.step_time_target <= 60, f"step_time_target must be in [0, 60] seconds, got {self.step_time_target}")
+        _check(self.decode_stall > 0, f"decode_stall must be > 0, got {self.decode_stall}")
         for flag in ("cuda_graphs", "fused_ops", "async_decode"):
             _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":

@@ -18,19 +18,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 PARTS="${PARTS:-tests kernels threshold e2e}"
 mkdir -p "$OUT"
-PY="${PY:-python3}"
-export PYTHONUNBUFFERED=1
-export LSERVE_CACHE_DIR="${LSERVE_CACHE_DIR:-/tmp/lserve-cache}"  # the threshold profile lands here
-
-# lserve.kernels is the kernels/ directory (setuptools package-dir mapping): install editable,
-# or, on a throwaway checkout where that fails, link it into place.
-if ! "$PY" -c "import lserve.kernels.loader" 2>/dev/null; then
-    "$PY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 || true
-fi
-if ! "$PY" -c "import lserve.kernels.loader" 2>/dev/null; then
-    ln -sfn ../kernels lserve/kernels
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
 
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv

@@ -18,8 +18,9 @@ Per layer ``run`` does, on torch's current stream:
 4. Prefill without cached past (``start == 0``): dense heads through torch SDPA (flash; faster
    than our mma.sync kernel, see ``lserve.bench.kernels``), streaming heads through
    ``ls_prefill``, which visits only the sink and local key blocks of each query tile. Chunked
-   prefill with cached past (``start > 0``) and fp32 models fall back to the torch reference
-   code for that sequence (correct, not fast).
+   prefill with cached past (``start > 0``): :mod:`lserve.attention.chunked` (fused attention
+   with log-sum-exp merge for dense heads, a virtual sequence through ``ls_prefill`` for
+   streaming heads). fp32 models fall back to the torch reference code (correct, not fast).
 5. ``ls_kv_write`` again for the prefill tokens (after attention, as the reference does).
 
 On sm_90+ the decode-step kernels (1-3 and the merge) are launched as programmatic dependents
@@ -51,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
+from lserve.attention.chunked import dense_chunk, streaming_prefix
 from lserve.attention.torch_backend import TorchBackend
 from lserve.kernels.pdl import available as pdl_available
 from lserve.sparsity.plan import SeqPlan, StepPlan
@@ -113,7 +115,17 @@ class _Step:
     sel_pages: int = 0  # sum of K over the selecting sequences
     max_np_sel: int = 0
     fast: list[SeqPlan] = field(default_factory=list)  # prefill with start == 0
-    slow: list[SeqPlan] = field(default_factory=list)  # prefill with cached past (torch path)
+    cont: list[SeqPlan] = field(default_factory=list)  # prefill chunks with cached past (start > 0)
+    slow: list[SeqPlan] = field(default_factory=list)  # fp32 prefill (torch reference path)
+    # Streaming heads of the ``cont`` chunks as one virtual batch (see _cont_tables): int32 tables
+    c_loc: torch.Tensor | None = None  # [2, R] (stream page, offset) of each past token they see
+    c_kmap: torch.Tensor | None = None  # [V] virtual row -> row of cat(past tokens [R], step tokens [T])
+    c_qmap: torch.Tensor | None = None  # [V] virtual row -> step row of its query (past rows: any)
+    c_src: torch.Tensor | None = None  # [C] virtual rows of the chunks' tokens
+    c_dst: torch.Tensor | None = None  # [C] their step rows
+    c_tiles: torch.Tensor | None = None  # [n, 2] prefill-kernel tiles over the chunk rows only
+    c_seqs: torch.Tensor | None = None  # [m, 2] (first virtual row, virtual length)
+    c_long: tuple | None = None  # c_loc, c_kmap, c_qmap, c_src, c_dst as long (built by the first layer)
     tiles: torch.Tensor | None = None  # int32 [n_tiles, 2]
     seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
     n_tiles: int = 0
@@ -196,7 +208,7 @@ class CupyBackend(AttentionBackend):
         self.score_ppb: int | None = None  # physical pages per page-score CTA (None: one wave)
         self.pdl = os.environ.get("LSERVE_PDL", "1") != "0" and pdl_available(torch.cuda.get_device_capability(self.device))
         self.qscale = self.scale * LOG2E
-        # The oracle's code serves chunked prefill with cached past and fp32 prefill.
+        # The oracle's code serves fp32 prefill (and gathers the dense past of later chunks).
         self._ref = TorchBackend(self.model, self.sp, self.cache)
         # Selection state (logical page indices) per (layer, slot, dense head).
         self._slots: dict[int, int] = {}
@@ -417,7 +429,10 @@ class CupyBackend(AttentionBackend):
                           tuple(sel_rows))
         fast_ok = self.dtype != torch.float32
         st.fast = [s for s in pre if s.step.start == 0 and fast_ok]
-        st.slow = [s for s in pre if not (s.step.start == 0 and fast_ok)]
+        st.cont = [s for s in pre if s.step.start > 0 and fast_ok]
+        st.slow = [s for s in pre if not fast_ok]
+        if st.cont and self.cache.has_streaming:
+            chunks += self._cont_tables(st.cont)
         if st.fast:
             seqs = np.array([[s.t0, s.step.num_new] for s in st.fast], dtype=np.int32)
             tiles = np.array([[j, q0] for j, s in enumerate(st.fast) for q0 in range(0, s.step.num_new, PREFILL_BM)],
@@ -425,6 +440,39 @@ class CupyBackend(AttentionBackend):
             st.n_tiles = len(tiles)
             chunks += [("seqs", seqs), ("tiles", tiles)]
         return st, chunks
+
+    def _cont_tables(self, cont: list[SeqPlan]) -> list[tuple[str, np.ndarray]]:
+        """Host tables of the streaming heads of chunks with cached past, as one virtual batch.
+
+        Sequence j becomes ``P_j`` past rows (the sink and last ``local`` tokens it can see,
+        :func:`~lserve.attention.chunked.streaming_prefix`, read from its ring) followed by its
+        ``n_j`` chunk rows; the fresh-sequence prefill kernel then computes the chunk rows exactly.
+        """
+        N, ring = self.cache.page_size, self.cache.ring
+        loc_p, loc_o, kmap, qmap, src, dst, tiles, seqs = [], [], [], [], [], [], [], []
+        r = v = 0
+        for s in cont:
+            pos = np.concatenate([np.arange(a, b) for a, b in streaming_prefix(s.step.start, self.sp.sink_tokens,
+                                                                                self.sp.local_tokens)])
+            lp = pos // N
+            slot = np.where(lp < ring.sink_pages, lp, ring.sink_pages + (lp - ring.sink_pages) % ring.local_pages)
+            loc_p.append(np.asarray(s.step.stream_pages, dtype=np.int64)[slot])
+            loc_o.append(pos % N)
+            p, n = len(pos), s.t1 - s.t0
+            kmap += [np.arange(r, r + p), -1 - np.arange(s.t0, s.t1)]  # -1 - t: step row t (fixed below)
+            qmap += [np.full(p, s.t0), np.arange(s.t0, s.t1)]
+            src.append(np.arange(v + p, v + p + n))
+            dst.append(np.arange(s.t0, s.t1))
+            tiles += [(len(seqs), q0) for q0 in range(p, p + n, PREFILL_BM)]
+            seqs.append((v, p + n))
+            r, v = r + p, v + p + n
+        km = np.concatenate(kmap)
+        km = np.where(km < 0, r + (-1 - km), km)
+        i32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
+        return [("c_loc", i32(np.stack((np.concatenate(loc_p), np.concatenate(loc_o))))), ("c_kmap", i32(km)),
+                ("c_qmap", i32(np.concatenate(qmap))), ("c_src", i32(np.concatenate(src))),
+                ("c_dst", i32(np.concatenate(dst))), ("c_tiles", i32(tiles).reshape(-1, 2)),
+                ("c_seqs", i32(seqs).reshape(-1, 2))]
 
     def decode_ctas(self) -> int:
         """Decode units per launch: one wave of resident CTAs, so no tail wave idles the GPU."""
@@ -502,6 +550,8 @@ class CupyBackend(AttentionBackend):
             self.decode(layer, q, out, st)
         if st.fast:
             self.prefill(layer, q, k, v, out, st)
+        if st.cont:
+            self.prefill_cont(layer, q, k, v, out, st)
         for sp in st.slow:
             sl = slice(sp.t0, sp.t1)
             out[sl] = self._ref._prefill(layer, sp, q[sl], k[sl], v[sl])
@@ -681,14 +731,45 @@ class CupyBackend(AttentionBackend):
         if hs:
             self.prefill_kernel(q, k, v, out, st, head0=nd * G, n_heads=hs * G, streaming=True)
 
-    def prefill_kernel(self, q, k, v, out, st: _Step, head0: int, n_heads: int, streaming: bool) -> None:
-        """``ls_prefill`` over query heads [head0, head0 + n_heads) of all start == 0 sequences."""
+    def prefill_cont(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     st: _Step) -> None:
+        """Chunks whose sequence has cached past (``start > 0``), see :mod:`lserve.attention.chunked`:
+        dense heads against the gathered past and themselves (merged by log-sum-exp), streaming
+        heads as one virtual batch through ``ls_prefill``."""
+        G, nd = self.group, self.cache.n_dense[layer]
+        hs = self.hkv - nd
+        if nd:
+            for sp in st.cont:
+                sl, start = slice(sp.t0, sp.t1), sp.step.start
+                kp, vp = self._ref._dense_kv(layer, sp.pages[: -(-start // self.cache.page_size)], start)  # [Hd, start, D]
+                o = dense_chunk(q[sl, : nd * G].transpose(0, 1), kp, vp, k[sl, :nd].transpose(0, 1),
+                                v[sl, :nd].transpose(0, 1), G, self.scale)  # [Hd*G, n, D]
+                out[sl, : nd * G] = o.transpose(0, 1)
+        if not hs:
+            return
+        if st.c_long is None:
+            st.c_long = tuple(t.long() for t in (st.c_loc, st.c_kmap, st.c_qmap, st.c_src, st.c_dst))
+        loc, kmap, qmap, src, dst = st.c_long
+        kr, vr = self.cache.stream[layer].read_tokens(loc[0], loc[1])  # [R, Hs, D]
+        kv_ = torch.cat((kr, k[:, nd:]), 0).index_select(0, kmap)  # [V, Hs, D]
+        vv = torch.cat((vr, v[:, nd:]), 0).index_select(0, kmap)
+        qv = q[:, nd * G:].index_select(0, qmap)  # [V, Hs*G, D]
+        ov = torch.empty_like(qv)
+        self.prefill_kernel(qv, kv_, vv, ov, st, head0=0, n_heads=hs * G, streaming=True,
+                            tables=(st.c_tiles, st.c_seqs))
+        out[:, nd * G:].index_copy_(0, dst, ov.index_select(0, src))
+
+    def prefill_kernel(self, q, k, v, out, st: _Step, head0: int, n_heads: int, streaming: bool,
+                       tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``ls_prefill`` over query heads [head0, head0 + n_heads) of all start == 0 sequences
+        (or of the sequences of ``tables``: (tiles [n, 2], seqs [m, 2]) int32)."""
         from lserve.kernels.loader import f32, i32, i64, launch, ptr
 
+        tiles, seqs = tables if tables is not None else (st.tiles, st.seqs)
         kern = self._kernel("prefill", "ls_prefill")
         smem = 2 * 2 * 64 * (self.D + 8) * 2
-        launch(kern, (st.n_tiles, n_heads), (128,),
+        launch(kern, (tiles.shape[0], n_heads), (128,),
                (ptr(q), i64(q.stride(0)), ptr(k), i64(k.stride(0)), ptr(v), i64(v.stride(0)),
-                ptr(out), i64(out.stride(0)), ptr(st.tiles), ptr(st.seqs), i32(head0), i32(self.group),
+                ptr(out), i64(out.stride(0)), ptr(tiles), ptr(seqs), i32(head0), i32(self.group),
                 i32(int(streaming)), i32(self.sp.sink_tokens), i32(self.sp.local_tokens), f32(self.qscale)),
                shared_mem=smem)

@@ -88,6 +88,18 @@ class PagedPool:
                 return self.k[p0: p0 + n], self.v[p0: p0 + n]
         return self.read(pages)
 
+    def read_tokens(self, pages: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V of single tokens. pages, offsets: [R] long -> two [R, H, D] tensors."""
+        def one(data, scale, zero):
+            if self.kv_quant == "none":
+                return data[pages, :, offsets]
+            if self.kv_quant == "int8":
+                return quant.dequantize_int8(data[pages, :, offsets], scale[pages, :, offsets], self.dtype)
+            return quant.dequantize_int4(data[pages, :, offsets], scale[pages, :, offsets], zero[pages, :, offsets],
+                                         self.dtype)
+
+        return one(self.k, self.k_scale, self.k_zero), one(self.v, self.v_scale, self.v_zero)
+
     def read(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of whole pages. pages: [n] long -> two [n, H, N_P, D] tensors."""
         return self._read(self.k, self.k_scale, self.k_zero, pages), self._read(self.v, self.v_scale, self.v_zero, pages)

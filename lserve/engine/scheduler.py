@@ -2,8 +2,11 @@
 
 Each step: every decoding sequence gets one token (taking a new page when it crosses a page
 boundary; when none is free, the most recently arrived running sequence is preempted: its
-pages are freed and it re-enters the queue to be recomputed later). The remaining token budget
-goes to prefill chunks, first of running sequences mid-prefill, then of waiting ones (FCFS).
+pages are freed and it re-enters the queue to be recomputed later). The remaining budget
+(:class:`~lserve.engine.step_budget.StepBudget`: tokens, or measured time) goes to prefill
+chunks, shortest remaining prompt first, over running sequences mid-prefill and waiting ones
+alike: a short request that arrives during a long prefill is prefilled in the next step, and
+the long one takes what is left (at least ``min_chunk`` tokens a step while it is first).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 from lserve.cache.kv_cache import KVCache
 from lserve.engine.sequence import Sequence, Status
+from lserve.engine.step_budget import StepBudget
 
 
 @dataclass
@@ -27,10 +31,13 @@ class Scheduled:
 class Scheduler:
     """Owns the waiting queue, the running set and all page allocation."""
 
-    def __init__(self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, on_release) -> None:
+    def __init__(self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, on_release,
+                 budget: StepBudget | None = None) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.budget = budget or StepBudget(max_batched_tokens)
+        self.last_prefill_cost = 0.0  # token-equivalents of prefill the last schedule() picked
         self.on_release = on_release  # called with a seq_id whenever its pages are dropped
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -99,8 +106,8 @@ class Scheduler:
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
         out: list[Scheduled] = []
-        budget = self.max_batched_tokens
         # 1) decodes, oldest first; preempt the newest when pages run out.
+        n_decode = 0
         for seq in sorted((s for s in self.running if s.in_decode), key=lambda s: s.arrival):
             if seq not in self.running:
                 continue  # preempted below for an older sequence
@@ -109,25 +116,38 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq in self.running and budget > 0:
+            if seq in self.running and n_decode < self.max_batched_tokens:
                 out.append(Scheduled(seq, 1, True))
-                budget -= 1
-        # 2) prefill chunks: running sequences mid-prefill, then admit waiting ones.
-        for seq in [s for s in self.running if not s.in_decode]:
-            if budget <= 0:
+                n_decode += 1
+        # 2) prefill chunks, shortest remaining prompt first (running mid-prefill and waiting).
+        b = self.budget
+        room = b.prefill_budget(n_decode)
+        tokens_left = self.max_batched_tokens - n_decode
+        cost = 0.0
+        pending = [s for s in self.running if not s.in_decode] + list(self.waiting)
+        pending.sort(key=lambda s: (s.num_tokens - s.num_computed, s.arrival))
+        for seq in pending:
+            if tokens_left <= 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if self._grow(seq, seq.num_computed + n):
-                out.append(Scheduled(seq, n, False))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            remaining = seq.num_tokens - seq.num_computed
+            n = min(b.tokens_within(room - cost, seq.num_computed, remaining), tokens_left)
+            if not out or all(item.decode for item in out):  # the first prefill always progresses
+                n = max(n, min(b.min_chunk, remaining, tokens_left))
+            if n <= 0:
+                break
+            admit = seq.status is Status.WAITING
+            if admit and len(self.running) >= self.max_num_seqs:
+                continue
             if not self._grow(seq, seq.num_computed + n):
-                break
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+                if admit:
+                    break  # keep arrival order under memory pressure: no overtaking a blocked admission
+                continue
+            if admit:
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
             out.append(Scheduled(seq, n, False))
-            budget -= n
+            cost += b.cost(n, seq.num_computed)
+            tokens_left -= n
+        self.last_prefill_cost = cost
         return out

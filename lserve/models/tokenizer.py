@@ -1,4 +1,4 @@
-"""Tokenizers behind one small interface: a Hugging Face tokenizer, or bytes for presets."""
+"""Tokenizers behind one small interface: a Hugging Face tokenizer, bytes, or bytes plus words for presets."""
 
 from __future__ import annotations
 
@@ -51,3 +51,32 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return self.encode(text)
+
+
+def _word(i: int) -> str:
+    """Bijective base-26 letters: 0 -> 'a', 25 -> 'z', 26 -> 'aa', ..."""
+    out = []
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        out.append(chr(97 + r))
+    return "".join(reversed(out))
+
+
+class PresetTokenizer(ByteTokenizer):
+    """The tokenizer of random-weight presets: prompts are UTF-8 bytes (as :class:`ByteTokenizer`),
+    and every id a model can generate decodes to text on its own.
+
+    Printable ASCII bytes (and newline, tab) decode to themselves; every other id (control and
+    non-ASCII bytes, which alone are no UTF-8 text, and ids past the bytes, which a model with a
+    128k vocabulary samples nearly always) decodes to a space and a letter word unique to it.
+    So a streaming client sees one non-empty text chunk per generated token.
+    """
+
+    def decode(self, ids: list[int]) -> str:
+        parts = []
+        for i in ids:
+            if i in (self.BOS, self.EOS):
+                continue
+            parts.append(chr(i) if 32 <= i < 127 or i in (9, 10) else " " + _word(i))
+        return "".join(parts)

@@ -12,14 +12,14 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from lserve.config import ConfigError, EngineConfig
+from lserve.config import CLI_MAX_BATCHED_TOKENS, CLI_STEP_TIME_TARGET, ConfigError, EngineConfig
 
 #: Fields that describe the engine (names of the ``lserve`` CLI flags, with underscores).
 ENGINE_FIELDS = (
     "model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
     "pattern", "static_sparsity", "sink", "local", "token_budget", "reuse_interval", "dynamic_threshold",
     "dense_layers", "select_mode", "select_layers", "page_size", "logical_page_size", "kv_quant", "max_cache_tokens",
-    "cuda_graphs", "fused_ops", "async_decode",
+    "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall",
 )
 
 API_KEY_ENV = "LSERVE_API_KEY"
@@ -109,7 +109,7 @@ class ServeSettings:
     backend: str = "torch"
     max_model_len: int = 0
     max_num_seqs: int = 16
-    max_batched_tokens: int = 2048
+    max_batched_tokens: int = CLI_MAX_BATCHED_TOKENS
     seed: int = 0
     pattern: str | None = "auto"
     static_sparsity: float = 0.5
@@ -128,6 +128,8 @@ class ServeSettings:
     cuda_graphs: bool = True
     fused_ops: bool = True
     async_decode: bool = True
+    step_time_target: float = CLI_STEP_TIME_TARGET
+    decode_stall: float = 1.0
     # -- serving ------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000

@@ -1,0 +1,158 @@
+"""Attention of a prefill chunk whose sequence already has tokens in the cache (``start > 0``).
+
+Chunked prefill splits a long prompt over steps, so that decodes and short prompts run between
+its chunks. Each later chunk attends to the cached past plus itself. Two pieces, both exact:
+
+* Dense heads: the chunk's queries against the gathered past (no mask) and against the chunk
+  itself (square causal), each through a fused attention kernel that also returns the
+  log-sum-exp of its scores, merged by those (:func:`merge_lse`). The past part folds the GQA
+  group into the query rows (no mask, so rows are independent), which spares an expanded copy
+  of a long past; only the chunk's own K/V are expanded.
+* Streaming heads see only the sink and the last ``local`` tokens of the past. Those (at most
+  ``sink + local`` rows) are placed in front of the chunk as a *virtual sequence*: in it, index
+  distances equal position distances for every key a chunk query can see, so the Λ-masked
+  prefill kernel of a fresh sequence computes exactly the chunk's rows (:func:`streaming_prefix`).
+
+:func:`attention_lse` picks the fused kernel once per process on CUDA (cuDNN, then flash, each
+checked against the plain computation on random inputs first) and computes in plain torch
+(float32 softmax) elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("lserve")
+
+_IMPL: dict[str, str] = {}  # device type -> chosen fused kernel ("cudnn", "flash" or "math")
+
+
+def _math_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """Plain attention. q: [H, Lq, D]; k, v: [H, Lk, D] -> (o [H, Lq, D] in q's dtype, lse [H, Lq] fp32)."""
+    s = torch.bmm(q.float(), k.float().transpose(1, 2)).mul_(scale)  # [H, Lq, Lk]
+    if causal:
+        lq, lk = s.shape[1], s.shape[2]
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)  # lower-right aligned
+        s.masked_fill_(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.bmm(torch.exp(s - lse[..., None]), v.float())
+    return o.to(q.dtype), lse
+
+
+def _fused_lse(impl: str, q, k, v, causal: bool, scale: float):
+    """One fused kernel with its log-sum-exp. q: [H, Lq, D]; k, v: [H, Lk, D]."""
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if impl == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False,
+                                                                   scale=scale)
+    else:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, causal, False, scale=scale)
+    o, lse = res[0], res[1]
+    return o[0], lse.reshape(q.shape[0], q.shape[1]).float()
+
+
+def _pick_impl(device: torch.device, dtype: torch.dtype, d: int) -> str:
+    """The first fused kernel that runs and matches the plain computation on random inputs."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = ((4, 192, 320, False), (4, 192, 192, True))  # (heads, Lq, Lk, causal)
+    for impl in ("cudnn", "flash"):
+        try:
+            for h, lq, lk, causal in shapes:
+                q = torch.randn(h, lq, d, generator=gen, device=device, dtype=dtype)
+                # keys as the engine passes them: the first Lk rows of a longer gathered buffer
+                k, v = (torch.randn(h, lk + 16, d, generator=gen, device=device, dtype=dtype)[:, :lk] for _ in "kv")
+                o, lse = _fused_lse(impl, q, k, v, causal, d ** -0.5)
+                ro, rl = _math_lse(q, k, v, causal, d ** -0.5)
+                err = (o.float() - ro.float()).norm() / ro.float().norm()
+                if not (err < 2e-2 and torch.allclose(lse, rl, atol=2e-2, rtol=1e-3)):
+                    raise RuntimeError(f"mismatch (relative error {float(err):.3g})")
+            return impl
+        except RuntimeError as e:  # not built for this GPU/dtype, or wrong: try the next
+            log.info("chunked prefill: %s attention unusable here (%s)", impl, str(e).splitlines()[0][:200])
+    return "math"
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """Attention with its log-sum-exp.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [H, Lq, D].
+    k, v : torch.Tensor
+        [H, Lk, D] (same heads as ``q``).
+    causal : bool
+        Query i sees key j iff j <= i + Lk - Lq (aligned to the lower right; only used with Lq == Lk).
+    scale : float
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        Output [H, Lq, D] in q's dtype and log-sum-exp [H, Lq] float32 (natural log).
+    """
+    if q.device.type != "cuda" or q.dtype == torch.float32:
+        return _math_lse(q, k, v, causal, scale)
+    key = f"{q.device}:{q.dtype}:{q.shape[-1]}"
+    impl = _IMPL.get(key)
+    if impl is None:
+        impl = _IMPL[key] = _pick_impl(q.device, q.dtype, q.shape[-1])
+        log.info("chunked prefill attention on %s: %s", key, impl)
+    if impl == "math":
+        return _math_lse(q, k, v, causal, scale)
+    return _fused_lse(impl, q, k, v, causal, scale)
+
+
+def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Softmax-merge two attention outputs over disjoint key sets.
+
+    o1, o2: [H, L, D]; lse1, lse2: [H, L] float32 -> [H, L, D] in o1's dtype.
+    """
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    out = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
+    return out.to(o1.dtype)
+
+
+def dense_chunk(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_new: torch.Tensor,
+                v_new: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+    """Dense heads of one chunk: causal attention to the past and to itself.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [Hd * G, n, D] queries of the chunk (query head h uses KV head h // G).
+    k_past, v_past : torch.Tensor
+        [Hd, start, D] cached keys/values of the positions before the chunk.
+    k_new, v_new : torch.Tensor
+        [Hd, n, D] the chunk's own keys/values.
+    group : int
+        G, query heads per KV head.
+    scale : float
+
+    Returns
+    -------
+    torch.Tensor
+        [Hd * G, n, D].
+    """
+    hq, n, d = q.shape
+    hd = hq // group
+    # Past: no mask, so the group's query rows stack into one query axis per KV head.
+    o1, l1 = attention_lse(q.reshape(hd, group * n, d), k_past, v_past, False, scale)
+    o1, l1 = o1.reshape(hq, n, d), l1.reshape(hq, n)
+    o2, l2 = attention_lse(q, k_new.repeat_interleave(group, 0), v_new.repeat_interleave(group, 0), True, scale)
+    return merge_lse(o1, l1, o2, l2)
+
+
+def streaming_prefix(start: int, sink: int, local: int) -> list[tuple[int, int]]:
+    """Past positions a streaming chunk starting at ``start`` can see, as [begin, end) ranges.
+
+    Returns the whole past when it is shorter than ``sink + local``; otherwise the sink and the
+    last ``local`` positions. Placed in front of the chunk in this order, they form a virtual
+    sequence in which every visible key's index distance to a chunk query equals its position
+    distance, and the sinks keep indices below ``sink``.
+    """
+    if start <= sink + local:
+        return [(0, start)]
+    return [(0, sink), (start - local, start)]

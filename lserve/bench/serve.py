@@ -1,0 +1,314 @@
+"""``lserve bench serve``: the Ray Serve app under load, LServe beside the dense configuration.
+
+For each configuration a real ``lserve serve`` process is started (Ray Serve, the OpenAI
+ingress, one engine replica) and driven through HTTP by ``load_tests`` (streaming
+``/v1/completions``, closed-loop clients, exactly ``output_len`` tokens per request), as
+``vllm bench serve`` measures a server: TTFT, ITL and output tokens/s per (context,
+concurrency). Also, per run:
+
+* ``engine_ttft_s``: the engine's own TTFT at the long contexts (``lserve bench e2e``'s
+  measurement, whole prompt in one step, same process, before any server starts);
+* ``hol``: a short request sent while the LServe server prefills a long prompt, against the same
+  short request alone (head-of-line blocking);
+* ``steps``: per configuration, how the engine ran its steps (CUDA-graph replays, eager decode
+  steps, steps with prefill), read from ``/admin/engines`` after the load.
+
+The JSON is rewritten after every point, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from lserve.bench.report import header, write_json
+
+CONFIG_FLAGS = {
+    "lserve": ["--pattern", "random", "--static-sparsity", "0.5", "--token-budget", "4096"],
+    "dense": ["--pattern", "none", "--token-budget", "0"],
+}
+SHORT_LEN = 256  # the head-of-line probe's short prompt
+
+
+def _log(msg: str) -> None:
+    print(f"[bench serve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Server:
+    """An ``lserve serve`` subprocess (its output goes to ``log_path``).
+
+    Parameters
+    ----------
+    flags : list of str
+        Flags after ``lserve serve``.
+    port : int
+    log_path : Path
+    """
+
+    def __init__(self, flags: list[str], port: int, log_path: Path) -> None:
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "lserve", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+        self._log.write("$ " + " ".join(cmd) + "\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until ``/health`` answered 200; raises if the process died or time ran out."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lserve serve exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"lserve serve not healthy after {timeout_s:.0f} s; see {self.log_path}")
+
+    def get_json(self, path: str) -> dict:
+        import json
+
+        with urllib.request.urlopen(self.base_url + path, timeout=10) as r:
+            return json.load(r)
+
+    def stop(self) -> None:
+        """SIGINT (the server drains and shuts Ray down), then kill after a grace period."""
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def _tokenizer(vocab: int):
+    from load_tests.datasets import load_tokenizer
+
+    return load_tokenizer(f"preset:{vocab}")
+
+
+def run_point(base_url: str, tok, context: int, concurrency: int, num: int, output_len: int,
+              time_limit_s: float, seed: int = 0) -> dict:
+    """One closed-loop load point through ``load_tests``; its ``results`` summary."""
+    from load_tests.client import RequestOptions
+    from load_tests.datasets import random_dataset
+    from load_tests.runner import LoadShape, run_load
+    from load_tests.stats import summarize
+
+    specs = random_dataset(tok, num, context, output_len, 0.0, seed)
+    opts = RequestOptions(url=base_url + "/v1/completions", model=None, temperature=0.0, ignore_eos=True,
+                          timeout_s=time_limit_s + 60)
+    shape = LoadShape("concurrency", concurrency=concurrency, seed=seed)
+    results, duration, not_sent = asyncio.run(run_load(specs, opts, shape, time_limit_s, progress=False))
+    return summarize(results, duration, None, not_sent)
+
+
+def _row(config: str, context: int, concurrency: int, s: dict) -> dict:
+    def q(key, stat, scale):
+        v = s[key].get(stat)
+        return None if v is None else round(v * scale, 4)
+
+    # requests still running when the point's time ran out (the budget was short, not a failure)
+    cut = sum(e["count"] for e in s["errors"] if e["error"] == "cancelled at the time limit")
+    return {"config": config, "context": context, "concurrency": concurrency,
+            "output_tok_s": s["output_token_throughput"], "ttft_p50_s": q("ttft_ms", "p50", 1e-3),
+            "ttft_p99_s": q("ttft_ms", "p99", 1e-3), "itl_p50_ms": q("itl_ms", "p50", 1),
+            "itl_p99_ms": q("itl_ms", "p99", 1), "tpot_p50_ms": q("tpot_ms", "p50", 1),
+            "completed": s["successful"], "failed": s["failed"] - cut, "cancelled_at_limit": cut,
+            "not_sent": s["not_sent"],
+            "duration_s": s["duration_s"], "errors": s["errors"][:3]}
+
+
+def hol_probe(base_url: str, tok, long_context: int, delay_s: float, seed: int = 7) -> dict:
+    """TTFT of a short request alone, then of the same request sent ``delay_s`` after a long one."""
+    import aiohttp
+
+    from load_tests.client import RequestOptions, send_request
+    from load_tests.datasets import random_dataset
+
+    opts = RequestOptions(url=base_url + "/v1/completions", model=None, temperature=0.0, ignore_eos=True,
+                          timeout_s=600)
+    short = random_dataset(tok, 1, SHORT_LEN, 8, 0.0, seed)[0]
+    long = random_dataset(tok, 1, long_context, 8, 0.0, seed + 1)[0]
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            t0 = time.perf_counter()
+            solo = await send_request(session, opts, short, 0, t0)
+            t0 = time.perf_counter()
+            long_task = asyncio.create_task(send_request(session, opts, long, 1, t0))
+            await asyncio.sleep(delay_s)
+            during = await send_request(session, opts, short, 2, time.perf_counter())
+            long_res = await long_task
+            return solo, during, long_res
+
+    solo, during, long_res = asyncio.run(go())
+    return {"long_context": long_context, "short_len": SHORT_LEN, "delay_s": delay_s,
+            "short_ttft_s": round(during.ttft, 4) if during.success else None,
+            "short_solo_ttft_s": round(solo.ttft, 4) if solo.success else None,
+            "long_ttft_s": round(long_res.ttft, 4) if long_res.success else None,
+            "errors": [r.error for r in (solo, during, long_res) if not r.success]}
+
+
+def engine_ttft(model: str, contexts: list[int], device: str, backend: str) -> dict[str, float]:
+    """``lserve bench e2e``'s TTFT of the LServe configuration at each context (one engine)."""
+    import torch
+
+    from lserve.bench.e2e import CONFIGS, _engine, measure_engine
+    from lserve.models.loader import load_model
+
+    loaded = load_model(model, dtype=torch.bfloat16, device=device)
+    out = {}
+    eng = _engine(loaded, model, CONFIGS["lserve"], max(contexts), device, backend, decode_steps=4)
+    measure_engine(eng, 2048, 4)  # warm-up
+    for ctx in contexts:
+        ttft, _ = measure_engine(eng, ctx, 4, seed=ctx)
+        out[str(ctx)] = round(ttft, 4)
+        _log(f"engine TTFT at {ctx}: {ttft:.3f} s")
+    del eng, loaded
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def plan_points(contexts: list[int], concurrencies: dict[int, list[int]]) -> list[tuple[int, int]]:
+    return [(ctx, c) for ctx in contexts for c in concurrencies[ctx]]
+
+
+def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200", model: str = "llama3-8b",
+                    device: str = "cuda", backend: str = "cupy", configs: tuple[str, ...] = ("lserve", "dense"),
+                    contexts: tuple[int, ...] = (2048, 32768, 131072), short_concurrency=(1, 4, 16, 32),
+                    long_concurrency=(1, 4), output_len: int = 64, point_time_s: float = 40.0,
+                    extra_flags: tuple[str, ...] = (), port: int = 8321, hol: bool = True,
+                    engine_contexts: tuple[int, ...] = (32768, 131072), deadline_s: float | None = None) -> dict:
+    """Run the served benchmark and write ``<out_dir>/<name>.json`` + ``.png``; returns the report."""
+    t_start = time.monotonic()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    longest = max(contexts)
+    conc = {ctx: list(short_concurrency if ctx <= 4096 else long_concurrency) for ctx in contexts}
+    max_c = max(max(v) for v in conc.values())
+    cache_tokens = max(max(c * (ctx + output_len + 64) for c in conc[ctx]) for ctx in contexts)
+    common = ["--model", model, "--device", device, "--backend", backend, "--max-model-len",
+              str(longest + output_len + 64), "--max-cache-tokens", str(cache_tokens), "--max-num-seqs",
+              str(max_c), "--max-ongoing-requests", str(2 * max_c), *extra_flags]
+    report = {**header(), "model": model, "backend": backend, "output_len": output_len, "server_flags": common,
+              "config_flags": CONFIG_FLAGS, "rows": [], "engine_ttft_s": {}, "hol": None, "steps": {},
+              "startup_s": {}}
+
+    def save():
+        write_json(path, report)
+        plot_serve(report, path.with_suffix(".png"))
+
+    def time_left() -> float:
+        return float("inf") if deadline_s is None else deadline_s - (time.monotonic() - t_start)
+
+    if engine_contexts:
+        report["engine_ttft_s"] = engine_ttft(model, list(engine_contexts), device, backend)
+        save()
+    tok = _tokenizer(_vocab(model))
+    for config in configs:
+        if time_left() < 60:
+            _log(f"skipping {config}: out of time")
+            continue
+        srv = Server(common + CONFIG_FLAGS[config], port, out_dir / f"{name}_{config}_server.log")
+        try:
+            report["startup_s"][config] = round(srv.wait_healthy(300), 1)
+            _log(f"{config}: healthy after {report['startup_s'][config]} s")
+            for ctx in sorted(set(contexts)):  # warm-up: kernels, cuDNN plans, graphs
+                run_point(srv.base_url, tok, ctx if ctx <= 32768 else 8192, 1, 1, 8, 120)
+            if hol and config == "lserve":
+                report["hol"] = hol_probe(srv.base_url, tok, longest, delay_s=1.0)
+                _log(f"hol: {report['hol']}")
+                save()
+            for ctx, c in plan_points(list(contexts), conc):
+                budget = min(point_time_s if ctx <= 32768 else 2.5 * point_time_s, time_left() - 30)
+                if budget < 5:
+                    _log(f"skipping {config} ctx {ctx} C={c}: out of time")
+                    continue
+                num = max(2 * c, 4) if ctx <= 4096 else max(c, 2)
+                s = run_point(srv.base_url, tok, ctx, c, num, output_len, budget, seed=ctx + c)
+                row = _row(config, ctx, c, s)
+                report["rows"].append(row)
+                _log(f"{config} ctx {ctx} C={c}: {row['completed']} ok / {row['failed']} failed, "
+                     f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL p50/p99 "
+                     f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms")
+                save()
+            report["steps"][config] = srv.get_json("/admin/engines")
+        finally:
+            srv.stop()
+        save()
+    report["wall_s"] = round(time.monotonic() - t_start, 1)
+    save()
+    _log(summary(report))
+    return report
+
+
+def _vocab(model: str) -> int:
+    from lserve.models import presets
+
+    return presets.preset_config(model).vocab_size
+
+
+def summary(report: dict) -> str:
+    """A short text table of the rows."""
+    lines = ["config  context  C   tok/s    TTFT p50/p99 s   ITL p50/p99 ms  ok/failed"]
+    for r in report["rows"]:
+        lines.append(f"{r['config']:7s} {r['context']:7d} {r['concurrency']:3d} {r['output_tok_s']:8.1f} "
+                     f"{r['ttft_p50_s']}/{r['ttft_p99_s']}  {r['itl_p50_ms']}/{r['itl_p99_ms']}  "
+                     f"{r['completed']}/{r['failed']}")
+    lines.append(f"engine TTFT: {report['engine_ttft_s']}  hol: {report['hol']}")
+    return "\n".join(lines)
+
+
+def plot_serve(report: dict, path: Path) -> None:
+    """Output tokens/s vs concurrency per context, and TTFT/ITL p50 per point, LServe beside dense."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    if not rows:
+        return
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(2, len(contexts), figsize=(4.2 * len(contexts), 7), squeeze=False)
+    for j, ctx in enumerate(contexts):
+        for config, style in (("lserve", "o-"), ("dense", "s--")):
+            rs = sorted((r for r in rows if r["context"] == ctx and r["config"] == config),
+                        key=lambda r: r["concurrency"])
+            if not rs:
+                continue
+            cs = [r["concurrency"] for r in rs]
+            axes[0][j].plot(cs, [r["output_tok_s"] for r in rs], style, label=config)
+            axes[1][j].plot(cs, [r["itl_p50_ms"] or 0 for r in rs], style, label=f"{config} ITL p50")
+            axes[1][j].plot(cs, [r["itl_p99_ms"] or 0 for r in rs], style, alpha=0.4, label=f"{config} ITL p99")
+        axes[0][j].set_title(f"context {ctx}")
+        axes[0][j].set_xlabel("concurrency")
+        axes[0][j].set_ylabel("output tokens/s")
+        axes[1][j].set_xlabel("concurrency")
+        axes[1][j].set_ylabel("ms")
+        axes[0][j].legend(fontsize=8)
+        axes[1][j].legend(fontsize=7)
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+    fig.suptitle(f"served {report.get('model')} on {report.get('device')} ({report.get('date')})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

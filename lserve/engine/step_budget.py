@@ -1,0 +1,109 @@
+"""How much prefill one engine step may carry: a token cap, and optionally a time target.
+
+A step's latency is what every running request waits for: decoding requests get their next
+token after it, a request that just arrived gets its first token one or two steps later. So a
+long prompt is prefilled in chunks whose *cost* is bounded, not only their token count:
+
+* Cost is counted in token-equivalents. A chunk of ``n`` prompt tokens that starts after ``s``
+  cached ones costs ``n * (1 + alpha * (s + n / 2))``: the weight matmuls per token plus the
+  dense heads' attention to the past, ``alpha`` being the ratio of attention FLOPs per
+  (query, key) pair to matmul FLOPs per token (:func:`attention_alpha`; streaming heads read a
+  constant window and are left out). A chunk near the end of a 128k prompt of Llama-3-8B with
+  half the heads streaming costs ~3.4x one at its start.
+* Without a time target (``step_time_target = 0``, the engine's default) a step carries at most
+  ``max_batched_tokens`` token-equivalents, decodes included, deterministically.
+* With one (``lserve serve``'s default), the budget follows measured speed: an exponential
+  average of token-equivalents per second over the steps that prefilled, times the target; and
+  when requests are decoding, at most ``decode_stall`` times the measured time of a plain decode
+  step, so their inter-token latency stays within ``1 + decode_stall`` of the decode-only one.
+  Each step still carries at least ``min_chunk`` prefill tokens, so every prompt progresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EMA = 0.3  # weight of the newest measurement
+
+
+def attention_alpha(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    dense_q_heads: list[int]) -> float:
+    """Attention FLOPs per (query, key) pair over matmul FLOPs per token, for the whole model.
+
+    Parameters
+    ----------
+    hidden, intermediate, num_heads, num_kv_heads, head_dim : int
+        The model's shape.
+    dense_q_heads : list[int]
+        Query heads of dense KV heads, per layer (they attend to the whole past).
+    """
+    per_layer = hidden * head_dim * (2 * num_heads + 2 * num_kv_heads) + 3 * hidden * intermediate
+    matmul = 2 * per_layer * len(dense_q_heads)
+    attn = 4 * head_dim * sum(dense_q_heads)  # QK^T and PV, 2 FLOPs per multiply-add
+    return attn / matmul
+
+
+@dataclass
+class StepBudget:
+    """Prefill budget of the next step, learnt from the steps before.
+
+    Parameters
+    ----------
+    max_tokens : int
+        Token-equivalents per step at most (``max_batched_tokens``).
+    alpha : float
+        :func:`attention_alpha` of the model.
+    target_s : float
+        Seconds a prefill step should take; 0 turns the time model off.
+    decode_stall : float
+        With decodes in the step, prefill time at most this multiple of a decode step's time.
+    min_chunk : int
+        Prefill tokens every step may carry, whatever the measurements say.
+    """
+
+    max_tokens: int
+    alpha: float = 0.0
+    target_s: float = 0.0
+    decode_stall: float = 1.0
+    min_chunk: int = 32
+    rate: float | None = None  # token-equivalents per second (prefill steps)
+    decode_s: float | None = None  # seconds of a decode-only step
+
+    def cost(self, n: int, start: int) -> float:
+        """Token-equivalents of prefilling ``n`` tokens after ``start`` cached ones."""
+        return n * (1.0 + self.alpha * (start + n / 2))
+
+    def tokens_within(self, budget: float, start: int, remaining: int) -> int:
+        """Most tokens (<= ``remaining``) of a prompt at ``start`` whose cost fits ``budget``."""
+        if budget <= 0:
+            return 0
+        if self.alpha <= 0:
+            return min(remaining, int(budget))
+        # n (1 + a s) + a n^2 / 2 = budget  ->  the positive root
+        b = 1.0 + self.alpha * start
+        n = (-b + (b * b + 2 * self.alpha * budget) ** 0.5) / self.alpha
+        return min(remaining, int(n))
+
+    def prefill_budget(self, n_decode: int) -> float:
+        """Token-equivalents of prefill the next step may carry next to ``n_decode`` decodes."""
+        cap = float(self.max_tokens - n_decode)
+        if self.target_s <= 0:
+            return cap
+        if self.rate is None:  # nothing measured yet: a small first step to learn from
+            return min(cap, 8.0 * self.min_chunk)
+        seconds = self.target_s
+        if n_decode and self.decode_s is not None:
+            seconds = min(seconds, self.decode_stall * self.decode_s)
+        return min(cap, self.rate * seconds)
+
+    def observe(self, prefill_cost: float, n_decode: int, seconds: float) -> None:
+        """Learn from a finished step (its prefill cost, its decodes, its wall time)."""
+        if seconds <= 0:
+            return
+        if prefill_cost <= 0:
+            if n_decode:
+                self.decode_s = seconds if self.decode_s is None else (1 - EMA) * self.decode_s + EMA * seconds
+            return
+        busy = seconds - (self.decode_s or 0.0) if n_decode else seconds
+        rate = prefill_cost / max(busy, 0.1 * seconds)
+        self.rate = rate if self.rate is None else (1 - EMA) * self.rate + EMA * rate
