@@ -13,7 +13,7 @@ its chunks. Each later chunk attends to the cached past plus itself. Two pieces,
   distances equal position distances for every key a chunk query can see, so the Λ-masked
   prefill kernel of a fresh sequence computes exactly the chunk's rows (:func:`streaming_prefix`).
 
-:func:`attention_lse` picks the fused kernel once per process on CUDA (cuDNN, then flash, each
+:func:`attention_lse` picks the fused kernel once per process on CUDA (flash, then cuDNN, each
 checked against the plain computation on random inputs first) and computes in plain torch
 (float32 softmax) elsewhere.
 """
@@ -57,7 +57,10 @@ def _pick_impl(device: torch.device, dtype: torch.dtype, d: int) -> str:
     """The first fused kernel that runs and matches the plain computation on random inputs."""
     gen = torch.Generator(device=device).manual_seed(0)
     shapes = ((4, 192, 320, False), (4, 192, 192, True))  # (heads, Lq, Lk, causal)
-    for impl in ("cudnn", "flash"):
+    # flash first: cuDNN builds an execution plan per new shape, and every chunk of a prefill has
+    # new (chunk, past) lengths: on the H200 ~6 ms of host time per call, two calls per layer, so a
+    # served 2k prompt took 20 s (the time-targeted budget then shrank the chunks, making more shapes).
+    for impl in ("flash", "cudnn"):
         try:
             for h, lq, lk, causal in shapes:
                 q = torch.randn(h, lq, d, generator=gen, device=device, dtype=dtype)

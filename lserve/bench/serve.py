@@ -95,6 +95,25 @@ class Server:
         self._log.close()
 
 
+def dump_stacks(path: Path) -> None:
+    """Python stacks of every Ray and lserve process (py-spy, where installed) into ``path``."""
+    import shutil
+
+    spy = shutil.which("py-spy")
+    with open(path, "w") as f:
+        if spy is None:
+            f.write("py-spy is not installed\n")
+            return
+        ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+        for line in ps:
+            pid, _, cmd = line.strip().partition(" ")
+            if "ray::" in cmd or "lserve" in cmd:
+                f.write(f"==== {pid} {cmd[:200]}\n")
+                r = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
+                f.write(r.stdout + r.stderr)
+                f.flush()
+
+
 def _tokenizer(vocab: int):
     from load_tests.datasets import load_tokenizer
 
@@ -182,6 +201,7 @@ def engine_ttft(model: str, contexts: list[int], device: str, backend: str) -> d
     del eng, loaded
     gc.collect()
     torch.cuda.empty_cache()
+    _log(f"engine freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated in this process")
     return out
 
 
@@ -230,8 +250,13 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
         try:
             report["startup_s"][config] = round(srv.wait_healthy(300), 1)
             _log(f"{config}: healthy after {report['startup_s'][config]} s")
-            for ctx in sorted(set(contexts)):  # warm-up: kernels, cuDNN plans, graphs
-                run_point(srv.base_url, tok, ctx if ctx <= 32768 else 8192, 1, 1, 8, 120)
+            for ctx in sorted({min(c, 32768) for c in contexts}):  # warm-up: kernels, graphs, allocator
+                w = run_point(srv.base_url, tok, ctx, 1, 1, 8, 90)
+                _log(f"{config}: warm-up at {ctx}: {w['successful']} ok, TTFT {w['ttft_ms']['p50']} ms, "
+                     f"errors {w['errors']}")
+                if not w["successful"]:
+                    dump_stacks(out_dir / f"{name}_{config}_stacks.txt")
+                    raise RuntimeError(f"{config}: the warm-up request did not complete; stacks dumped")
             if hol and config == "lserve":
                 report["hol"] = hol_probe(srv.base_url, tok, longest, delay_s=1.0)
                 _log(f"hol: {report['hol']}")

@@ -58,6 +58,7 @@ class LaunchedStep:
     fetch: tuple | None
     num_tokens: int
     chained: bool = False  # launched before the previous step's tokens were read
+    graph: bool = False  # replayed a captured CUDA graph
     extras: object = None  # StepExtras: logprobs or processed logits (penalties, bias, min_tokens)
 
     @property

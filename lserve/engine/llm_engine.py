@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +31,7 @@ from lserve.engine.sampling import (
 )
 from lserve.engine.scheduler import Scheduled, Scheduler
 from lserve.engine.sequence import RequestOutput, Sequence
+from lserve.engine.step_budget import StepBudget, attention_alpha
 from lserve.models.llama import LlamaModel
 from lserve.models.loader import LoadedModel, load_model
 from lserve.sparsity.patterns import HeadLayout, load_pattern, random_pattern
@@ -62,6 +64,7 @@ class EngineStats:
     steps: int
     prompt_tokens: int
     generation_tokens: int
+    step_kinds: dict = field(default_factory=dict)  # steps by kind: graph, decode_eager, mixed, prefill
 
 
 def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadLayout:
@@ -76,6 +79,12 @@ def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadL
     pattern = (random_pattern(num_layers, num_kv_heads, sp.pattern_seed) if source == "random"
                else load_pattern(source))
     return HeadLayout.from_pattern(pattern, num_layers, num_kv_heads, sp.static_sparsity, sp.dense_layers)
+
+
+def step_alpha(mc, layout: HeadLayout) -> float:
+    """:func:`~lserve.engine.step_budget.attention_alpha` of a model with this head layout."""
+    return attention_alpha(mc.hidden_size, mc.intermediate_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                           [n * mc.group_size for n in layout.n_dense()])
 
 
 def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCache:
@@ -125,11 +134,15 @@ class LLMEngine:
         self.graphs = None
         if config.cuda_graphs and self.backend.name == "cupy" and DecodeGraphs.supported(self.model, self.max_model_len):
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batched_tokens, self.backend.release)
+        budget = StepBudget(config.max_batched_tokens, step_alpha(mc, self.layout), config.step_time_target,
+                            config.decode_stall)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batched_tokens, self.backend.release,
+                                   budget)
         self.eos_ids = tuple(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.steps = 0
+        self.step_kinds: Counter = Counter()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_step_info: dict = {}
@@ -201,7 +214,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.cache.usage(),
                            self.cache.dense_alloc.num_used, self.scheduler.num_preemptions, self.steps,
-                           self.prompt_tokens, self.generation_tokens)
+                           self.prompt_tokens, self.generation_tokens, dict(self.step_kinds))
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -215,18 +228,29 @@ class LLMEngine:
         launched, self._pending = self._pending, None
         if launched is not None and not launched.live():
             launched = None  # every row finished or was aborted: nothing to read (stream order keeps it safe)
+        prefill_cost = 0.0
         if launched is None:
             batch = self.scheduler.schedule()
             if not batch:
                 return []
+            prefill_cost = self.scheduler.last_prefill_cost
             launched = self._launch(batch)
         self._pending = self._chain(launched)
         outputs = self._finish(launched)
+        n_decode = sum(1 for b in launched.batch if b.decode)
+        budget = self.scheduler.budget
+        if budget.target_s > 0 and prefill_cost and self.config.device.startswith("cuda"):
+            torch.cuda.synchronize(self.config.device)  # a chunk that samples nothing is not waited for otherwise
+        seconds = time.perf_counter() - t0
+        if budget.target_s > 0:
+            budget.observe(prefill_cost, n_decode, seconds)
         self.steps += 1
-        self.last_step_info = {"seconds": time.perf_counter() - t0, "tokens": launched.num_tokens,
-                               "decode": sum(1 for b in launched.batch if b.decode),
+        n_prefill = len(launched.batch) - n_decode
+        self.step_kinds["graph" if launched.graph else "mixed" if n_decode and n_prefill else
+                        "prefill" if n_prefill else "decode_eager"] += 1
+        self.last_step_info = {"seconds": seconds, "tokens": launched.num_tokens, "decode": n_decode,
                                "prefill_tokens": sum(b.num_tokens for b in launched.batch if not b.decode),
-                               "chained": launched.chained}
+                               "chained": launched.chained, "graph": launched.graph}
         return outputs
 
     def _launch(self, batch: list[Scheduled], prev: tuple[torch.Tensor, list[int]] | None = None) -> LaunchedStep:
@@ -290,7 +314,8 @@ class LLMEngine:
             if not item.decode:
                 self.prompt_tokens += item.num_tokens
         fetch = self._host_tokens.start(greedy_dev) if samplers else None
-        return LaunchedStep(batch, samplers, logits, greedy_dev, fetch, t, chained=prev is not None, extras=extras)
+        return LaunchedStep(batch, samplers, logits, greedy_dev, fetch, t, chained=prev is not None, extras=extras,
+                            graph=replayed is not None)
 
     def _sampling_extras(self, logits: torch.Tensor | None, greedy: torch.Tensor | None, samplers: list[Sequence],
                          spans: list, hidden: torch.Tensor | None):

@@ -230,7 +230,7 @@ class EngineReplica:
                 "dense_pages_total": core.cache.dense_alloc.num_pages,
                 "stream_pages_used": core.cache.stream_alloc.num_used, "all_pages_free": core.cache.all_free(),
                 "queued_prompt_tokens": sum(self._queued.values()), "num_preemptions": st.num_preemptions,
-                "aborted": self.aborted, "steps": st.steps}
+                "aborted": self.aborted, "steps": st.steps, "step_kinds": st.step_kinds}
 
     def info(self) -> dict[str, Any]:
         """Model facts the ingress shows in ``/v1/models``."""

@@ -1,0 +1,102 @@
+"""Scheduling past long prefills: shortest-remaining prefill first, attention-aware chunk costs,
+and the time-targeted step budget (lserve.engine.step_budget)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from lserve.engine import LLM, SamplingParams
+from lserve.engine.step_budget import StepBudget
+
+
+def test_short_prompt_is_prefilled_past_a_long_one():
+    """Token budget 512: a 40-token prompt that arrives after the first chunk of a 3000-token one
+    is prefilled in the next step (and yields its token there) instead of after the long one."""
+    llm = LLM("tiny", max_batched_tokens=512)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    long_id = llm.add_request([10 + i % 400 for i in range(3000)], greedy)
+    llm.step()
+    short_id = llm.add_request(list(range(10, 50)), greedy)
+    outs = llm.step()
+    assert [o.request_id for o in outs] == [short_id]
+    # the long prompt took what was left (in token-equivalents: its chunks cost more as it grows)
+    assert 40 < llm.last_step_info["prefill_tokens"] <= 512
+    done = {}
+    while llm.has_unfinished():
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+    assert len(done[long_id].token_ids) == 2  # and still finished
+
+
+def test_chunk_cost_grows_with_the_past():
+    b = StepBudget(8192, alpha=1.87e-5)  # Llama-3-8B with half the KV heads streaming
+    assert b.tokens_within(8192, 0, 10**6) > 3 * b.tokens_within(8192, 131072, 10**6)
+    assert b.tokens_within(8192, 0, 100) == 100
+    assert abs(b.cost(b.tokens_within(5000, 60000, 10**6), 60000) - 5000) < 10
+
+
+def simulate(budget: StepBudget, steps: int, overhead_mixed: float, decode_s: float, rate: float) -> list[float]:
+    """Steps of a device whose step takes (decode-only) ``decode_s``, or ``overhead_mixed`` +
+    cost / ``rate`` when it prefills next to decodes (an eager step): the budgets it was given."""
+    budgets = []
+    budget.observe(4096, 0, 4096 / rate)  # a prefill-only step first (warm-up)
+    for i in range(steps):
+        if i % 3 == 0:
+            budget.observe(0, 4, decode_s)
+            continue
+        room = budget.prefill_budget(4)
+        budgets.append(room)
+        budget.observe(room, 4, overhead_mixed + room / rate)
+    return budgets
+
+
+def test_mixed_step_overhead_is_not_taken_for_prefill_time():
+    """An eager mixed step costs 40 ms before any prefill: the prefill share stays sized by that
+    overhead (decode_stall x 40 ms of prefill) instead of collapsing to the minimum chunk."""
+    b = StepBudget(8192, target_s=0.25, decode_stall=1.0, min_chunk=32)
+    budgets = simulate(b, 60, overhead_mixed=0.04, decode_s=0.005, rate=60000.0)
+    assert budgets[-1] == pytest.approx(0.04 * 60000, rel=0.1)
+    assert min(budgets[5:]) > 1000
+
+
+def test_prefill_only_steps_follow_the_time_target():
+    b = StepBudget(10**6, target_s=0.2)
+    assert b.prefill_budget(0) == 8 * b.min_chunk  # nothing measured yet: a small first step
+    for _ in range(10):
+        room = b.prefill_budget(0)
+        b.observe(room, 0, 0.002 + room / 5000.0)
+    assert b.prefill_budget(0) == pytest.approx(0.2 * 5000, rel=0.05)
+
+
+def test_short_request_ttft_during_long_prefill_cpu():
+    """The serving engine (time-targeted steps) on the default model: a short request sent during
+    the prefill of a long prompt gets its first token within 3x of its time alone."""
+    from lserve.engine.async_engine import AsyncEngine
+    from lserve.serve.settings import ServeSettings
+
+    cfg = ServeSettings(device="cpu", max_model_len=4096, max_cache_tokens=8192, token_budget=0).engine_config()
+    engine = AsyncEngine(cfg)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    long_ids, short_ids = list(range(1000, 4000)), list(range(500, 530))
+
+    async def ttft(ids, delay=0.0):
+        await asyncio.sleep(delay)
+        t0 = time.perf_counter()
+        async for out in engine.generate(ids, params):
+            if out.token_ids:
+                return time.perf_counter() - t0
+
+    async def run():
+        await ttft(short_ids)  # warm-up
+        solo = min([await ttft(short_ids) for _ in range(3)])
+        long_t, during = await asyncio.gather(ttft(long_ids), ttft(short_ids, delay=1.0))
+        return solo, during, long_t
+
+    try:
+        solo, during, long_t = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert long_t > 3.0, "the long prompt must still be prefilling when the short one arrives"
+    assert during <= 3 * solo + 0.05, f"short TTFT {during:.3f} s during a long prefill vs {solo:.3f} s alone"
