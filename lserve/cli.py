@@ -7,7 +7,12 @@ import logging
 import os
 import sys
 
-from lserve.config import CLI_MAX_BATCHED_TOKENS, CLI_STEP_TIME_TARGET, CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.config import (  # noqa: F401 - engine_config_from_args: the CLI's flags -> EngineConfig
+    CLI_MAX_BATCHED_TOKENS,
+    CLI_STEP_TIME_TARGET,
+    ConfigError,
+    engine_config_from_args,
+)
 from lserve.serve.settings import DEFAULT_SHUTDOWN_GRACE_S
 
 DEMO_PROMPT = "The three most important ideas in computer science are"
@@ -59,21 +64,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--logical-page-size", type=int, default=16, help="logical page N_L")
     c.add_argument("--kv-quant", default="none", choices=["none", "int8", "int4"])
     c.add_argument("--max-cache-tokens", type=int, default=65536, help="dense-pool capacity in tokens")
-
-
-def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    """Build (and validate) an :class:`EngineConfig` from parsed flags."""
-    sp = SparsityConfig(pattern=a.pattern, static_sparsity=a.static_sparsity, sink_tokens=a.sink,
-                        local_tokens=a.local, token_budget=a.token_budget, reuse_interval=a.reuse_interval,
-                        dynamic_threshold=a.dynamic_threshold, dense_layers=a.dense_layers,
-                        select_mode=a.select_mode, select_layers=a.select_layers)
-    cc = CacheConfig(page_size=a.page_size, logical_page_size=a.logical_page_size, kv_quant=a.kv_quant,
-                     max_tokens=a.max_cache_tokens)
-    return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
-                        max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
-                        max_model_len=a.max_model_len, seed=a.seed,
-                        cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode,
-                        step_time_target=a.step_time_target, decode_stall=a.decode_stall)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

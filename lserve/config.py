@@ -284,3 +284,19 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return getattr(torch, self.dtype)
+
+
+def engine_config_from_args(a) -> EngineConfig:
+    """Build (and validate) an :class:`EngineConfig` from parsed ``lserve`` engine flags (an
+    ``argparse.Namespace``, or anything with the same attributes: the serve settings pass theirs)."""
+    sp = SparsityConfig(pattern=a.pattern, static_sparsity=a.static_sparsity, sink_tokens=a.sink,
+                        local_tokens=a.local, token_budget=a.token_budget, reuse_interval=a.reuse_interval,
+                        dynamic_threshold=a.dynamic_threshold, dense_layers=a.dense_layers,
+                        select_mode=a.select_mode, select_layers=a.select_layers)
+    cc = CacheConfig(page_size=a.page_size, logical_page_size=a.logical_page_size, kv_quant=a.kv_quant,
+                     max_tokens=a.max_cache_tokens)
+    return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
+                        max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
+                        max_model_len=a.max_model_len, seed=a.seed,
+                        cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode,
+                        step_time_target=a.step_time_target, decode_stall=a.decode_stall)

@@ -70,7 +70,7 @@ class EngineStats:
 def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadLayout:
     """The head layout from the sparsity config: all dense, a file pattern, the model's shipped
     pattern (``"auto"``; all dense when the model has none) or a random one."""
-    from lserve.sparsity.classifier import default_pattern_for
+    from lserve.sparsity.shipped import default_pattern_for
 
     sp = cfg.sparsity
     source = default_pattern_for(cfg.model) if sp.pattern == "auto" else sp.pattern

@@ -86,7 +86,7 @@ class RunConfig:
 
     def sparsity(self, model_name: str) -> SparsityConfig:
         """The engine's :class:`SparsityConfig` (budgets are set per request)."""
-        from lserve.sparsity.classifier import resolve_pattern
+        from lserve.sparsity.shipped import resolve_pattern
 
         pattern = None if self.pattern is None else resolve_pattern(self.pattern, model_name)
         return SparsityConfig(pattern=pattern, static_sparsity=self.static_sparsity if pattern else 0.0,

@@ -151,7 +151,7 @@ class FusedOps:
 
     def _check_rows(self, T: int, hidden: int, intermediate: int, n_heads: int, head_dim: int, eps: float,
                     device) -> str | None:
-        from lserve.models.llama import rms_norm
+        from lserve.models.norm import rms_norm
         from lserve.models.rope import Rope
 
         g = torch.Generator(device=device).manual_seed(1234 + T)

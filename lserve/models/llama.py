@@ -13,16 +13,10 @@ import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
 from lserve.config import ModelConfig
+from lserve.models.norm import rms_norm
 from lserve.models.rope import Rope
 from lserve.sparsity.patterns import HeadLayout
 from lserve.sparsity.plan import StepPlan
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, H] -> normalized, scaled by w; statistics in float32 as HF does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
 
 
 class _Layer:

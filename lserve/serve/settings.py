@@ -1,7 +1,7 @@
 """Serving settings: one validated dataclass shared by ``lserve serve``, the YAML config and tests.
 
 The engine fields carry the CLI flag names (``--token-budget`` -> ``token_budget``) so that a
-``serve run`` YAML file, the command line and :func:`lserve.cli.engine_config_from_args` all speak
+``serve run`` YAML file, the command line and :func:`lserve.config.engine_config_from_args` all speak
 the same language. Everything crosses process boundaries as a plain dict (:meth:`to_dict`).
 """
 
@@ -12,7 +12,13 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from lserve.config import CLI_MAX_BATCHED_TOKENS, CLI_STEP_TIME_TARGET, ConfigError, EngineConfig
+from lserve.config import (
+    CLI_MAX_BATCHED_TOKENS,
+    CLI_STEP_TIME_TARGET,
+    ConfigError,
+    EngineConfig,
+    engine_config_from_args,
+)
 
 #: Fields that describe the engine (names of the ``lserve`` CLI flags, with underscores).
 ENGINE_FIELDS = (
@@ -239,8 +245,6 @@ class ServeSettings:
     # -- derived ------------------------------------------------------------------------------
     def engine_config(self) -> EngineConfig:
         """The engine's :class:`EngineConfig` (built by the CLI's own flag mapping)."""
-        from lserve.cli import engine_config_from_args
-
         return engine_config_from_args(argparse.Namespace(**{k: getattr(self, k) for k in ENGINE_FIELDS}))
 
     @property

@@ -136,7 +136,7 @@ class MassProbe:
 
 
 def _default_out(model: str) -> Path:
-    from lserve.sparsity.classifier import default_pattern_for
+    from lserve.sparsity.shipped import default_pattern_for
 
     folder = default_pattern_for(model)
     if folder is None:

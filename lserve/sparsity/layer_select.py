@@ -21,8 +21,8 @@ CALIBRATION_KIND = "selection-layers"
 
 def default_calibration_for(model_name: str) -> Path | None:
     """The shipped calibration beside the model's learned head pattern
-    (:func:`lserve.sparsity.classifier.default_pattern_for`), or None."""
-    from lserve.sparsity.classifier import default_pattern_for
+    (:func:`lserve.sparsity.shipped.default_pattern_for`), or None."""
+    from lserve.sparsity.shipped import default_pattern_for
 
     folder = default_pattern_for(model_name)
     path = folder / CALIBRATION_NAME if folder is not None else None
