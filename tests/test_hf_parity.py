@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from logits_capture import capture_logits
 
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
@@ -13,19 +14,6 @@ def _prompt(tok, n):
     return tok.encode("Notes on the weather. " + FILLER * (n // 10))[:n]
 
 
-def _capture_logits(engine: LLMEngine):
-    seen = []
-    fwd = engine.model.forward
-
-    def wrapped(*a, **k):
-        out = fwd(*a, **k)
-        seen.append(out.clone())
-        return out
-
-    engine.model.forward = wrapped
-    return seen
-
-
 def test_last_token_logits_match_transformers(smol, hf_smol):
     ids = _prompt(smol.tokenizer, 500)
     assert len(ids) == 500
@@ -34,7 +22,7 @@ def test_last_token_logits_match_transformers(smol, hf_smol):
     # Chunked prefill over pages of 16 tokens, so the cached-past path is exercised too.
     eng = LLMEngine(EngineConfig(model="default", sparsity=SparsityConfig(token_budget=0), max_batched_tokens=192,
                                  cache=CacheConfig(page_size=16, logical_page_size=4)), smol)
-    seen = _capture_logits(eng)
+    seen = capture_logits(eng)
     eng.generate([ids], SamplingParams(max_tokens=1, temperature=0))
     ours = seen[-1][0]
     assert (ours - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
@@ -59,7 +47,7 @@ def test_full_budget_without_streaming_equals_dense(smol):
     dense = LLMEngine(EngineConfig(model="default", sparsity=SparsityConfig(token_budget=0), cache=cache), smol)
     sparse = LLMEngine(EngineConfig(model="default", cache=cache, sparsity=SparsityConfig(
         token_budget=1024, reuse_interval=4, pattern="random", static_sparsity=0.0)), smol)
-    seen_d, seen_s = _capture_logits(dense), _capture_logits(sparse)
+    seen_d, seen_s = capture_logits(dense), capture_logits(sparse)
     a = dense.generate([ids], params)[0]
     b = sparse.generate([ids], params)[0]
     assert a.token_ids == b.token_ids

@@ -44,12 +44,17 @@ log = logging.getLogger("lserve")
 class RequestError(ValueError):
     """A request the engine cannot serve (too long, bad parameters); message for the user.
 
-    ``param`` names the offending request field when it is not the prompt.
+    ``param`` names the offending request field when it is not the prompt; ``code`` is the
+    OpenAI error code the serving layer answers with (e.g. ``context_length_exceeded``).
     """
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 @dataclass
@@ -175,14 +180,14 @@ class LLMEngine:
         if total > self.max_model_len:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
                                f"request asks for {total} ({len(prompt_ids)} in the prompt + {params.max_tokens} "
-                               f"to generate)")
+                               f"to generate)", code=CONTEXT_LENGTH_EXCEEDED)
         tb, page = params.token_budget, self.cache.page_size
         if tb is not None and 0 < tb < 2 * page:
             raise RequestError(f"token_budget must be 0 (off) or at least two pages ({2 * page} tokens), got {tb}")
         pages = self.cache.pages_for(total)
         if pages > self.cache.dense_alloc.num_pages:
             raise RequestError(f"the request needs {pages} KV pages ({total} tokens) but the cache has "
-                               f"{self.cache.dense_alloc.num_pages}")
+                               f"{self.cache.dense_alloc.num_pages}", code=CONTEXT_LENGTH_EXCEEDED)
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None, chat: bool = False, arrival: float | None = None) -> str:

@@ -31,7 +31,7 @@ from typing import Any
 
 from lserve.config import ConfigError
 from lserve.engine.async_engine import AsyncEngine, EngineDeadError
-from lserve.engine.llm_engine import RequestError
+from lserve.engine.llm_engine import CONTEXT_LENGTH_EXCEEDED, RequestError
 from lserve.engine.sampling import SamplingParams
 from lserve.serve.logprobs import TokenTexts
 from lserve.serve.metrics import EngineMetrics, get_engine_metrics
@@ -95,7 +95,7 @@ class EngineReplica:
             room = self.max_model_len - prompt_len
             if room < 1:
                 raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                                   f"prompt has {prompt_len}")
+                                   f"prompt has {prompt_len}", code=CONTEXT_LENGTH_EXCEEDED)
             p["max_tokens"] = min(self.settings.default_max_tokens, room)
         return SamplingParams(**p)
 
@@ -125,7 +125,7 @@ class EngineReplica:
                    f"and is being replaced; retry shortly ({e})", "code": "engine_dead"}
             return
         except RequestError as e:
-            code = "context_length_exceeded" if "context length" in str(e) or "KV pages" in str(e) else None
+            code = e.code
             yield {"type": "error", "status": 400, "message": str(e), "param": getattr(e, "param", None) or
                    ("messages" if request.get("chat") else "prompt"), "code": code}
             return

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from logits_capture import capture_logits
 
 from lserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
@@ -38,19 +39,6 @@ def tiny():
     return load_model("tiny", seed=3)
 
 
-def _capture_logits(engine: LLMEngine) -> list[torch.Tensor]:
-    seen = []
-    fwd = engine.model.forward
-
-    def wrapped(*a, **k):
-        out = fwd(*a, **k)
-        seen.append(out.clone())
-        return out
-
-    engine.model.forward = wrapped
-    return seen
-
-
 def test_lambda_mask():
     m = lambda_mask(10, sink=2, local=3)
     assert m[9].tolist() == [True, True, False, False, False, False, False, True, True, True]
@@ -78,7 +66,7 @@ def test_gated_forward_matches_engine_prefill(tiny, tmp_path, kind):
                                  max_batched_tokens=96), tiny)
     assert eng.layout.streaming_fraction() == pytest.approx(frac)
     ids = [random.Random(0).randrange(256) for _ in range(300)]
-    seen = _capture_logits(eng)
+    seen = capture_logits(eng)
     eng.generate([ids], SamplingParams(max_tokens=1, temperature=0))
     ours = seen[-1][0]  # chunked prefill's last logits
 

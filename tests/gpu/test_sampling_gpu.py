@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from logits_capture import capture_logits
 
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
@@ -67,15 +68,7 @@ def test_prompt_logprobs_fused_forward(seed):
     ids = [rng.randrange(256) for _ in range(40)]
     out = eng.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=3))[0]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
-    seen = []
-    fwd = eng.model.forward
-
-    def wrapped(*a, **k):
-        o = fwd(*a, **k)
-        seen.append(o.clone())
-        return o
-
-    eng.model.forward = wrapped
+    seen = capture_logits(eng)
     for i in (1, 17, 39):
         eng.generate([ids[:i]], SamplingParams(max_tokens=1, temperature=0))
         ref = torch.log_softmax(seen[-1][0], dim=-1)

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
+from logits_capture import capture_logits
 
 from lserve.config import EngineConfig
 from lserve.engine import LLMEngine, SamplingParams
@@ -28,15 +29,7 @@ def ref_engine(smol):
 
 def next_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """float32 [V]: log_softmax of the engine's own logits after ``ids`` (a plain forward)."""
-    seen = []
-    fwd = engine.model.forward
-
-    def wrapped(*a, **k):
-        out = fwd(*a, **k)
-        seen.append(out.clone())
-        return out
-
-    engine.model.forward = wrapped
+    seen = capture_logits(engine)
     try:
         engine.generate([ids], SamplingParams(max_tokens=1, temperature=0))
     finally:
