@@ -8,10 +8,9 @@ import os
 import sys
 
 from lserve.config import (  # noqa: F401 - engine_config_from_args: the CLI's flags -> EngineConfig
-    CLI_MAX_BATCHED_TOKENS,
-    CLI_STEP_TIME_TARGET,
     ConfigError,
     engine_config_from_args,
+    engine_flag_defaults,
 )
 from lserve.serve.settings import DEFAULT_SHUTDOWN_GRACE_S
 
@@ -19,51 +18,52 @@ DEMO_PROMPT = "The three most important ideas in computer science are"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine."""
+    """Flags shared by every command that builds an engine (defaults: :func:`engine_flag_defaults`)."""
+    D = engine_flag_defaults()
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="default",
+    g.add_argument("--model", default=D["model"],
                    help="'default' (SmolLM2-135M-Instruct), a preset (llama3-8b, llama2-7b, minitron-4b, tiny), "
                         "a .gguf file or a Hugging Face directory")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--backend", default="torch", choices=["torch", "cupy"], help="attention backend")
-    g.add_argument("--max-model-len", type=int, default=0, help="context limit (0: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=16)
-    g.add_argument("--max-batched-tokens", type=int, default=CLI_MAX_BATCHED_TOKENS,
+    g.add_argument("--device", default=D["device"], help="cpu or cuda[:N]")
+    g.add_argument("--dtype", default=D["dtype"], choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--backend", default=D["backend"], choices=["torch", "cupy"], help="attention backend")
+    g.add_argument("--max-model-len", type=int, default=D["max_model_len"], help="context limit (0: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=D["max_num_seqs"])
+    g.add_argument("--max-batched-tokens", type=int, default=D["max_batched_tokens"],
                    help="token-equivalents per step at most (long prompts are prefilled in chunks)")
-    g.add_argument("--step-time-target", type=float, default=CLI_STEP_TIME_TARGET,
+    g.add_argument("--step-time-target", type=float, default=D["step_time_target"],
                    help="seconds a step with prefill should take, from measured speed (0: token cap only)")
-    g.add_argument("--decode-stall", type=float, default=1.0,
+    g.add_argument("--decode-stall", type=float, default=D["decode_stall"],
                    help="prefill time in a step with decodes, as a multiple of a decode step's time")
-    g.add_argument("--seed", type=int, default=0, help="seed for random-weight presets")
-    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--seed", type=int, default=D["seed"], help="seed for random-weight presets")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=D["cuda_graphs"],
                    help="replay decode steps as CUDA graphs (cupy backend)")
-    g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=D["fused_ops"],
                    help="fused CUDA kernels for RMSNorm/RoPE/SiLU (cupy backend; self-checked at start)")
-    g.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=D["async_decode"],
                    help="launch each greedy decode step before reading the previous one's tokens (same outputs)")
     s = p.add_argument_group("sparsity")
-    s.add_argument("--pattern", default="auto",
+    s.add_argument("--pattern", default=D["pattern"],
                    help="head pattern: 'auto' (the model's shipped learned pattern, if any), 'none', 'random' "
                         "or a DuoAttention-format dir/TSV")
-    s.add_argument("--static-sparsity", type=float, default=0.5, help="fraction of KV heads made streaming")
-    s.add_argument("--sink", type=int, default=128, help="streaming heads: sink tokens")
-    s.add_argument("--local", type=int, default=256, help="streaming heads: local window tokens")
-    s.add_argument("--token-budget", type=int, default=4096, help="dense heads' decode budget (0: off)")
-    s.add_argument("--reuse-interval", type=int, default=4, help="run the page selector every C steps")
-    s.add_argument("--dynamic-threshold", type=int, default=-1,
+    s.add_argument("--static-sparsity", type=float, default=D["static_sparsity"], help="fraction of KV heads made streaming")
+    s.add_argument("--sink", type=int, default=D["sink"], help="streaming heads: sink tokens")
+    s.add_argument("--local", type=int, default=D["local"], help="streaming heads: local window tokens")
+    s.add_argument("--token-budget", type=int, default=D["token_budget"], help="dense heads' decode budget (0: off)")
+    s.add_argument("--reuse-interval", type=int, default=D["reuse_interval"], help="run the page selector every C steps")
+    s.add_argument("--dynamic-threshold", type=int, default=D["dynamic_threshold"],
                    help="context below which selection is off (-1: the profiled length for this device, "
                         "see lserve bench profile-threshold)")
-    s.add_argument("--dense-layers", type=int, default=0, help="first N layers stay fully dense")
-    s.add_argument("--select-mode", default="kv", choices=["kv", "query"])
-    s.add_argument("--select-layers", default="auto",
+    s.add_argument("--dense-layers", type=int, default=D["dense_layers"], help="first N layers stay fully dense")
+    s.add_argument("--select-mode", default=D["select_mode"], choices=["kv", "query"])
+    s.add_argument("--select-layers", default=D["select_layers"],
                    help="layers where dense heads select pages: 'auto' (the model's shipped calibration, see "
                         "lserve calibrate-selection; else all), 'all', 'none', indices '0,5,7' or a calibration .json")
     c = p.add_argument_group("cache")
-    c.add_argument("--page-size", type=int, default=64, help="physical page N_P")
-    c.add_argument("--logical-page-size", type=int, default=16, help="logical page N_L")
-    c.add_argument("--kv-quant", default="none", choices=["none", "int8", "int4"])
-    c.add_argument("--max-cache-tokens", type=int, default=65536, help="dense-pool capacity in tokens")
+    c.add_argument("--page-size", type=int, default=D["page_size"], help="physical page N_P")
+    c.add_argument("--logical-page-size", type=int, default=D["logical_page_size"], help="logical page N_L")
+    c.add_argument("--kv-quant", default=D["kv_quant"], choices=["none", "int8", "int4"])
+    c.add_argument("--max-cache-tokens", type=int, default=D["max_cache_tokens"], help="dense-pool capacity in tokens")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -199,13 +199,6 @@ class CacheConfig:
         return self.page_size // self.logical_page_size
 
 
-#: What ``lserve generate``/``lserve serve`` run with (the library's EngineConfig defaults keep the
-#: deterministic token budget): steps with prefill aim at this many seconds, within this many
-#: token-equivalents (see :mod:`lserve.engine.step_budget`).
-CLI_STEP_TIME_TARGET = 0.25
-CLI_MAX_BATCHED_TOKENS = 8192
-
-
 @dataclass
 class EngineConfig:
     """Everything an engine needs; builds on the three configs above.
@@ -300,3 +293,32 @@ def engine_config_from_args(a) -> EngineConfig:
                         max_model_len=a.max_model_len, seed=a.seed,
                         cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode,
                         step_time_target=a.step_time_target, decode_stall=a.decode_stall)
+
+
+#: Where the command line (``lserve generate`` / ``lserve serve`` flags, the serve settings)
+#: departs from the dataclasses' library defaults: the model's shipped head pattern, and steps
+#: that aim at 0.25 s within 8192 token-equivalents (see :mod:`lserve.engine.step_budget`;
+#: the library keeps the deterministic 2048-token cap).
+CLI_OVERRIDES = {"pattern": "auto", "max_batched_tokens": 8192, "step_time_target": 0.25}
+#: Engine flag name -> (config object, field) where its default lives.
+_FLAG_FIELDS = {"sink": ("sparsity", "sink_tokens"), "local": ("sparsity", "local_tokens"),
+                "max_cache_tokens": ("cache", "max_tokens")}
+
+
+def engine_flag_defaults() -> dict[str, Any]:
+    """The default of every engine flag (CLI names, underscores): the config dataclasses' own
+    values with :data:`CLI_OVERRIDES` applied. The CLI and the serve settings read theirs here."""
+    objs = {"engine": EngineConfig(), "sparsity": SparsityConfig(), "cache": CacheConfig()}
+    flags = ("model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
+             "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall")
+    out = {f: getattr(objs["engine"], f) for f in flags}
+    for f in ("pattern", "static_sparsity", "token_budget", "reuse_interval", "dynamic_threshold", "dense_layers",
+              "select_mode", "select_layers"):
+        out[f] = getattr(objs["sparsity"], f)
+    for f in ("page_size", "logical_page_size", "kv_quant"):
+        out[f] = getattr(objs["cache"], f)
+    for flag, (obj, name) in _FLAG_FIELDS.items():
+        out[flag] = getattr(objs[obj], name)
+    out.update(CLI_OVERRIDES)
+    return out
+

@@ -40,3 +40,23 @@ def test_bad_settings_print_one_line(args, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lserve: error:") and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_engine_flag_defaults_have_one_source():
+    """The CLI flags and the serve settings take their engine defaults from one table (the
+    config dataclasses' values plus the command line's documented overrides)."""
+    import argparse
+    from dataclasses import fields
+
+    from lserve.cli import add_engine_args
+    from lserve.config import CLI_OVERRIDES, SparsityConfig, engine_flag_defaults
+    from lserve.serve.settings import ENGINE_FIELDS, ServeSettings
+
+    table = engine_flag_defaults()
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert vars(p.parse_args([])) == table
+    serve = {f.name: f.default for f in fields(ServeSettings) if f.name in ENGINE_FIELDS}
+    assert set(serve) == set(table)
+    assert {k: v for k, v in serve.items() if v != table[k]} == {"device": "auto"}
+    assert table["sink"] == SparsityConfig().sink_tokens and table["pattern"] == CLI_OVERRIDES["pattern"]

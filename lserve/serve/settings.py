@@ -12,13 +12,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from lserve.config import (
-    CLI_MAX_BATCHED_TOKENS,
-    CLI_STEP_TIME_TARGET,
-    ConfigError,
-    EngineConfig,
-    engine_config_from_args,
-)
+from lserve.config import ConfigError, EngineConfig, engine_config_from_args, engine_flag_defaults
 
 #: Fields that describe the engine (names of the ``lserve`` CLI flags, with underscores).
 ENGINE_FIELDS = (
@@ -28,6 +22,7 @@ ENGINE_FIELDS = (
     "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall",
 )
 
+_D = engine_flag_defaults()
 API_KEY_ENV = "LSERVE_API_KEY"
 #: Seconds a shutdown lets running requests finish (Kubernetes' default termination grace period;
 #: vLLM-style servers drain for about as long). The one default of ``--shutdown-grace-s``.
@@ -109,33 +104,35 @@ class ServeSettings:
     """
 
     # -- engine (CLI flag names) --------------------------------------------------------------
-    model: str = "default"
+    # Defaults from lserve.config.engine_flag_defaults (as the CLI); "device" alone differs here:
+    # "auto" picks a GPU when one is visible.
+    model: str = _D["model"]
     device: str = "auto"
-    dtype: str = "auto"
-    backend: str = "torch"
-    max_model_len: int = 0
-    max_num_seqs: int = 16
-    max_batched_tokens: int = CLI_MAX_BATCHED_TOKENS
-    seed: int = 0
-    pattern: str | None = "auto"
-    static_sparsity: float = 0.5
-    sink: int = 128
-    local: int = 256
-    token_budget: int = 4096
-    reuse_interval: int = 4
-    dynamic_threshold: int = -1
-    dense_layers: int = 0
-    select_mode: str = "kv"
-    select_layers: str = "auto"
-    page_size: int = 64
-    logical_page_size: int = 16
-    kv_quant: str = "none"
-    max_cache_tokens: int = 65536
-    cuda_graphs: bool = True
-    fused_ops: bool = True
-    async_decode: bool = True
-    step_time_target: float = CLI_STEP_TIME_TARGET
-    decode_stall: float = 1.0
+    dtype: str = _D["dtype"]
+    backend: str = _D["backend"]
+    max_model_len: int = _D["max_model_len"]
+    max_num_seqs: int = _D["max_num_seqs"]
+    max_batched_tokens: int = _D["max_batched_tokens"]
+    seed: int = _D["seed"]
+    pattern: str | None = _D["pattern"]
+    static_sparsity: float = _D["static_sparsity"]
+    sink: int = _D["sink"]
+    local: int = _D["local"]
+    token_budget: int = _D["token_budget"]
+    reuse_interval: int = _D["reuse_interval"]
+    dynamic_threshold: int = _D["dynamic_threshold"]
+    dense_layers: int = _D["dense_layers"]
+    select_mode: str = _D["select_mode"]
+    select_layers: str = _D["select_layers"]
+    page_size: int = _D["page_size"]
+    logical_page_size: int = _D["logical_page_size"]
+    kv_quant: str = _D["kv_quant"]
+    max_cache_tokens: int = _D["max_cache_tokens"]
+    cuda_graphs: bool = _D["cuda_graphs"]
+    fused_ops: bool = _D["fused_ops"]
+    async_decode: bool = _D["async_decode"]
+    step_time_target: float = _D["step_time_target"]
+    decode_stall: float = _D["decode_stall"]
     # -- serving ------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
