@@ -77,6 +77,14 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def describe(self) -> dict:
+        """:meth:`LLMEngine.describe` of the engine behind the loop."""
+        return self.engine.describe()
+
+    def encode(self, prompt, chat: bool = False) -> list[int]:
+        """Token ids of a prompt (text, ids or chat messages); safe to call from any thread."""
+        return self.engine.encode_prompt(prompt, chat)
+
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt, params: SamplingParams, chat: bool = False) -> list[int]:
         """Tokenize and check a request now (raises :class:`RequestError`); returns prompt ids."""

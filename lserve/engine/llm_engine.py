@@ -11,11 +11,12 @@ import itertools
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from lserve.attention import make_backend
+from lserve.attention.base import SelectorStats
 from lserve.cache.kv_cache import KVCache
 from lserve.config import ConfigError, EngineConfig
 from lserve.engine.async_decode import HostTokens, LaunchedStep
@@ -70,6 +71,11 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     step_kinds: dict = field(default_factory=dict)  # steps by kind: graph, decode_eager, mixed, prefill
+    dense_pages_total: int = 0
+    stream_pages_used: int = 0
+    all_pages_free: bool = True
+    last_step: dict = field(default_factory=dict)  # LLMEngine.last_step_info of the latest step
+    selector: SelectorStats | None = None  # a copy of the backend's page-selection totals
 
 
 def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadLayout:
@@ -217,9 +223,18 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.cache.usage(),
-                           self.cache.dense_alloc.num_used, self.scheduler.num_preemptions, self.steps,
-                           self.prompt_tokens, self.generation_tokens, dict(self.step_kinds))
+        c = self.cache
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), c.usage(),
+                           c.dense_alloc.num_used, self.scheduler.num_preemptions, self.steps,
+                           self.prompt_tokens, self.generation_tokens, dict(self.step_kinds),
+                           c.dense_alloc.num_pages, c.stream_alloc.num_used, c.all_free(), dict(self.last_step_info),
+                           replace(self.backend.selector_stats))
+
+    def describe(self) -> dict:
+        """Facts that do not change while the engine runs (for the serving layer's gauges and views)."""
+        return {"max_model_len": self.max_model_len, "page_size": self.cache.page_size,
+                "token_budget": self.config.sparsity.token_budget,
+                "streaming_fraction": self.layout.streaming_fraction()}
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

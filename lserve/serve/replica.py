@@ -72,16 +72,16 @@ class EngineReplica:
         self.engine = AsyncEngine(cfg)
         self.replica_id = _replica_id()
         self.model_name = self.settings.model_name
-        core = self.engine.engine
-        self.page_size = cfg.cache.page_size
-        self.max_model_len = core.max_model_len
+        facts = self.engine.describe()
+        self.page_size = facts["page_size"]
+        self.max_model_len = facts["max_model_len"]
         self.metrics: EngineMetrics = get_engine_metrics(self.model_name, self.replica_id)
         self.metrics.init_series()
         self._queued: dict[str, int] = {}  # request id -> prompt tokens not yet prefilled
         self._ids = itertools.count()
         self.aborted = 0  # see _count_end
         self._stop = threading.Event()
-        self._static_gauges(core)
+        self._static_gauges(facts)
         self._poller = threading.Thread(target=self._poll_stats, name="lserve-metrics", daemon=True)
         self._poller.start()
         log.info("engine replica %s ready: model %s, max_model_len %d", self.replica_id, self.model_name,
@@ -115,7 +115,7 @@ class EngineReplica:
         rid = f"{request.get('request_id') or 'req'}-{next(self._ids)}"
         try:
             self.engine.check_health()
-            ids = await asyncio.to_thread(self.engine.engine.encode_prompt, request["prompt"],
+            ids = await asyncio.to_thread(self.engine.encode, request["prompt"],
                                           bool(request.get("chat")))
             params = self._params(request.get("params") or {}, len(ids))
             self.engine.validate(ids, params)
@@ -224,11 +224,10 @@ class EngineReplica:
     def engine_stats(self, lserve_target: str | None = None) -> dict[str, Any]:
         """This replica's engine state (for admin views and tests)."""
         st = self.engine.stats()
-        core = self.engine.engine
         return {"replica": self.replica_id, "alive": self.engine.is_alive, "running": st.running,
                 "waiting": st.waiting, "kv_usage": dict(st.kv_usage), "dense_pages_used": st.dense_pages_used,
-                "dense_pages_total": core.cache.dense_alloc.num_pages,
-                "stream_pages_used": core.cache.stream_alloc.num_used, "all_pages_free": core.cache.all_free(),
+                "dense_pages_total": st.dense_pages_total,
+                "stream_pages_used": st.stream_pages_used, "all_pages_free": st.all_pages_free,
                 "queued_prompt_tokens": sum(self._queued.values()), "num_preemptions": st.num_preemptions,
                 "aborted": self.aborted, "steps": st.steps, "step_kinds": st.step_kinds}
 
@@ -258,11 +257,10 @@ class EngineReplica:
         return self.replica_id
 
     # -- metrics ------------------------------------------------------------------------------
-    def _static_gauges(self, core) -> None:
+    def _static_gauges(self, facts: dict) -> None:
         m = self.metrics
-        sp = core.config.sparsity
-        m.of(m.token_budget).set(sp.token_budget)
-        m.of(m.streaming_heads).set(core.layout.streaming_fraction())
+        m.of(m.token_budget).set(facts["token_budget"])
+        m.of(m.streaming_heads).set(facts["streaming_fraction"])
 
     def _poll_stats(self) -> None:
         m = self.metrics
@@ -277,10 +275,10 @@ class EngineReplica:
                     m.of(m.kv_usage, pool=pool).set(frac)
                 m.of(m.dense_pages).set(st.dense_pages_used)
                 m.of(m.queued_prompt).set(sum(self._queued.values()))
-                info = self.engine.engine.last_step_info
+                info = st.last_step
                 if info:
                     m.of(m.step_time).set(info.get("seconds", 0.0))
-                sel = getattr(self.engine.engine.backend, "selector_stats", None)
+                sel = st.selector
                 if sel is not None:
                     runs, pages = sel.runs - last["runs"], sel.pages - last["pages"]
                     if runs > 0:
