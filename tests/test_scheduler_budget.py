@@ -98,5 +98,6 @@ def test_short_request_ttft_during_long_prefill_cpu():
         solo, during, long_t = asyncio.run(run())
     finally:
         engine.shutdown()
+    print(f"short alone {solo:.3f} s, during the long prefill {during:.3f} s; long TTFT {long_t:.2f} s")
     assert long_t > 3.0, "the long prompt must still be prefilling when the short one arrives"
     assert during <= 3 * solo + 0.05, f"short TTFT {during:.3f} s during a long prefill vs {solo:.3f} s alone"
