@@ -147,8 +147,7 @@ class LLMEngine:
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
         budget = StepBudget(config.max_batched_tokens, step_alpha(mc, self.layout), config.step_time_target,
                             config.decode_stall)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batched_tokens, self.backend.release,
-                                   budget)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, budget, self.backend.release)
         self.eos_ids = tuple(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()

@@ -31,12 +31,10 @@ class Scheduled:
 class Scheduler:
     """Owns the waiting queue, the running set and all page allocation."""
 
-    def __init__(self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, on_release,
-                 budget: StepBudget | None = None) -> None:
+    def __init__(self, cache: KVCache, max_num_seqs: int, budget: StepBudget, on_release) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
-        self.max_batched_tokens = max_batched_tokens
-        self.budget = budget or StepBudget(max_batched_tokens)
+        self.budget = budget  # its max_tokens caps a step (decodes included)
         self.last_prefill_cost = 0.0  # token-equivalents of prefill the last schedule() picked
         self.on_release = on_release  # called with a seq_id whenever its pages are dropped
         self.waiting: deque[Sequence] = deque()
@@ -116,13 +114,13 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq in self.running and n_decode < self.max_batched_tokens:
+            if seq in self.running and n_decode < self.budget.max_tokens:
                 out.append(Scheduled(seq, 1, True))
                 n_decode += 1
         # 2) prefill chunks, shortest remaining prompt first (running mid-prefill and waiting).
         b = self.budget
         room = b.prefill_budget(n_decode)
-        tokens_left = self.max_batched_tokens - n_decode
+        tokens_left = self.budget.max_tokens - n_decode
         cost = 0.0
         pending = [s for s in self.running if not s.in_decode] + list(self.waiting)
         pending.sort(key=lambda s: (s.num_tokens - s.num_computed, s.arrival))
