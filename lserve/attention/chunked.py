@@ -15,7 +15,10 @@ its chunks. Each later chunk attends to the cached past plus itself. Two pieces,
 
 :func:`attention_lse` picks the fused kernel once per process on CUDA (flash, then cuDNN, each
 checked against the plain computation on random inputs first) and computes in plain torch
-(float32 softmax) elsewhere.
+(float32 softmax) elsewhere. Where flash handles a lower-right causal mask and GQA exactly
+(checked the same way), :func:`causal_attention` does a chunk in one call instead: its caller
+writes the chunk's keys first and passes the whole sequence (unquantized caches only, so the
+chunk sees its own keys exactly as computed).
 """
 
 from __future__ import annotations
@@ -105,6 +108,72 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if impl == "math":
         return _math_lse(q, k, v, causal, scale)
     return _fused_lse(impl, q, k, v, causal, scale)
+
+
+_CAUSAL: dict[str, str | None] = {}  # device:dtype:D -> "flash" (GQA native), "flash_expand", or None
+
+
+def _pick_causal(device: torch.device, dtype: torch.dtype, d: int) -> str | None:
+    """How flash runs a lower-right causal GQA chunk here, checked against plain attention."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    g, hkv = 4, 2
+    for impl in ("flash", "flash_expand"):
+        try:
+            for lq, lk in ((96, 96), (80, 336)):
+                q = torch.randn(hkv * g, lq, d, generator=gen, device=device, dtype=dtype)
+                k, v = (torch.randn(hkv, lk + 16, d, generator=gen, device=device, dtype=dtype)[:, :lk] for _ in "kv")
+                o = _flash_causal(impl, q, k, v, d ** -0.5)
+                ro, _ = _math_lse(q, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0), True, d ** -0.5)
+                err = (o.float() - ro.float()).norm() / ro.float().norm()
+                if not err < 2e-2:
+                    raise RuntimeError(f"mismatch (relative error {float(err):.3g})")
+            return impl
+        except RuntimeError as e:
+            log.info("causal chunk attention: %s unusable here (%s)", impl, str(e).splitlines()[0][:200])
+    return None
+
+
+def _flash_causal(impl: str, q, k, v, scale: float):
+    g = q.shape[0] // k.shape[0]
+    if impl == "flash_expand" and g > 1:
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0,
+                                                             True, False, scale=scale)
+    return res[0][0]
+
+
+def causal_impl(device: torch.device, dtype: torch.dtype, d: int) -> str | None:
+    """The flash variant :func:`causal_attention` uses on this device (picked once per process;
+    None where none is exact: the caller keeps its own path)."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return None
+    key = f"{device}:{dtype}:{d}"
+    if key not in _CAUSAL:
+        _CAUSAL[key] = _pick_causal(device, dtype, d)
+        log.info("causal chunk attention on %s: %s", key, _CAUSAL[key])
+    return _CAUSAL[key]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of a chunk's queries to its whole sequence, in one flash call.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [Hq, Lq, D], the last ``Lq`` positions of the sequence (query head h uses KV head h // G).
+    k, v : torch.Tensor
+        [Hkv, Lk, D], positions 0 .. Lk - 1 (Lk >= Lq); query i sees keys j <= i + Lk - Lq.
+    scale : float
+
+    Returns
+    -------
+    torch.Tensor
+        [Hq, Lq, D]. Only where :func:`causal_impl` is not None.
+    """
+    impl = causal_impl(q.device, q.dtype, q.shape[-1])
+    if impl is None:
+        raise RuntimeError("no exact flash attention on this device")
+    return _flash_causal(impl, q, k, v, scale)
 
 
 def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

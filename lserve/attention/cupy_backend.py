@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
-from lserve.attention.chunked import dense_chunk, streaming_prefix
+from lserve.attention.chunked import causal_attention, causal_impl, dense_chunk, streaming_prefix
 from lserve.attention.torch_backend import TorchBackend
 from lserve.kernels.pdl import available as pdl_available
 from lserve.sparsity.plan import SeqPlan, StepPlan
@@ -63,6 +63,11 @@ MAX_CHUNK = 256  # entries per decode unit (shared-memory table in ls_decode)
 TOPK_THREADS = 512
 SCORE_PAGES_MAX = 128  # PPB_MAX in kernels/selector.cu
 PREFILL_BM = 64
+# Fresh prompts at least this long run their dense heads through SDPA (cuDNN on the H200); shorter
+# ones (the served path's chunks) through flash: cuDNN builds an execution plan per new shape
+# (~8 ms of host time per layer shape, `scripts/probe_mixed.py`: a first 256-token chunk next to
+# decodes took 265 ms), which only a long prompt's attention pays back.
+CUDNN_MIN_TOKENS = 16384
 # meta rows (see kernels/decode.cu)
 META_FIELDS = ("tok", "len", "npages", "nring", "nsel", "slot", "dyn", "kk")
 
@@ -126,6 +131,9 @@ class _Step:
     c_tiles: torch.Tensor | None = None  # [n, 2] prefill-kernel tiles over the chunk rows only
     c_seqs: torch.Tensor | None = None  # [m, 2] (first virtual row, virtual length)
     c_long: tuple | None = None  # c_loc, c_kmap, c_qmap, c_src, c_dst as long (built by the first layer)
+    c_pages: torch.Tensor | None = None  # int32 [sum of P_j]: dense pages of each ``cont`` chunk's sequence
+    c_page_off: list = field(default_factory=list)  # (offset, P_j) of chunk j in c_pages
+    c_pages_long: torch.Tensor | None = None  # c_pages as long (built by the first layer)
     tiles: torch.Tensor | None = None  # int32 [n_tiles, 2]
     seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
     n_tiles: int = 0
@@ -225,6 +233,13 @@ class CupyBackend(AttentionBackend):
         self._static_units: dict = {}  # step key -> {(nd, selects, impl): _Units}
         self.static_generation = 0  # bumped when a buffer graphs point into is reallocated
         self._scores_buf: torch.Tensor | None = None  # last page-score buffer (benchmarks time top-k alone)
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._no_writes = (empty, empty, empty)
+        self._head_rows: dict[int, torch.Tensor] = {}  # n heads -> long [n, 1] (gather rows)
+        # Chunks with cached past: dense heads in one flash call over the whole sequence, their
+        # keys written first (exact only unquantized); else past and chunk merged by LSE.
+        self.flash = causal_impl(self.device, self.dtype, self.D) if self.dtype != torch.float32 else None
+        self.one_call = self.flash is not None and self.kv_quant == "none"
 
     def _check_device(self) -> None:
         from lserve.kernels.loader import KernelError
@@ -431,6 +446,10 @@ class CupyBackend(AttentionBackend):
         st.fast = [s for s in pre if s.step.start == 0 and fast_ok]
         st.cont = [s for s in pre if s.step.start > 0 and fast_ok]
         st.slow = [s for s in pre if not fast_ok]
+        if st.cont:
+            lists = [s.step.dense_pages[: -(-(s.step.start + s.step.num_new) // N)] for s in st.cont]
+            st.c_page_off = [(o, len(p)) for o, p in zip(np.cumsum([0] + [len(p) for p in lists]), lists)]
+            chunks.append(("c_pages", np.asarray([p for lst in lists for p in lst], dtype=np.int32)))
         if st.cont and self.cache.has_streaming:
             chunks += self._cont_tables(st.cont)
         if st.fast:
@@ -545,6 +564,9 @@ class CupyBackend(AttentionBackend):
         _check_rows(out, self.dtype, hq, self.D, "out", self.device)
         st = self._tables(plan)
         self.write(layer, k, v, plan.dense_write_decode, plan.stream_write_decode)
+        early = bool(st.cont) and self.one_call  # prefill_cont reads the chunks' dense keys from the pool
+        if early:
+            self.write(layer, k, v, plan.dense_write_prefill, self._no_writes)
         if st.nb:
             self.select_stage(layer, q, st)
             self.decode(layer, q, out, st)
@@ -555,7 +577,8 @@ class CupyBackend(AttentionBackend):
         for sp in st.slow:
             sl = slice(sp.t0, sp.t1)
             out[sl] = self._ref._prefill(layer, sp, q[sl], k[sl], v[sl])
-        self.write(layer, k, v, plan.dense_write_prefill, plan.stream_write_prefill)
+        # streaming keys after attention: a chunk's writes may reuse ring slots its queries read
+        self.write(layer, k, v, self._no_writes if early else plan.dense_write_prefill, plan.stream_write_prefill)
 
     # -- stages ---------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, dense_w, stream_w) -> None:
@@ -721,11 +744,15 @@ class CupyBackend(AttentionBackend):
         if nd and self.prefill_dense == "sdpa":
             for sp in st.fast:
                 sl = slice(sp.t0, sp.t1)
-                qd = q[sl, : nd * G].transpose(0, 1).unsqueeze(0)  # [1, Hd*G, n, D]
-                kd = k[sl, :nd].transpose(0, 1).unsqueeze(0)  # [1, Hd, n, D]
-                vd = v[sl, :nd].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=self.scale, enable_gqa=True)
-                out[sl, : nd * G] = o[0].transpose(0, 1)
+                qd = q[sl, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
+                kd = k[sl, :nd].transpose(0, 1)  # [Hd, n, D]
+                vd = v[sl, :nd].transpose(0, 1)
+                if self.flash is not None and sp.step.num_new < CUDNN_MIN_TOKENS:
+                    o = causal_attention(qd, kd, vd, self.scale)
+                else:
+                    o = F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True, scale=self.scale,
+                                                       enable_gqa=True)[0]
+                out[sl, : nd * G] = o.transpose(0, 1)
         elif nd:
             self.prefill_kernel(q, k, v, out, st, head0=0, n_heads=nd * G, streaming=False)
         if hs:
@@ -739,12 +766,19 @@ class CupyBackend(AttentionBackend):
         G, nd = self.group, self.cache.n_dense[layer]
         hs = self.hkv - nd
         if nd:
-            for sp in st.cont:
+            if st.c_pages_long is None:
+                st.c_pages_long = st.c_pages.long()
+            for sp, (off, npg) in zip(st.cont, st.c_page_off):
                 sl, start = slice(sp.t0, sp.t1), sp.step.start
-                kp, vp = self._ref._dense_kv(layer, sp.pages[: -(-start // self.cache.page_size)], start)  # [Hd, start, D]
-                o = dense_chunk(q[sl, : nd * G].transpose(0, 1), kp, vp, k[sl, :nd].transpose(0, 1),
-                                v[sl, :nd].transpose(0, 1), G, self.scale)  # [Hd*G, n, D]
-                out[sl, : nd * G] = o.transpose(0, 1)
+                pages = st.c_pages_long[off: off + npg]
+                qd = q[sl, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
+                if self.one_call:  # the chunk's keys are in the pool already (attend)
+                    kd, vd = self._dense_keys(layer, pages, start + sp.step.num_new)  # [Hd, start + n, D]
+                    o = causal_attention(qd, kd, vd, self.scale)
+                else:
+                    kp, vp = self._dense_keys(layer, pages, start)  # [Hd, start, D]
+                    o = dense_chunk(qd, kp, vp, k[sl, :nd].transpose(0, 1), v[sl, :nd].transpose(0, 1), G, self.scale)
+                out[sl, : nd * G] = o.transpose(0, 1)  # o: [Hd*G, n, D]
         if not hs:
             return
         if st.c_long is None:
@@ -758,6 +792,17 @@ class CupyBackend(AttentionBackend):
         self.prefill_kernel(qv, kv_, vv, ov, st, head0=0, n_heads=hs * G, streaming=True,
                             tables=(st.c_tiles, st.c_seqs))
         out[:, nd * G:].index_copy_(0, dst, ov.index_select(0, src))
+
+    def _dense_keys(self, layer: int, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached K, V of the dense heads for positions [0, length) of a sequence whose dense
+        pages are ``pages`` (long [>= ceil(length / N)]): two [Hd, length, D]."""
+        hd, N = self.cache.n_dense[layer], self.cache.page_size
+        pages = pages[: -(-length // N)]
+        heads = self._head_rows.get(hd)
+        if heads is None:
+            heads = self._head_rows[hd] = torch.arange(hd, device=self.device)[:, None]  # [Hd, 1]
+        kk, vv = self.cache.dense[layer].gather(pages.expand(hd, -1), heads)  # [Hd, n_pages, N, D]
+        return kk.view(hd, -1, self.D)[:, :length], vv.view(hd, -1, self.D)[:, :length]
 
     def prefill_kernel(self, q, k, v, out, st: _Step, head0: int, n_heads: int, streaming: bool,
                        tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

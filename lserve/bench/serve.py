@@ -136,14 +136,14 @@ def run_point(base_url: str, tok, context: int, concurrency: int, num: int, outp
     return summarize(results, duration, None, not_sent)
 
 
-def _row(config: str, context: int, concurrency: int, s: dict) -> dict:
+def _row(config: str, context: int, concurrency: int, s: dict, output_len: int) -> dict:
     def q(key, stat, scale):
         v = s[key].get(stat)
         return None if v is None else round(v * scale, 4)
 
     # requests still running when the point's time ran out (the budget was short, not a failure)
     cut = sum(e["count"] for e in s["errors"] if e["error"] == "cancelled at the time limit")
-    return {"config": config, "context": context, "concurrency": concurrency,
+    return {"config": config, "context": context, "concurrency": concurrency, "output_len": output_len,
             "output_tok_s": s["output_token_throughput"], "ttft_p50_s": q("ttft_ms", "p50", 1e-3),
             "ttft_p99_s": q("ttft_ms", "p99", 1e-3), "itl_p50_ms": q("itl_ms", "p50", 1),
             "itl_p99_ms": q("itl_ms", "p99", 1), "tpot_p50_ms": q("tpot_ms", "p50", 1),
@@ -257,7 +257,7 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                 if not w["successful"]:
                     dump_stacks(out_dir / f"{name}_{config}_stacks.txt")
                     raise RuntimeError(f"{config}: the warm-up request did not complete; stacks dumped")
-            if hol and config == "lserve":
+            if hol and config == "lserve" and longest >= 32768:
                 report["hol"] = hol_probe(srv.base_url, tok, longest, delay_s=1.0)
                 _log(f"hol: {report['hol']}")
                 save()
@@ -268,7 +268,7 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     continue
                 num = max(2 * c, 4) if ctx <= 4096 else max(c, 2)
                 s = run_point(srv.base_url, tok, ctx, c, num, output_len, budget, seed=ctx + c)
-                row = _row(config, ctx, c, s)
+                row = _row(config, ctx, c, s, output_len)
                 report["rows"].append(row)
                 _log(f"{config} ctx {ctx} C={c}: {row['completed']} ok / {row['failed']} failed, "
                      f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL p50/p99 "
@@ -280,6 +280,27 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
         save()
     report["wall_s"] = round(time.monotonic() - t_start, 1)
     save()
+    _log(summary(report))
+    return report
+
+
+def merge_reports(paths: list[str | Path], out_dir: str | Path, name: str) -> dict:
+    """One report from runs that measured different points (e.g. one device call per context
+    range, both configurations in each): rows, engine TTFTs, steps and start-up times joined,
+    the first run's header kept and every run's header listed under ``runs``."""
+    import json
+
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    report = dict(parts[0])
+    report["runs"] = [{k: r.get(k) for k in ("command", "date", "device", "wall_s", "output_len")} for r in parts]
+    report["rows"] = [row for r in parts for row in r["rows"]]
+    for key in ("engine_ttft_s", "steps", "startup_s"):
+        report[key] = {f"{k}" if key == "engine_ttft_s" else f"{k}@{i}": v for i, r in enumerate(parts)
+                       for k, v in (r.get(key) or {}).items()}
+    report["hol"] = next((r["hol"] for r in parts if r.get("hol")), None)
+    path = Path(out_dir) / f"{name}.json"
+    write_json(path, report)
+    plot_serve(report, path.with_suffix(".png"))
     _log(summary(report))
     return report
 

@@ -54,6 +54,36 @@ def test_graph_decode_matches_eager(kv_quant, seed):
     assert got_stats == ref_stats  # replays count the selector runs and reuses they perform
 
 
+def _staggered(engine: LLMEngine, prompts, max_tokens, arrive_at):
+    """Requests arriving at given steps (so later prompts prefill while earlier ones decode)."""
+    rids, done, step = {}, {}, 0
+    while len(done) < len(prompts):
+        for i, at in enumerate(arrive_at):
+            if at == step:
+                rids[engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i], temperature=0,
+                                                                   ignore_eos=True))] = i
+        for out in engine.step():
+            if out.finished:
+                done[rids[out.request_id]] = out.token_ids
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
+def test_steps_that_decode_and_prefill_split_into_replay_and_eager_prefill(seed):
+    loaded = load_model("tiny", dtype=torch.float32, device="cuda", seed=seed % 1000)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (200, 333, 900, 1500)]
+    max_tokens, arrive_at = [80, 70, 40, 30], [0, 1, 14, 30]
+    runs = []
+    for graphs in (False, True):
+        eng = _engine(loaded, graphs)
+        eng.scheduler.budget.max_tokens = 256  # the long prompts prefill in chunks next to the decodes
+        runs.append(_staggered(eng, prompts, max_tokens, arrive_at))
+    ref, got = runs
+    assert eng.step_kinds["mixed_graph"] >= 4, eng.step_kinds  # decodes replayed, chunks eager, same step
+    assert got == ref
+
+
 def test_graph_decode_step_syncs_only_to_read_tokens(seed):
     loaded = load_model("tiny", dtype=torch.bfloat16, device="cuda", seed=seed % 1000)
     eng = _engine(loaded, True, dtype="bfloat16")
