@@ -14,6 +14,7 @@ import torch
 
 from lserve.cache.kv_cache import KVCache
 from lserve.config import ModelConfig, SparsityConfig
+from lserve.sparsity.kv_read import KVReadMeter, ring_tokens, selected_tokens, step_read
 from lserve.sparsity.layer_select import resolve_select_layers
 from lserve.sparsity.plan import SeqStep, StepPlan, StepPlanner
 
@@ -56,15 +57,37 @@ class AttentionBackend(ABC):
         # One flag per layer from ``select_layers`` (raises ConfigError on a layer-count mismatch).
         self.select_layers = resolve_select_layers(sparsity.select_layers, model)
         # No layer selects: plan every decode step as below the threshold (no selector state).
-        self.planner.selects = any(self.layer_selects(i) for i in range(model.num_layers))
+        self._selecting = tuple(self.layer_selects(i) for i in range(model.num_layers))
+        self.planner.selects = any(self._selecting)
+        # Decode KV reads as a fraction of dense attention's (lserve.sparsity.kv_read), per step.
+        self.kv_read = KVReadMeter()
 
     def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
         """Host-side metadata for one forward step (``host``: its tensors stay on the CPU)."""
-        return self.planner.plan(steps, host)
+        plan = self.planner.plan(steps, host)
+        self.meter_kv_reads(plan)
+        return plan
+
+    def meter_kv_reads(self, plan: StepPlan) -> None:
+        """Add the decode sequences of ``plan`` to :attr:`kv_read` (host arithmetic on the plan's
+        integers: nothing is read from the device)."""
+        decode = [s for s in plan.seqs if s.step.decode]
+        if not decode:
+            return
+        c, meter = self.cache, self.kv_read
+        N = c.page_size
+        group = self.group if self.sp.select_mode == "query" else 1
+        meter.begin_step()
+        for s in decode:
+            stream = ring_tokens(c.ring.page_in_slot(s.length), s.length, N) if c.has_streaming else 0
+            sel = (selected_tokens(s.length, N, s.budget_pages, s.pages_at_select, group) if s.dynamic else None)
+            per_layer = [sel if sel is not None and on else None for on in self._selecting]
+            meter.add(s.step.seq_id, *step_read(c.n_dense, self.model.num_kv_heads, s.length, stream, per_layer))
 
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state (selection reuse) of a finished/aborted/preempted sequence."""
         self.planner.release(seq_id)
+        self.kv_read.release(seq_id)
 
     def layer_selects(self, layer: int) -> bool:
         """Dynamic selection applies to this layer (not forced dense, in ``select_layers``, has

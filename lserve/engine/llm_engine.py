@@ -35,6 +35,7 @@ from lserve.engine.sequence import RequestOutput, Sequence
 from lserve.engine.step_budget import StepBudget, attention_alpha
 from lserve.models.llama import LlamaModel
 from lserve.models.loader import LoadedModel, load_model
+from lserve.sparsity.kv_read import KVReadTotals
 from lserve.sparsity.patterns import HeadLayout, load_pattern, random_pattern
 from lserve.sparsity.plan import SeqStep
 from lserve.sparsity.threshold import lookup_ratio, profile_key
@@ -76,6 +77,7 @@ class EngineStats:
     all_pages_free: bool = True
     last_step: dict = field(default_factory=dict)  # LLMEngine.last_step_info of the latest step
     selector: SelectorStats | None = None  # a copy of the backend's page-selection totals
+    kv_read: KVReadTotals | None = None  # decode KV head-tokens read vs dense (lserve.sparsity.kv_read)
 
 
 def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadLayout:
@@ -227,7 +229,7 @@ class LLMEngine:
                            c.dense_alloc.num_used, self.scheduler.num_preemptions, self.steps,
                            self.prompt_tokens, self.generation_tokens, dict(self.step_kinds),
                            c.dense_alloc.num_pages, c.stream_alloc.num_used, c.all_free(), dict(self.last_step_info),
-                           replace(self.backend.selector_stats))
+                           replace(self.backend.selector_stats), kv_read=replace(self.backend.kv_read.total))
 
     def describe(self) -> dict:
         """Facts that do not change while the engine runs (for the serving layer's gauges and views)."""

@@ -130,6 +130,16 @@ class ReuseOverride:
                 self.last[seq_id] = step
 
 
+def add_kv_read(out: RequestOutput, totals) -> None:
+    """Put a finished request's decode KV reads (:class:`~lserve.sparsity.kv_read.KVReadTotals`,
+    or None if it never decoded) into its metrics: ``kv_read_fraction`` (of dense attention's
+    KV bytes), ``kv_read_head_tokens`` and ``kv_dense_head_tokens``."""
+    if totals is None or not totals.dense:
+        return
+    out.metrics.update(kv_read_fraction=totals.fraction, kv_read_head_tokens=totals.read,
+                       kv_dense_head_tokens=totals.dense)
+
+
 def generate_variants(engine, prompts: list[list[int]], variants: list[list[SamplingParams]],
                       reuse: list[list[int | None]] | None = None) -> list[list[RequestOutput]]:
     """Run each prompt once through prefill and decode it under every one of its variants.
@@ -147,13 +157,16 @@ def generate_variants(engine, prompts: list[list[int]], variants: list[list[Samp
     Returns
     -------
     list of lists of RequestOutput
-        ``out[i][j]`` is prompt ``i`` decoded with ``variants[i][j]``.
+        ``out[i][j]`` is prompt ``i`` decoded with ``variants[i][j]``; its ``metrics`` hold the
+        variant's decode KV reads (:func:`add_kv_read`).
     """
     if len(prompts) != len(variants) or any(not v for v in variants):
         raise ValueError("need one non-empty list of variants per prompt")
     reuse = reuse or [[None] * len(v) for v in variants]
+    meter = engine.backend.kv_read
     with ReuseOverride(engine) as override:  # per planned step, however step() plans them
         src_ids = [engine.add_request(p, v[0]) for p, v in zip(prompts, variants)]
+        seq_ids = {src: engine._seqs[src].seq_id for src in src_ids}
         for i, src in enumerate(src_ids):
             if reuse[i][0] is not None:
                 override.set(engine._seqs[src], reuse[i][0])
@@ -165,6 +178,7 @@ def generate_variants(engine, prompts: list[list[int]], variants: list[list[Samp
             for o in outs:
                 if o.finished:
                     final[o.request_id] = o
+                    add_kv_read(o, meter.pop(seq_ids.get(o.request_id, -1)))
             for i, src_id in enumerate(src_ids):
                 if forked[i]:
                     continue
@@ -178,6 +192,7 @@ def generate_variants(engine, prompts: list[list[int]], variants: list[list[Samp
                 if seq.in_decode and len(seq.output_ids) == 1:
                     for rid, params, c in zip(rids[i][1:], variants[i][1:], reuse[i][1:]):
                         copy = fork_sequence(engine, seq, params, rid)
+                        seq_ids[rid] = copy.seq_id
                         if c is not None:
                             override.set(copy, c)
                     forked[i] = True

@@ -284,10 +284,11 @@ class Harness:
                     if self.fork:
                         reuse = [[rc.reuse_interval for rc in v] for _, v in batch]
                         outs = generate_variants(eng, [c.prompt_ids for c, _ in batch], params, reuse)
-                    else:
-                        flat = eng.generate([c.prompt_ids for c, v in batch for _ in v], [p for ps in params for p in ps])
+                    else:  # one request per (prompt, configuration): singleton variant lists fork nothing
+                        flat = generate_variants(eng, [c.prompt_ids for c, v in batch for _ in v],
+                                                 [[p] for ps in params for p in ps])
                         it = iter(flat)
-                        outs = [[next(it) for _ in v] for _, v in batch]
+                        outs = [[next(it)[0] for _ in v] for _, v in batch]
                     dt = time.perf_counter() - t0
                     n_out = sum(len(v) for _, v in batch)
                     for (c, v), os_, ps in zip(batch, outs, params):
@@ -296,6 +297,9 @@ class Harness:
                                    "depth": c.depth, "seed": c.seed, "budget": p.token_budget,
                                    "score": score(c, o.text), "answers": c.answers, "output": o.text,
                                    "shared_prefill": self.fork and len(v) > 1,
+                                   "kv_read_fraction": o.metrics.get("kv_read_fraction"),
+                                   "kv_read_head_tokens": o.metrics.get("kv_read_head_tokens"),
+                                   "kv_dense_head_tokens": o.metrics.get("kv_dense_head_tokens"),
                                    "batch_seconds": round(dt, 2)}
                             f.write(json.dumps(rec) + "\n")
                             self._done[(rc.name, rec["key"])] = rec
@@ -314,7 +318,8 @@ class Harness:
         Rows aggregate every scored case of the listed configurations in the cases file, also
         those of earlier commands with other grids (each row says its ``n``); ``status`` says
         whether the current plan's cases are all done, and ``commands`` lists every command
-        that wrote to this output.
+        that wrote to this output. Each row's ``kv_read_fraction`` is the share of dense
+        attention's decode KV bytes its cases read (:mod:`lserve.sparsity.kv_read`).
         """
         self._load_done()
         keys = {case_key(c) for c in cases} if cases is not None else set()
@@ -331,7 +336,8 @@ class Harness:
                 rows.append({"config": rc.name, "task": task, "context": ctx, "budget": rs[0]["budget"],
                              "budget_spec": rc.budget_label(), "accuracy": round(sum(r["score"] for r in rs) / len(rs), 2),
                              "n": len(rs), "pattern": rc.pattern, "static_sparsity": rc.static_sparsity if rc.pattern else 0.0,
-                             "reuse_interval": rc.reuse_interval, "select_mode": rc.select_mode})
+                             "reuse_interval": rc.reuse_interval, "select_mode": rc.select_mode,
+                             "kv_read_fraction": kv_read_fraction(rs)})
             for (task, ctx, d), rs in sorted(dgroups.items()):
                 depth_rows.append({"config": rc.name, "task": task, "context": ctx, "depth": d,
                                    "accuracy": round(sum(r["score"] for r in rs) / len(rs), 2), "n": len(rs)})
@@ -361,6 +367,15 @@ class Harness:
 
         plot_all(summary, self.out)
         return summary
+
+
+def kv_read_fraction(records: list[dict]) -> float | None:
+    """Share of dense attention's decode KV bytes the cases read: their read head-tokens over
+    their dense head-tokens (None when no case recorded them, e.g. cases of older runs)."""
+    got = [r for r in records if r.get("kv_dense_head_tokens")]
+    if not got:
+        return None
+    return round(sum(r["kv_read_head_tokens"] for r in got) / sum(r["kv_dense_head_tokens"] for r in got), 4)
 
 
 def compare(rows: list[dict]) -> list[dict]:

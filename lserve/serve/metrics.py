@@ -101,6 +101,14 @@ class EngineMetrics:
                                        "Layer-steps that reused a stored page selection instead of selecting.")
         self.selector_pages = counter("sparsity_selected_pages", "KV pages kept by page-selector runs.")
         self.selector_time = counter("sparsity_selector_seconds", "Time spent in the page selector.")
+        self.kv_read_fraction = gauge("decode_kv_read_fraction",
+                                      "KV bytes decode steps read as a fraction of what dense attention reads "
+                                      "(streaming heads' ring + selected pages + unselected layers' context) over "
+                                      "the last export interval.")
+        self.kv_read_tokens = counter("decode_kv_read_head_tokens",
+                                      "Cached tokens x KV heads read by decode steps (all layers).")
+        self.kv_dense_tokens = counter("decode_kv_dense_head_tokens",
+                                       "Cached tokens x KV heads dense attention would have read at those steps.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = counter("request_success", "Requests finished, by finish reason (stop, length, abort, error).",
@@ -115,7 +123,8 @@ class EngineMetrics:
         """Create every series at zero, so counters and histograms are exported before the first event."""
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.aborts, self.steps,
-                       self.selector_runs, self.selector_reuses, self.selector_pages, self.selector_time):
+                       self.selector_runs, self.selector_reuses, self.selector_pages, self.selector_time,
+                       self.kv_read_tokens, self.kv_dense_tokens):
             self.of(metric)
         for reason in ("stop", "length", "abort", "error"):
             self.of(self.finished, finished_reason=reason)

@@ -265,7 +265,7 @@ class EngineReplica:
     def _poll_stats(self) -> None:
         m = self.metrics
         last: dict[str, float] = {"prompt": 0, "gen": 0, "pre": 0, "steps": 0, "runs": 0, "reuses": 0, "pages": 0,
-                                  "seconds": 0.0}
+                                  "seconds": 0.0, "kv_read": 0, "kv_dense": 0}
         while not self._stop.wait(STATS_PERIOD_S):
             try:
                 st = self.engine.stats()
@@ -289,6 +289,13 @@ class EngineReplica:
                         if value > last[key]:
                             m.of(counter).inc(value - last[key])
                         last[key] = value
+                kv = st.kv_read
+                if kv is not None and kv.dense > last["kv_dense"]:
+                    read, dense = kv.read - last["kv_read"], kv.dense - last["kv_dense"]
+                    m.of(m.kv_read_fraction).set(read / dense)
+                    m.of(m.kv_read_tokens).inc(read)
+                    m.of(m.kv_dense_tokens).inc(dense)
+                    last.update(kv_read=kv.read, kv_dense=kv.dense)
                 now = {"prompt": st.prompt_tokens, "gen": st.generation_tokens, "pre": st.num_preemptions,
                        "steps": st.steps}
                 for key, counter in (("prompt", m.prompt_tokens), ("gen", m.generation_tokens),

@@ -52,6 +52,7 @@ class SeqPlan:
     select: bool  # run the selector now (else reuse the last selection)
     ring_pages: torch.Tensor  # long [R]: streaming pages to read (slots holding data)
     ring_first_pos: torch.Tensor  # long [R]: position of the first token of each read page
+    pages_at_select: int = 0  # dense pages at the selection this step uses (when dynamic)
 
     @cached_property
     def pages(self) -> torch.Tensor:
@@ -102,6 +103,7 @@ class StepPlanner:
         self.device = device
         self._decode_steps: dict[int, int] = {}
         self._last_select: dict[int, int] = {}
+        self._select_pages: dict[int, int] = {}  # seq_id -> n_pages when it last selected
         # dynamic_threshold -1 (auto): selection runs from ratio * budget tokens (set by the
         # engine from the device's profile; 0 = whenever the context exceeds the budget).
         self.threshold_ratio = 0.0
@@ -119,6 +121,7 @@ class StepPlanner:
         """Forget a finished, aborted or preempted sequence."""
         self._decode_steps.pop(seq_id, None)
         self._last_select.pop(seq_id, None)
+        self._select_pages.pop(seq_id, None)
 
     def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
         """The step's plan; ``host``: tensors on the CPU (CUDA-graph steps copy them in one go)."""
@@ -205,8 +208,10 @@ class StepPlanner:
                 select = last is None or step - last >= self.sp.reuse_interval
                 if select:
                     self._last_select[s.seq_id] = step
+                    self._select_pages[s.seq_id] = n_pages
             else:
                 self._last_select.pop(s.seq_id, None)
+                self._select_pages.pop(s.seq_id, None)
         # Streaming heads read the ring as it is when they attend: after the write at decode,
         # before it at prefill (the chunk's own tokens come fresh).
         seen = length if s.decode else s.start
@@ -218,4 +223,5 @@ class StepPlanner:
             dynamic=dynamic, budget_pages=k, select=select,
             ring_pages=_long([s.stream_pages[r] for r, _ in live], dev),
             ring_first_pos=_long([i * N for _, i in live], dev),
+            pages_at_select=self._select_pages.get(s.seq_id, n_pages) if dynamic else 0,
         )

@@ -74,6 +74,10 @@ def test_end_to_end_on_tiny_model(tmp_path, capsys):
         assert 0 <= r["accuracy"] <= 100 and r["n"] == 2
     budgets = {(r["config"], r["context"]): r["budget"] for r in rows}
     assert budgets[("rnd", 512)] == 128 and budgets[("rnd@1/2", 640)] == 320 and budgets[("dense", 512)] == 0
+    # decode KV bytes read vs dense: all of it for dense; less with streaming heads, less again at a smaller budget
+    kv = {(r["config"], r["context"]): r["kv_read_fraction"] for r in rows}
+    assert kv[("dense", 512)] == kv[("dense", 640)] == 1.0
+    assert 0 < kv[("rnd", 640)] < kv[("rnd@1/2", 640)] < 1
     assert json.loads((tmp_path / "acc.json").read_text())["rows"] == rows
     assert (tmp_path / "acc_heatmap_passkey.png").is_file() and (tmp_path / "acc_budget.png").is_file()
     lines = (tmp_path / "acc.cases.jsonl").read_text().splitlines()
@@ -83,10 +87,10 @@ def test_end_to_end_on_tiny_model(tmp_path, capsys):
     assert len((tmp_path / "acc.cases.jsonl").read_text().splitlines()) == len(lines)
     h2 = Harness(model="tiny", out=str(tmp_path / "nofork"), batch_size=2, progress=False, loaded=tiny, fork=False)
     h2.run(configs, plan)
-    a = {(r["config"], r["key"]): r["output"] for r in map(json.loads, lines)}
+    a = {(r["config"], r["key"]): (r["output"], r["kv_read_head_tokens"]) for r in map(json.loads, lines)}
     nofork = (tmp_path / "nofork.cases.jsonl").read_text().splitlines()
-    b = {(r["config"], r["key"]): r["output"] for r in map(json.loads, nofork)}
-    assert a == b
+    b = {(r["config"], r["key"]): (r["output"], r["kv_read_head_tokens"]) for r in map(json.loads, nofork)}
+    assert a == b  # same outputs and the same KV reads, forked or not
     print_table(s)
     assert "passkey" in capsys.readouterr().out
 
