@@ -122,6 +122,18 @@ def cmd_bench(a: argparse.Namespace) -> int:
                               backend=a.backend or ("cupy" if gpu else "torch"), budget=a.budget,
                               contexts=a.contexts, decode_steps=a.decode_tokens or 32, out_dir=a.out, name=a.name,
                               profile_file=a.profile_file, save=not a.no_save)
+    elif a.what == "selection-mass":
+        from lserve.bench.selection_mass import SelectionMassConfig, run_selection_mass
+
+        if a.device is None or a.device == "cpu":
+            import torch
+
+            torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+        run_selection_mass(SelectionMassConfig(model=a.model or "default", device=a.device or "cpu",
+                                               contexts=tuple(a.contexts or (2048, 4096, 8192)),
+                                               decode_steps=a.decode_tokens or 8, budgets=tuple(a.budgets),
+                                               depths=tuple(a.depths)),
+                           a.out, name=a.name or "selection_mass_cpu")
     elif a.what == "kernels":
         from lserve.bench.kernels import run_kernel_bench
 
@@ -163,11 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON + PNG under benchmarks/")
-    b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold", "serve"])
+    b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold", "serve", "selection-mass"])
     b.add_argument("--out", default="benchmarks")
     b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096], help="cpu: prompt lengths")
     b.add_argument("--decode-tokens", type=int, default=None,
-                   help="decode steps measured per point (default 64 for e2e, else 32; serve: tokens per request)")
+                   help="decode steps measured per point (default 64 for e2e, 8 for selection-mass, else 32; serve: tokens "
+                        "per request)")
     b.add_argument("--model", default=None,
                    help="e2e / profile-threshold: model or preset (default llama3-8b on a GPU, else default)")
     b.add_argument("--device", default=None, help="e2e (default cuda) / profile-threshold (default: cuda if present)")
@@ -189,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile-threshold: where to save (default $LSERVE_CACHE_DIR/dynamic_threshold.json)")
     b.add_argument("--no-save", action="store_true", help="profile-threshold: measure and report only")
     b.add_argument("--configs", default="lserve,dense", help="serve: configurations, comma-separated")
+    b.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                   help="selection-mass: token budgets of the table and plot")
+    b.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.75],
+                   help="selection-mass: needle depths of the prompts")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)")
