@@ -125,6 +125,11 @@ class SparsityConfig:
         :mod:`lserve.sparsity.layer_select`; every layer when none ships), ``"all"``, ``"none"``,
         layer indices (a tuple, or a string ``"0,5,7"``) or a calibration JSON path written by
         ``lserve calibrate-selection``. Normalised here: indices become a sorted tuple.
+    adaptive_budgets : str
+        Per-layer decode budgets (torch backend only; :mod:`lserve.sparsity.adaptive_budget`):
+        ``""`` (off: every selecting layer keeps ``token_budget``), ``"auto"`` (the calibration
+        shipped beside the model's pattern) or a JSON written by ``lserve calibrate-budgets``;
+        ``token_budget`` is then the dense-head-weighted mean budget.
     """
 
     pattern: str | None = None
@@ -138,6 +143,7 @@ class SparsityConfig:
     select_mode: str = "kv"
     pattern_seed: int = 0
     select_layers: str | tuple[int, ...] = "auto"
+    adaptive_budgets: str = ""
 
     def __post_init__(self) -> None:
         self.select_layers = _layer_spec(self.select_layers)

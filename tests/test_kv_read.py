@@ -65,8 +65,8 @@ def _counting_backend(be):
     inner_decode, inner_table = be._decode, be._page_table
     state = {}
 
-    def page_table(layer, sp, qd):
-        table = inner_table(layer, sp, qd)  # [H_sel, C] indices into sp.pages
+    def page_table(layer, sp, qd, *k):
+        table = inner_table(layer, sp, qd, *k)  # [H_sel, C] indices into sp.pages
         state["table"] = table
         return table
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from lserve.cache.kv_cache import KVCache
-from lserve.config import ModelConfig, SparsityConfig
+from lserve.config import ConfigError, ModelConfig, SparsityConfig
+from lserve.sparsity.adaptive_budget import layer_pages, resolve_ratios
 from lserve.sparsity.kv_read import KVReadMeter, ring_tokens, selected_tokens, step_read
 from lserve.sparsity.layer_select import resolve_select_layers
 from lserve.sparsity.plan import SeqStep, StepPlan, StepPlanner
@@ -46,6 +47,8 @@ class AttentionBackend(ABC):
     """
 
     name = "base"
+    #: Runs per-layer budgets (``SparsityConfig.adaptive_budgets``).
+    supports_adaptive_budgets = False
 
     def __init__(self, model: ModelConfig, sparsity: SparsityConfig, cache: KVCache) -> None:
         self.model, self.sp, self.cache = model, sparsity, cache
@@ -59,6 +62,10 @@ class AttentionBackend(ABC):
         # No layer selects: plan every decode step as below the threshold (no selector state).
         self._selecting = tuple(self.layer_selects(i) for i in range(model.num_layers))
         self.planner.selects = any(self._selecting)
+        # Per-layer budget ratios (None: every selecting layer keeps the request's budget).
+        self.layer_ratios = resolve_ratios(sparsity.adaptive_budgets, model.name, model.num_layers)
+        if self.layer_ratios is not None and not self.supports_adaptive_budgets:
+            raise ConfigError(f"adaptive_budgets runs on the torch backend only, not {self.name!r}")
         # Decode KV reads as a fraction of dense attention's (lserve.sparsity.kv_read), per step.
         self.kv_read = KVReadMeter()
 
@@ -80,9 +87,20 @@ class AttentionBackend(ABC):
         meter.begin_step()
         for s in decode:
             stream = ring_tokens(c.ring.page_in_slot(s.length), s.length, N) if c.has_streaming else 0
-            sel = (selected_tokens(s.length, N, s.budget_pages, s.pages_at_select, group) if s.dynamic else None)
-            per_layer = [sel if sel is not None and on else None for on in self._selecting]
+            per_layer = [None] * len(self._selecting)
+            if s.dynamic:
+                for i, on in enumerate(self._selecting):
+                    k = self.layer_budget_pages(i, s.budget_pages)
+                    if on and k < s.n_pages:
+                        per_layer[i] = selected_tokens(s.length, N, k, s.pages_at_select, group)
             meter.add(s.step.seq_id, *step_read(c.n_dense, self.model.num_kv_heads, s.length, stream, per_layer))
+
+    def layer_budget_pages(self, layer: int, budget_pages: int) -> int:
+        """Pages a selecting layer keeps for a sequence whose (mean) budget is ``budget_pages``;
+        a layer reads every page when this is at least the sequence's pages."""
+        if self.layer_ratios is None:
+            return budget_pages
+        return layer_pages(self.layer_ratios[layer], budget_pages, self.cache.page_size)
 
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state (selection reuse) of a finished/aborted/preempted sequence."""

@@ -64,6 +64,7 @@ class TorchBackend(AttentionBackend):
     """The oracle backend. Holds the reused page selections per (layer, sequence)."""
 
     name = "torch"
+    supports_adaptive_budgets = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -131,8 +132,9 @@ class TorchBackend(AttentionBackend):
         N = self.cache.page_size
         out = torch.empty_like(q)
         if nd:
-            if sp.dynamic and self.layer_selects(layer):
-                table = self._page_table(layer, sp, q[: nd * G])  # [H_sel, C] indices into sp.pages
+            kp = self.layer_budget_pages(layer, sp.budget_pages)  # K of this layer
+            if sp.dynamic and self.layer_selects(layer) and kp < sp.n_pages:
+                table = self._page_table(layer, sp, q[: nd * G], kp)  # [H_sel, C] indices into sp.pages
                 rows = table.shape[0]
                 heads = torch.arange(rows, device=q.device)[:, None] // (rows // nd)
                 k, v = self.cache.dense[layer].gather(sp.pages[table], heads)  # [H_sel, C, N, D]
@@ -151,8 +153,9 @@ class TorchBackend(AttentionBackend):
             out[nd * G:] = _attend(qs, k[:, keep], v[:, keep], None, self.scale).view(hs * G, d)
         return out
 
-    def _page_table(self, layer: int, sp: SeqPlan, qd: torch.Tensor) -> torch.Tensor:
-        """Pages each selecting head reads, as indices into ``sp.pages``: long [H_sel, C].
+    def _page_table(self, layer: int, sp: SeqPlan, qd: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """Pages each selecting head reads, as indices into ``sp.pages``: long [H_sel, C]; ``k``:
+        pages a selector run keeps (the layer's budget; None: the sequence's).
 
         Runs the selector or reuses its last choice; pages that appeared since that choice
         (from the then-last page on) are always read.
@@ -163,7 +166,7 @@ class TorchBackend(AttentionBackend):
             t0 = time.perf_counter()
             stats = self.cache.stats[layer]
             scores = page_scores(qd, stats.kmax[sp.pages], stats.kmin[sp.pages], self.group, self.sp.select_mode)
-            idx = top_pages(scores, sp.budget_pages)
+            idx = top_pages(scores, sp.budget_pages if k is None else k)
             state = (idx[:, :-1], n)
             self.selection[layer][sp.step.seq_id] = state
             st = self.selector_stats

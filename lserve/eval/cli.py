@@ -55,6 +55,39 @@ def cmd_calibrate_selection(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate_budgets(a: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from lserve.config import ConfigError
+    from lserve.sparsity.adaptive_budget import ADAPTIVE_NAME, calibrate_budgets
+
+    try:
+        report = json.loads(Path(a.mass).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the selection-mass report {a.mass}: {e}") from None
+    r = calibrate_budgets(report, a.context, a.mean_budget, a.method)
+    r["command"] = "lserve " + shlex.join(sys.argv[1:])
+    if a.out:
+        out = Path(a.out)
+    else:
+        from lserve.sparsity.shipped import default_pattern_for
+
+        folder = default_pattern_for(r["model"] or "")
+        if folder is None:
+            raise ConfigError(f"no shipped pattern folder for model {r['model']!r}: pass --out FILE.json")
+        out = folder / ADAPTIVE_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=1) + "\n")
+    print("layer  budget  ratio  mass")
+    for i, (b, ratio, m) in enumerate(zip(r["budgets"], r["ratios"], r["mass"])):
+        if b is not None:
+            print(f"{i:>5}  {b:>6}  {ratio:>5.2f}  {m:.3f}")
+    print(f"wrote {out}: mean {r['mean']} tokens per dense head (asked {a.mean_budget}), worst layer mass "
+          f"{r['min_mass']} at context {a.context}")
+    return 0
+
+
 def cmd_eval(a: argparse.Namespace) -> int:
     from lserve.eval.harness import EvalPlan, Harness, parse_config
 
@@ -185,13 +218,26 @@ def register(sub) -> None:
     k.add_argument("--quiet", action="store_true", help="no progress bar")
     k.set_defaults(func=cmd_calibrate_selection)
 
+    cb = sub.add_parser("calibrate-budgets", help="per-layer decode budgets from a selection-mass report",
+                        description="Split a mean token budget across layers from the mass curves of `lserve bench "
+                                    "selection-mass` (largest worst-layer mass the mean allows, the remainder by "
+                                    "mass gain per token); writes the ratios SparsityConfig.adaptive_budgets reads.")
+    cb.add_argument("--mass", default="benchmarks/selection_mass_cpu.json", help="selection-mass report JSON")
+    cb.add_argument("--context", type=int, default=8192, help="the report's context to calibrate at")
+    cb.add_argument("--mean-budget", type=int, default=1024, help="mean tokens per dense head")
+    cb.add_argument("--method", default="bound_p64_l16", help="curve to use (the engine's selector by default)")
+    cb.add_argument("--out", default=None, help="output JSON (default: adaptive_budgets.json beside the model's "
+                                                "shipped pattern)")
+    cb.set_defaults(func=cmd_calibrate_budgets)
+
     e = sub.add_parser("eval", help="accuracy of engine configurations side by side on generated long-context tasks",
                        description="Configurations: presets (dense, static, static-random-pattern, dynamic, lserve, "
-                                   "lserve-all-layers, lserve-no-reuse, lserve-random-pattern, lserve-query-select), "
+                                   "lserve-all-layers, lserve-adaptive, lserve-no-reuse, lserve-random-pattern, "
+                                   "lserve-query-select), "
                                    "NAME@BUDGET, or "
                                    "NAME:key=value,... (keys: pattern, static_sparsity, budget, min_budget, "
                                    "reuse_interval, select_mode, dense_layers, pattern_seed, kv_quant, logical_page_size, "
-                                   "select_layers).")
+                                   "select_layers, adaptive_budgets).")
     e.add_argument("--model", default="default")
     e.add_argument("--tasks", nargs="+", default=["passkey", "niah"],
                    choices=["passkey", "niah", "niah-multikey", "niah-multivalue", "vt", "cwe"])

@@ -50,6 +50,9 @@ class RunConfig:
     select_layers : str
         Layers that select pages (``SparsityConfig.select_layers``: ``auto``, ``all``, ``none``,
         ``0;5;7`` or a calibration JSON).
+    adaptive_budgets : str
+        Per-layer budgets around the mean ``budget`` (``SparsityConfig.adaptive_budgets``:
+        ``""`` off, ``auto`` or a calibration JSON); torch backend only.
     """
 
     name: str
@@ -64,6 +67,7 @@ class RunConfig:
     kv_quant: str = "none"
     logical_page_size: int = 16
     select_layers: str = "auto"
+    adaptive_budgets: str = ""
 
     def budget_for(self, context: int, page_size: int = 64) -> int:
         """Token budget at ``context`` tokens: 0 = off, else at least two pages and ``min_budget``."""
@@ -82,7 +86,7 @@ class RunConfig:
         random_seed = self.pattern_seed if self.pattern == "random" else None
         return (self.pattern, self.static_sparsity if self.pattern else 0.0, random_seed,
                 self.reuse_interval if with_reuse else None, self.select_mode, self.dense_layers, self.kv_quant,
-                self.logical_page_size, self.select_layers)
+                self.logical_page_size, self.select_layers, self.adaptive_budgets)
 
     def sparsity(self, model_name: str) -> SparsityConfig:
         """The engine's :class:`SparsityConfig` (budgets are set per request)."""
@@ -92,7 +96,7 @@ class RunConfig:
         return SparsityConfig(pattern=pattern, static_sparsity=self.static_sparsity if pattern else 0.0,
                               token_budget=0, reuse_interval=self.reuse_interval, select_mode=self.select_mode,
                               dense_layers=self.dense_layers, pattern_seed=self.pattern_seed,
-                              select_layers=self.select_layers,
+                              select_layers=self.select_layers, adaptive_budgets=self.adaptive_budgets,
                               dynamic_threshold=0)  # accuracy of selection itself, at every context
 
 
@@ -106,6 +110,9 @@ PRESET_CONFIGS: dict[str, RunConfig] = {
     # The paper's behaviour: selection in every layer (``lserve`` follows the calibration).
     "lserve-all-layers": RunConfig("lserve-all-layers", pattern="learned", budget="1/8", min_budget=512,
                                    select_layers="all"),
+    # Every layer selects, each with its calibrated share of the mean budget (issue 21).
+    "lserve-adaptive": RunConfig("lserve-adaptive", pattern="learned", budget="1/8", min_budget=512,
+                                 select_layers="all", adaptive_budgets="auto"),
     "lserve-no-reuse": RunConfig("lserve-no-reuse", pattern="learned", budget="1/8", min_budget=512, reuse_interval=1),
     "lserve-random-pattern": RunConfig("lserve-random-pattern", pattern="random", budget="1/8", min_budget=512),
     "lserve-query-select": RunConfig("lserve-query-select", pattern="learned", budget="1/8", min_budget=512,

@@ -42,9 +42,9 @@ def _spy_layers(eng) -> list[int]:
     """Record the layer of every page-table build (selection or reuse) of the torch backend."""
     seen, inner = [], eng.backend._page_table
 
-    def spy(layer, sp, qd):
+    def spy(layer, sp, qd, *k):
         seen.append(layer)
-        return inner(layer, sp, qd)
+        return inner(layer, sp, qd, *k)
 
     eng.backend._page_table = spy
     return seen
