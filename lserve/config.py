@@ -236,6 +236,10 @@ class EngineConfig:
     decode_stall : float
         With a time target: prefill time in a step with decodes, as a multiple of a decode-only
         step's time (bounds the inter-token latency of running requests).
+    prefix_cache : bool
+        Keep full prompt pages after their request and reuse them for later prompts that start
+        the same way (:mod:`lserve.cache.prefix_cache`); idle cached pages are evicted, least
+        recently used first, only when an allocation needs them.
     """
 
     model: str = "default"
@@ -253,6 +257,7 @@ class EngineConfig:
     async_decode: bool = True
     step_time_target: float = 0.0
     decode_stall: float = 1.0
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -263,7 +268,7 @@ class EngineConfig:
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
         _check(0 <= self.step_time_target <= 60, f"step_time_target must be in [0, 60] seconds, got {self.step_time_target}")
         _check(self.decode_stall > 0, f"decode_stall must be > 0, got {self.decode_stall}")
-        for flag in ("cuda_graphs", "fused_ops", "async_decode"):
+        for flag in ("cuda_graphs", "fused_ops", "async_decode", "prefix_cache"):
             _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":
             _check(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
@@ -275,6 +280,18 @@ class EngineConfig:
             _check(sp.token_budget >= 2 * cc.page_size,
                    f"token_budget ({sp.token_budget}) must be 0 (off) or at least two pages "
                    f"({2 * cc.page_size} tokens)")
+
+    def prefix_namespace(self) -> dict[str, Any]:
+        """What, besides the tokens, decides a KV page's contents: the prefix cache's hash seed
+        (:func:`lserve.cache.page_hash.namespace_seed`), computed alike by the router."""
+        sp, cc = self.sparsity, self.cache
+        # dtype as given (not resolved by device): every replica of a deployment shares its settings
+        return {"model": self.model, "dtype": self.dtype, "backend": self.backend, "seed": self.seed,
+                "max_model_len": self.max_model_len, "page_size": cc.page_size,
+                "logical_page_size": cc.logical_page_size, "kv_quant": cc.kv_quant, "pattern": sp.pattern,
+                "static_sparsity": sp.static_sparsity if sp.streaming_enabled() else 0.0,
+                "sink": sp.sink_tokens, "local": sp.local_tokens, "dense_layers": sp.dense_layers,
+                "pattern_seed": sp.pattern_seed}
 
     def torch_dtype(self):
         """The activation/cache dtype: fp32 on CPU, bf16 on CUDA unless set."""
@@ -298,7 +315,8 @@ def engine_config_from_args(a) -> EngineConfig:
                         max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
                         max_model_len=a.max_model_len, seed=a.seed,
                         cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode,
-                        step_time_target=a.step_time_target, decode_stall=a.decode_stall)
+                        step_time_target=a.step_time_target, decode_stall=a.decode_stall,
+                        prefix_cache=getattr(a, "prefix_cache", True))
 
 
 #: Where the command line (``lserve generate`` / ``lserve serve`` flags, the serve settings)
@@ -316,7 +334,7 @@ def engine_flag_defaults() -> dict[str, Any]:
     values with :data:`CLI_OVERRIDES` applied. The CLI and the serve settings read theirs here."""
     objs = {"engine": EngineConfig(), "sparsity": SparsityConfig(), "cache": CacheConfig()}
     flags = ("model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
-             "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall")
+             "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache")
     out = {f: getattr(objs["engine"], f) for f in flags}
     for f in ("pattern", "static_sparsity", "token_budget", "reuse_interval", "dynamic_threshold", "dense_layers",
               "select_mode", "select_layers"):

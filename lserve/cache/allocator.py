@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
+
+class Reclaimer(Protocol):
+    """Holds allocated pages that nobody reads and gives them back on demand (the prefix cache)."""
+
+    @property
+    def num_evictable(self) -> int: ...
+
+    def evict(self, n: int) -> None:
+        """Return at least ``n`` held pages to the allocator (``PageAllocator.free``)."""
+
 
 class OutOfPages(RuntimeError):
     """Raised when a pool cannot satisfy an allocation (the scheduler preempts on it)."""
@@ -11,7 +23,8 @@ class PageAllocator:
     """Hands out integer page ids in ``[0, num_pages)``.
 
     Page ``p`` addresses the same slot in every layer's storage tensor, so one allocation
-    serves the whole model.
+    serves the whole model. With a :class:`Reclaimer` attached (``reclaimer``), pages it holds
+    unreferenced count as free: an allocation that needs them makes it evict them first.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -19,22 +32,31 @@ class PageAllocator:
         # Pop from the end: low ids first, which keeps fresh caches compact.
         self._free = list(range(num_pages - 1, -1, -1))
         self._used: set[int] = set()
+        self.reclaimer: Reclaimer | None = None
+
+    def _evictable(self) -> int:
+        return self.reclaimer.num_evictable if self.reclaimer is not None else 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can get: free ones plus those the reclaimer would evict."""
+        return len(self._free) + self._evictable()
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        """Pages some sequence holds (cached pages nobody reads are not counted)."""
+        return len(self._used) - self._evictable()
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` pages; raises :class:`OutOfPages` and takes nothing if not enough."""
+        """Take ``n`` pages (evicting unreferenced cached pages if the free list is short);
+        raises :class:`OutOfPages` and takes nothing if not enough."""
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} pages, {self.num_free} free of {self.num_pages}")
         if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
+            self.reclaimer.evict(n - len(self._free))
         pages = [self._free.pop() for _ in range(n)]
         self._used.update(pages)
         return pages

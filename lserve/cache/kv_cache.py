@@ -14,6 +14,7 @@ import torch
 from lserve.cache.allocator import PageAllocator
 from lserve.cache.key_stats import KeyStats
 from lserve.cache.paged_pool import PagedPool
+from lserve.cache.prefix_cache import PrefixCache
 from lserve.config import CacheConfig, ModelConfig
 
 
@@ -60,10 +61,20 @@ class KVCache:
         Streaming window; both multiples of the page size.
     max_num_seqs : int
         Sequences that can hold streaming pages at once.
+    prefix_cache : bool
+        Index full prompt pages for reuse (:attr:`prefix`). With streaming heads this adds one
+        *shadow* page per dense page to the streaming pool (ids ``shadow_base + dense page``):
+        prefill also writes the streaming heads' K/V of every token there, so a request that
+        reuses a cached prefix can have its ring (sink + local window) filled by copying
+        (:meth:`fill_ring`). Recomputing the window instead is not exact: its tokens' K/V depend,
+        through every layer's streaming heads, on the window before it.
+    prefix_seed : bytes
+        Hash-chain seed of the prefix cache.
     """
 
     def __init__(self, model: ModelConfig, cfg: CacheConfig, n_dense: list[int], sink_tokens: int,
-                 local_tokens: int, max_num_seqs: int, dtype: torch.dtype, device) -> None:
+                 local_tokens: int, max_num_seqs: int, dtype: torch.dtype, device, prefix_cache: bool = False,
+                 prefix_seed: bytes = b"") -> None:
         self.cfg = cfg
         self.page_size = cfg.page_size
         self.n_dense = list(n_dense)
@@ -74,15 +85,30 @@ class KVCache:
         self.stream_pages_per_seq = self.ring.num_slots if self.has_streaming else 0
         self.dense_alloc = PageAllocator(cfg.num_pages)
         self.stream_alloc = PageAllocator(max_num_seqs * self.stream_pages_per_seq)
+        self.prefix = PrefixCache(self.dense_alloc, cfg.page_size, prefix_seed, prefix_cache)
+        # Shadow pages follow the ring pages in the streaming pool; None: there are none.
+        self.shadow_base = self.stream_alloc.num_pages if prefix_cache and self.has_streaming else None
+        n_stream_pages = self.stream_alloc.num_pages + (cfg.num_pages if self.shadow_base is not None else 0)
         D, N = model.head_dim, cfg.page_size
         self.dense = [PagedPool(cfg.num_pages, n, N, D, cfg.kv_quant, dtype, device) for n in n_dense]
         self.stats = [KeyStats(cfg.num_pages, n, N, cfg.logical_page_size, D, dtype, device) for n in n_dense]
-        self.stream = [PagedPool(self.stream_alloc.num_pages, s, N, D, cfg.kv_quant, dtype, device)
-                       for s in self.n_stream]
+        self.stream = [PagedPool(n_stream_pages, s, N, D, cfg.kv_quant, dtype, device) for s in self.n_stream]
 
     def pages_for(self, num_tokens: int) -> int:
         """Dense pages needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
+
+    def fill_ring(self, ring_pages: list[int], dense_pages: list[int], length: int) -> None:
+        """Copy, into a sequence's ring, the streaming K/V of its first ``length`` tokens held in
+        the shadow pages of ``dense_pages`` (a prefix-cache hit; ``length`` ends a page)."""
+        if self.shadow_base is None or length <= 0:
+            return
+        pairs = [(self.shadow_base + dense_pages[i], ring_pages[r])
+                 for r, i in enumerate(self.ring.page_in_slot(length)) if i >= 0]
+        src = [s for s, _ in pairs]
+        dst = [d for _, d in pairs]
+        for pool in self.stream:
+            pool.copy_pages(src, dst)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per pool."""
@@ -92,11 +118,11 @@ class KVCache:
         }
 
     def usage(self) -> dict[str, float]:
-        """Fraction of pages in use per pool (0 for an empty pool)."""
+        """Fraction of pages in use per pool (0 for an empty pool; idle cached pages count as free)."""
         def frac(a: PageAllocator) -> float:
             return a.num_used / a.num_pages if a.num_pages else 0.0
         return {"dense": frac(self.dense_alloc), "streaming": frac(self.stream_alloc)}
 
     def all_free(self) -> bool:
-        """True when no page of either pool is held by a sequence."""
+        """True when no page of either pool is held by a sequence (idle cached pages may remain)."""
         return self.dense_alloc.num_used == 0 and self.stream_alloc.num_used == 0

@@ -60,6 +60,16 @@ class PagedPool:
                 scale[pages, :, offsets] = s
                 zero[pages, :, offsets] = z
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages ``src[i] -> dst[i]`` (data, scales, zero points), on the pool's device."""
+        if self.num_heads == 0 or not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.k.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.k.device)
+        for t in (self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero):
+            if t is not None:
+                t[d] = t[s]  # [n, H, N_P, ...] rows
+
     def gather(self, pages: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of chosen pages per head, head-major.
 

@@ -18,6 +18,7 @@ import torch
 from lserve.attention import make_backend
 from lserve.attention.base import SelectorStats
 from lserve.cache.kv_cache import KVCache
+from lserve.cache.page_hash import namespace_seed
 from lserve.config import ConfigError, EngineConfig
 from lserve.engine.async_decode import HostTokens, LaunchedStep
 from lserve.engine.cuda_graphs import DecodeGraphs
@@ -35,6 +36,7 @@ from lserve.engine.sequence import RequestOutput, Sequence
 from lserve.engine.step_budget import StepBudget, attention_alpha
 from lserve.models.llama import LlamaModel
 from lserve.models.loader import LoadedModel, load_model
+from lserve.models.tokenizer import encode_prompt
 from lserve.sparsity.kv_read import KVReadTotals
 from lserve.sparsity.patterns import HeadLayout, load_pattern, random_pattern
 from lserve.sparsity.plan import SeqStep
@@ -77,6 +79,11 @@ class EngineStats:
     all_pages_free: bool = True
     last_step: dict = field(default_factory=dict)  # LLMEngine.last_step_info of the latest step
     selector: SelectorStats | None = None  # a copy of the backend's page-selection totals
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens reused from it
+    prefix_cached_pages: int = 0  # dense pages the prefix cache holds (read by a sequence or idle)
+    prefix_evictions: int = 0  # cached pages given back for new allocations
+    prefix_recent_evicted: list = field(default_factory=list)  # (wall time, hash) of the latest evictions
     kv_read: KVReadTotals | None = None  # decode KV head-tokens read vs dense (lserve.sparsity.kv_read)
 
 
@@ -104,7 +111,7 @@ def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCa
     """The two-way paged KV cache an engine with config ``cfg`` allocates."""
     sp = cfg.sparsity
     return KVCache(model_cfg, cfg.cache, layout.n_dense(), sp.sink_tokens, sp.local_tokens, cfg.max_num_seqs,
-                   dtype, cfg.device)
+                   dtype, cfg.device, prefix_cache=cfg.prefix_cache, prefix_seed=namespace_seed(cfg.prefix_namespace()))
 
 
 class LLMEngine:
@@ -164,13 +171,7 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a text prompt, a token list, or chat messages (with the chat template)."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.apply_chat_template(prompt)
-        if isinstance(prompt, list):
-            return [int(t) for t in prompt]
-        if chat:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise :class:`RequestError` if the request can never be served."""
@@ -229,13 +230,16 @@ class LLMEngine:
                            c.dense_alloc.num_used, self.scheduler.num_preemptions, self.steps,
                            self.prompt_tokens, self.generation_tokens, dict(self.step_kinds),
                            c.dense_alloc.num_pages, c.stream_alloc.num_used, c.all_free(), dict(self.last_step_info),
-                           replace(self.backend.selector_stats), kv_read=replace(self.backend.kv_read.total))
+                           replace(self.backend.selector_stats), kv_read=replace(self.backend.kv_read.total),
+                           prefix_cache_queries=c.prefix.stats.queries, prefix_cache_hits=c.prefix.stats.hits,
+                           prefix_cached_pages=c.prefix.num_cached, prefix_evictions=c.prefix.stats.evictions,
+                           prefix_recent_evicted=list(c.prefix.stats.recent_evicted))
 
     def describe(self) -> dict:
         """Facts that do not change while the engine runs (for the serving layer's gauges and views)."""
         return {"max_model_len": self.max_model_len, "page_size": self.cache.page_size,
                 "token_budget": self.config.sparsity.token_budget,
-                "streaming_fraction": self.layout.streaming_fraction()}
+                "streaming_fraction": self.layout.streaming_fraction(), "prefix_cache": self.cache.prefix.enabled}
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

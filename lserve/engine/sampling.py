@@ -55,6 +55,9 @@ class SamplingParams:
         Record each generated token's logprob and this many top alternatives (0..20).
     prompt_logprobs : int or None
         Record each prompt token's logprob (the first is None) and this many top alternatives.
+    prefix_cache : bool
+        False: this request neither reuses cached prompt pages nor leaves its own in the engine's
+        prefix cache (prompt logprobs also skip reuse: cached tokens are not scored).
     """
 
     max_tokens: int = 16
@@ -73,6 +76,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +109,7 @@ class SamplingParams:
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            (isinstance(self.prefix_cache, bool), f"prefix_cache must be true or false, got {self.prefix_cache!r}"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -7,6 +7,13 @@ pages are freed and it re-enters the queue to be recomputed later). The remainin
 chunks, shortest remaining prompt first, over running sequences mid-prefill and waiting ones
 alike: a short request that arrives during a long prefill is prefilled in the next step, and
 the long one takes what is left (at least ``min_chunk`` tokens a step while it is first).
+
+Prefix cache (:class:`~lserve.cache.prefix_cache.PrefixCache`): a waiting request starts its
+prefill after the longest verified run of cached pages its prompt begins with (at most up to its
+last token, which must be computed for logits); it takes a reference on those pages and its
+streaming ring is filled from their shadows. Full prompt pages are indexed as soon as they are
+written, so requests running at the same time share a prefix too; release drops references
+instead of freeing cached pages.
 """
 
 from __future__ import annotations
@@ -49,12 +56,64 @@ class Scheduler:
 
     # -- pages --------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
+        self._index_prompt_pages(seq)
         if seq.dense_pages:
-            self.cache.dense_alloc.free(seq.dense_pages)
+            self.cache.prefix.release(seq.dense_pages)
         if seq.stream_pages:
             self.cache.stream_alloc.free(seq.stream_pages)
         seq.dense_pages, seq.stream_pages = [], []
+        seq.prefix_pages, seq.prefix_parent = 0, None
         self.on_release(seq.seq_id)
+
+    def _index_prompt_pages(self, seq: Sequence) -> None:
+        """Put the sequence's newly written full prompt pages into the prefix cache."""
+        pc = self.cache.prefix
+        full = min(seq.num_computed, len(seq.prompt_ids)) // self.cache.page_size
+        if not (seq.cacheable and pc.enabled) or full <= seq.prefix_pages:
+            return
+        hashes = seq.page_hashes(pc)[:full]
+        seq.prefix_parent = pc.insert(seq.prompt_ids, hashes, seq.dense_pages, seq.prefix_pages, seq.prefix_parent)
+        seq.prefix_pages = full
+
+    def _uses_cache(self, seq: Sequence) -> bool:
+        return self.cache.prefix.enabled and seq.params.prefix_cache
+
+    def _looks_up(self, seq: Sequence) -> bool:
+        # prompt logprobs score every prompt token: none may come from the cache
+        return self._uses_cache(seq) and seq.params.prompt_logprobs is None
+
+    def _cached_run(self, seq: Sequence) -> list:
+        """Cached entries a waiting ``seq`` would start from (its last token is always computed)."""
+        if not self._looks_up(seq):
+            return []
+        N = self.cache.page_size
+        most = min(len(seq.prompt_ids) // N, (seq.num_tokens - 1) // N)
+        return self.cache.prefix.match(seq.prompt_ids, seq.page_hashes(self.cache.prefix), most)
+
+    def _admit(self, seq: Sequence, n: int) -> int | None:
+        """Give a waiting ``seq`` its cached prefix and pages for ``n`` more tokens; where its
+        prefill starts, or None (nothing held) when pages are short.
+
+        The match is redone here: an admission earlier in the same step may have evicted pages.
+        """
+        pc = self.cache.prefix
+        hit = self._cached_run(seq)
+        seq.dense_pages = pc.acquire(hit)
+        seq.num_computed = len(hit) * self.cache.page_size
+        if not self._grow(seq, seq.num_computed + n):
+            pc.release(seq.dense_pages)
+            seq.dense_pages, seq.num_computed = [], 0
+            return None
+        seq.cacheable = self._uses_cache(seq)
+        seq.prefix_pages, seq.prefix_parent = len(hit), (hit[-1] if hit else None)
+        if hit and seq.stream_pages:
+            self.cache.fill_ring(seq.stream_pages, seq.dense_pages, seq.num_computed)
+        if self._looks_up(seq):
+            pc.stats.queries += len(seq.prompt_ids)
+            pc.stats.hits += seq.num_computed
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed
+        return seq.num_computed
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make ``seq`` hold ``num_tokens`` tokens; False (nothing taken) if pages are short."""
@@ -122,13 +181,22 @@ class Scheduler:
         room = b.prefill_budget(n_decode)
         tokens_left = self.budget.max_tokens - n_decode
         cost = 0.0
+        for seq in self.running:  # pages the last step finished writing become shareable
+            self._index_prompt_pages(seq)
+        hits = {id(s): self._cached_run(s) for s in self.waiting}
+        N = self.cache.page_size
+
+        def start_of(s: Sequence) -> int:
+            return len(hits[id(s)]) * N if s.status is Status.WAITING else s.num_computed
+
         pending = [s for s in self.running if not s.in_decode] + list(self.waiting)
-        pending.sort(key=lambda s: (s.num_tokens - s.num_computed, s.arrival))
+        pending.sort(key=lambda s: (s.num_tokens - start_of(s), s.arrival))
         for seq in pending:
             if tokens_left <= 0:
                 break
-            remaining = seq.num_tokens - seq.num_computed
-            n = min(b.tokens_within(room - cost, seq.num_computed, remaining), tokens_left)
+            start = start_of(seq)
+            remaining = seq.num_tokens - start
+            n = min(b.tokens_within(room - cost, start, remaining), tokens_left)
             if not out or all(item.decode for item in out):  # the first prefill always progresses
                 n = max(n, min(b.min_chunk, remaining, tokens_left))
             if n <= 0:
@@ -136,16 +204,17 @@ class Scheduler:
             admit = seq.status is Status.WAITING
             if admit and len(self.running) >= self.max_num_seqs:
                 continue
-            if not self._grow(seq, seq.num_computed + n):
-                if admit:
-                    break  # keep arrival order under memory pressure: no overtaking a blocked admission
-                continue
             if admit:
+                start = self._admit(seq, n)
+                if start is None:
+                    break  # keep arrival order under memory pressure: no overtaking a blocked admission
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+            elif not self._grow(seq, start + n):
+                continue
             out.append(Scheduled(seq, n, False))
-            cost += b.cost(n, seq.num_computed)
+            cost += b.cost(n, start)
             tokens_left -= n
         self.last_prefill_cost = cost
         return out

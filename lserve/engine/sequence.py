@@ -81,6 +81,20 @@ class Sequence:
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
         self.num_preemptions = 0
+        # Prefix cache (the scheduler's): prompt tokens reused at the first admission; whether this
+        # sequence's prompt pages may be indexed (only pages prefilled through the scheduler have
+        # their streaming shadows written), how many leading ones are, the entry of the last one.
+        self.num_cached_tokens: int | None = None
+        self.cacheable = False
+        self.prefix_pages = 0
+        self.prefix_parent = None
+        self._page_hashes: list[int] | None = None
+
+    def page_hashes(self, prefix) -> list[int]:
+        """Chained hashes of the prompt's full pages under ``prefix`` (a PrefixCache; computed once)."""
+        if self._page_hashes is None:
+            self._page_hashes = prefix.hashes(self.prompt_ids)
+        return self._page_hashes
 
     @property
     def num_tokens(self) -> int:
@@ -188,7 +202,8 @@ class Sequence:
     def metrics(self) -> dict:
         m = {"arrival": self.arrival, "first_scheduled": self.first_scheduled,
              "first_token": self.first_token_time, "num_preemptions": self.num_preemptions,
-             "prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids)}
+             "prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids),
+             "cached_tokens": self.num_cached_tokens or 0}
         if self.first_token_time is not None:
             m["ttft_s"] = self.first_token_time - self.arrival
         return m

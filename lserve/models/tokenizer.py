@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 
+def encode_prompt(tokenizer, prompt, chat: bool = False) -> list[int]:
+    """Token ids of a text prompt, a token list, or chat messages (with the chat template).
+
+    The one tokenization rule of the engine and of the router's prefix keys.
+    """
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return tokenizer.apply_chat_template(prompt)
+    if isinstance(prompt, list):
+        return [int(t) for t in prompt]
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
 class HFTokenizer:
     """Wraps a ``transformers`` tokenizer (from a model directory or a GGUF file)."""
 

@@ -173,6 +173,11 @@ class StepPlanner:
                     stream[0].append(t + i)
                     stream[1].append(s.stream_pages[pg if pg < sp else sp + (pg - sp) % lp])
                     stream[2].append(p % N)
+            base = self.cache.shadow_base
+            if base is not None and not s.decode:  # prefix cache: every prefilled token's shadow copy
+                stream[0].extend(range(t, t + s.num_new))
+                stream[1].extend(base + s.dense_pages[p // N] for p in pos)
+                stream[2].extend(p % N for p in pos)
 
     def _writes_np(self, s: SeqStep, t: int, length: int, dense: tuple, stream: tuple) -> None:
         N = self.cache.page_size
@@ -192,6 +197,10 @@ class StepPlanner:
             stream[0].append(rows[keep])
             stream[1].append(np.asarray(s.stream_pages, dtype=np.int64)[slot])
             stream[2].append(pos[keep] % N)
+            if self.cache.shadow_base is not None and not s.decode:  # prefix cache: shadow copies
+                stream[0].append(rows)
+                stream[1].append(self.cache.shadow_base + table[page - first])
+                stream[2].append(pos % N)
 
     def _seq_plan(self, s: SeqStep, t0: int, length: int, dev) -> SeqPlan:
         N = self.cache.page_size
