@@ -141,11 +141,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         run_kernel_bench(a.out)
     elif a.what == "serve":
-        from lserve.bench.serve import run_serve_bench
+        from lserve.bench.serve import merge_reports, run_serve_bench
 
+        if a.merge:
+            merge_reports(a.merge, a.out, a.name or "serve_h200")
+            return 0
         run_serve_bench(a.out, name=a.name or "serve_h200", model=a.model or "llama3-8b", device=a.device or "cuda",
                         backend=a.backend or "cupy", contexts=tuple(a.contexts or (2048, 32768, 131072)),
-                        output_len=a.decode_tokens or 64, deadline_s=a.deadline,
+                        output_len=a.decode_tokens or 64, deadline_s=a.deadline, point_time_s=a.point_time,
+                        prefix_contexts=tuple(a.prefix_contexts or ()),
                         configs=tuple(a.configs.split(",")), engine_contexts=tuple(
                             c for c in (a.contexts or (2048, 32768, 131072)) if c >= 32768))
     return 0
@@ -204,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile-threshold: where to save (default $LSERVE_CACHE_DIR/dynamic_threshold.json)")
     b.add_argument("--no-save", action="store_true", help="profile-threshold: measure and report only")
     b.add_argument("--configs", default="lserve,dense", help="serve: configurations, comma-separated")
+    b.add_argument("--point-time", type=float, default=40.0,
+                   help="serve: seconds per load point (2.5x that above 32k context)")
+    b.add_argument("--prefix-contexts", type=int, nargs="+", default=None,
+                   help="serve: also time a first and a second question on one document of each length (LServe)")
+    b.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="serve: join the reports of several runs into --out/--name (.json + .png), measuring nothing")
     b.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                    help="selection-mass: token budgets of the table and plot")
     b.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.75],

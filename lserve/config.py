@@ -321,9 +321,10 @@ def engine_config_from_args(a) -> EngineConfig:
 
 #: Where the command line (``lserve generate`` / ``lserve serve`` flags, the serve settings)
 #: departs from the dataclasses' library defaults: the model's shipped head pattern, and steps
-#: that aim at 0.25 s within 8192 token-equivalents (see :mod:`lserve.engine.step_budget`;
-#: the library keeps the deterministic 2048-token cap).
-CLI_OVERRIDES = {"pattern": "auto", "max_batched_tokens": 8192, "step_time_target": 0.25}
+#: that aim at 0.25 s within 8192 token-equivalents, a prefill next to decodes taking up to 4x a
+#: decode step (see :mod:`lserve.engine.step_budget`; the library keeps the deterministic
+#: 2048-token cap).
+CLI_OVERRIDES = {"pattern": "auto", "max_batched_tokens": 8192, "step_time_target": 0.25, "decode_stall": 4.0}
 #: Engine flag name -> (config object, field) where its default lives.
 _FLAG_FIELDS = {"sink": ("sparsity", "sink_tokens"), "local": ("sparsity", "local_tokens"),
                 "max_cache_tokens": ("cache", "max_tokens")}

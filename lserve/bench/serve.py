@@ -10,6 +10,8 @@ concurrency). Also, per run:
   measurement, whole prompt in one step, same process, before any server starts);
 * ``hol``: a short request sent while the LServe server prefills a long prompt, against the same
   short request alone (head-of-line blocking);
+* ``prefix_cache`` (``--prefix-contexts``): per context, the TTFT of a first and a second question
+  on one document and the prompt tokens the second got from the prefix cache;
 * ``steps``: per configuration, how the engine ran its steps (CUDA-graph replays, eager decode
   steps, steps with prefill), read from ``/admin/engines`` after the load.
 
@@ -183,6 +185,35 @@ def hol_probe(base_url: str, tok, long_context: int, delay_s: float, seed: int =
             "errors": [r.error for r in (solo, during, long_res) if not r.success]}
 
 
+def prefix_probe(base_url: str, vocab: int, context: int, question_len: int = 64, seed: int = 11) -> dict:
+    """Two questions on one document through HTTP: the second should reuse the document's pages.
+
+    Token-id prompts (document + question), one generated token, non-streaming, so the latency
+    is the time to the first token and ``usage.prompt_tokens_details.cached_tokens`` says how
+    much of the prompt the prefix cache served.
+    """
+    import json
+    import random
+
+    rng = random.Random(seed + context)
+    doc = [rng.randrange(vocab - 2) for _ in range(context)]
+
+    def ask() -> tuple[float, int, int]:
+        prompt = doc + [rng.randrange(vocab - 2) for _ in range(question_len)]
+        body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+        req = urllib.request.Request(base_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=600) as r:
+            usage = json.load(r)["usage"]
+        return time.perf_counter() - t0, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    first, n1, c1 = ask()
+    cached, n2, c2 = ask()
+    return {"context": context, "prompt_tokens": n2, "first_ttft_s": round(first, 4), "first_cached_tokens": c1,
+            "cached_ttft_s": round(cached, 4), "cached_tokens": c2, "ratio": round(cached / first, 4)}
+
+
 def engine_ttft(model: str, contexts: list[int], device: str, backend: str) -> dict[str, float]:
     """``lserve bench e2e``'s TTFT of the LServe configuration at each context (one engine)."""
     import torch
@@ -214,16 +245,18 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     contexts: tuple[int, ...] = (2048, 32768, 131072), short_concurrency=(1, 4, 16, 32),
                     long_concurrency=(1, 4), output_len: int = 64, point_time_s: float = 40.0,
                     extra_flags: tuple[str, ...] = (), port: int = 8321, hol: bool = True,
-                    engine_contexts: tuple[int, ...] = (32768, 131072), deadline_s: float | None = None) -> dict:
+                    engine_contexts: tuple[int, ...] = (32768, 131072), deadline_s: float | None = None,
+                    prefix_contexts: tuple[int, ...] = ()) -> dict:
     """Run the served benchmark and write ``<out_dir>/<name>.json`` + ``.png``; returns the report."""
     t_start = time.monotonic()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    longest = max(contexts)
+    longest = max((*contexts, *prefix_contexts))
     conc = {ctx: list(short_concurrency if ctx <= 4096 else long_concurrency) for ctx in contexts}
     max_c = max(max(v) for v in conc.values())
     cache_tokens = max(max(c * (ctx + output_len + 64) for c in conc[ctx]) for ctx in contexts)
+    cache_tokens = max([cache_tokens] + [2 * ctx + 1024 for ctx in prefix_contexts])  # a document + a question
     common = ["--model", model, "--device", device, "--backend", backend, "--max-model-len",
               str(longest + output_len + 64), "--max-cache-tokens", str(cache_tokens), "--max-num-seqs",
               str(max_c), "--max-ongoing-requests", str(2 * max_c), *extra_flags]
@@ -257,8 +290,13 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                 if not w["successful"]:
                     dump_stacks(out_dir / f"{name}_{config}_stacks.txt")
                     raise RuntimeError(f"{config}: the warm-up request did not complete; stacks dumped")
-            if hol and config == "lserve" and longest >= 32768:
-                report["hol"] = hol_probe(srv.base_url, tok, longest, delay_s=1.0)
+            if prefix_contexts and config == "lserve":
+                prefix_probe(srv.base_url, _vocab(model), 8192, seed=99)  # warm-up: the cached-prefix path once
+                report["prefix_cache"] = [prefix_probe(srv.base_url, _vocab(model), ctx) for ctx in prefix_contexts]
+                _log(f"prefix cache: {report['prefix_cache']}")
+                save()
+            if hol and config == "lserve" and max(contexts) >= 32768:
+                report["hol"] = hol_probe(srv.base_url, tok, max(contexts), delay_s=1.0)
                 _log(f"hol: {report['hol']}")
                 save()
             for ctx, c in plan_points(list(contexts), conc):

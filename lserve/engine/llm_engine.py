@@ -73,7 +73,7 @@ class EngineStats:
     steps: int
     prompt_tokens: int
     generation_tokens: int
-    step_kinds: dict = field(default_factory=dict)  # steps by kind: graph, decode_eager, mixed, prefill
+    step_kinds: dict = field(default_factory=dict)  # steps by kind: graph, mixed_graph, decode_eager, mixed, prefill
     dense_pages_total: int = 0
     stream_pages_used: int = 0
     all_pages_free: bool = True
@@ -85,6 +85,19 @@ class EngineStats:
     prefix_evictions: int = 0  # cached pages given back for new allocations
     prefix_recent_evicted: list = field(default_factory=list)  # (wall time, hash) of the latest evictions
     kv_read: KVReadTotals | None = None  # decode KV head-tokens read vs dense (lserve.sparsity.kv_read)
+
+
+@dataclass
+class _Part:
+    """One launched forward of a step (a step that decodes and prefills may launch two)."""
+
+    samplers: list  # sequences that get a token, in logit-row order
+    spans: list  # prompt-logprob spans (seq, first scored token, rows)
+    logits: torch.Tensor | None  # float32 [len(samplers), V]
+    greedy: torch.Tensor | None  # long [len(samplers)]
+    hidden: torch.Tensor | None  # [rows of spans, H] final hidden states (prompt logprobs)
+    num_tokens: int
+    graph: bool  # a CUDA-graph replay
 
 
 def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadLayout:
@@ -271,8 +284,8 @@ class LLMEngine:
             budget.observe(prefill_cost, n_decode, seconds)
         self.steps += 1
         n_prefill = len(launched.batch) - n_decode
-        self.step_kinds["graph" if launched.graph else "mixed" if n_decode and n_prefill else
-                        "prefill" if n_prefill else "decode_eager"] += 1
+        self.step_kinds[("mixed_graph" if n_prefill else "graph") if launched.graph else
+                        "mixed" if n_decode and n_prefill else "prefill" if n_prefill else "decode_eager"] += 1
         self.last_step_info = {"seconds": seconds, "tokens": launched.num_tokens, "decode": n_decode,
                                "prefill_tokens": sum(b.num_tokens for b in launched.batch if not b.decode),
                                "chained": launched.chained, "graph": launched.graph}
@@ -283,15 +296,51 @@ class LLMEngine:
 
         ``prev``: (device tokens of the previous step, row of each sequence in it): the input
         ids are gathered from those on the device (a chained decode step).
+
+        A batch that decodes and prefills, with CUDA graphs on, runs as two forwards: the
+        decodes replay their graph (once one is captured) and the prefill chunks run eagerly.
+        One eager forward of both costs the host ~60 ms on the H200 for 32 layers whatever the
+        chunk size (``scripts/probe_mixed.py``), against ~7 ms for a replay plus a prefill
+        forward whose launches hide behind its own GPU time; the weights are read twice, once
+        per part (~4 ms at 8B).
         """
         now = time.monotonic()
+        for item in batch:
+            if item.seq.first_scheduled is None:
+                item.seq.first_scheduled = now
+        n_dec = sum(1 for item in batch if item.decode)  # decodes come first in a batch
+        if self.graphs is not None and prev is None and 0 < n_dec < len(batch):
+            # each part is planned once (the planner counts steps per sequence for selection reuse);
+            # a decode part with no captured graph yet runs eagerly on its own
+            parts = [self._forward_part(batch[:n_dec], None), self._forward_part(batch[n_dec:], None)]
+        else:
+            parts = [self._forward_part(batch, prev)]
+        samplers = [s for p in parts for s in p.samplers]
+        spans = [sp for p in parts for sp in p.spans]
+        sampled = [p for p in parts if p.samplers] or parts[:1]
+        logits = sampled[0].logits if len(sampled) == 1 else torch.cat([p.logits for p in sampled])
+        greedy_dev = None
+        if samplers:
+            greedy_dev = sampled[0].greedy if len(sampled) == 1 else torch.cat([p.greedy for p in sampled])
+        hidden = parts[-1].hidden  # prompt-logprob rows exist in prefill chunks only
+        logits, greedy_dev, extras = self._sampling_extras(logits, greedy_dev, samplers, spans,
+                                                           hidden if spans else None)
+        for item in batch:
+            item.seq.num_computed += item.num_tokens
+            if not item.decode:
+                self.prompt_tokens += item.num_tokens
+        fetch = self._host_tokens.start(greedy_dev) if samplers else None
+        return LaunchedStep(batch, samplers, logits, greedy_dev, fetch, sum(p.num_tokens for p in parts),
+                            chained=prev is not None, extras=extras, graph=parts[0].graph)
+
+    def _forward_part(self, batch: list[Scheduled], prev: tuple[torch.Tensor, list[int]] | None) -> _Part:
+        """Plan and launch one forward over ``batch`` (a graph replay when it only decodes and a
+        graph is captured; eagerly otherwise)."""
         steps, ids, pos, seq_lens, logit_rows, samplers = [], [], [], [], [], []
         spans, hidden_rows = [], []  # prompt logprobs: (seq, first prompt token scored, rows), and those rows
         t = 0
         for item in batch:
             seq, n = item.seq, item.num_tokens
-            if seq.first_scheduled is None:
-                seq.first_scheduled = now
             start = seq.num_computed
             steps.append(SeqStep(seq.seq_id, start, n, item.decode, seq.dense_pages, seq.stream_pages,
                                  seq.params.token_budget))
@@ -316,31 +365,22 @@ class LLMEngine:
         replayed = (self.graphs.run(plan, ids, pos, seq_lens, logit_rows, prev_tokens=prev_tokens)
                     if graph_step else None)
         if replayed is not None:
-            logits, greedy_dev = replayed
-        else:
-            if graph_step:
-                plan = plan.to(dev)
-            ids_dev = torch.tensor(ids, dtype=torch.long, device=dev)
-            if prev_tokens is not None:
-                ids_dev = prev_tokens.index_select(0, ids_dev)
-            extra = {"hidden_index": torch.tensor(hidden_rows, dtype=torch.long, device=dev)} if hidden_rows else {}
-            logits = self.model.forward(
-                ids_dev, torch.tensor(pos, dtype=torch.long, device=dev),
-                plan, self.backend, torch.tensor(logit_rows, dtype=torch.long, device=dev),
-                torch.tensor(seq_lens, dtype=torch.long, device=dev), max(seq_lens), **extra)
-            hidden = None
-            if hidden_rows:
-                logits, hidden = logits
-            greedy_dev = self.model.greedy(logits) if samplers else None
-        logits, greedy_dev, extras = self._sampling_extras(logits, greedy_dev, samplers, spans,
-                                                           hidden if spans else None)
-        for item in batch:
-            item.seq.num_computed += item.num_tokens
-            if not item.decode:
-                self.prompt_tokens += item.num_tokens
-        fetch = self._host_tokens.start(greedy_dev) if samplers else None
-        return LaunchedStep(batch, samplers, logits, greedy_dev, fetch, t, chained=prev is not None, extras=extras,
-                            graph=replayed is not None)
+            return _Part(samplers, spans, replayed[0], replayed[1], None, t, True)
+        if graph_step:
+            plan = plan.to(dev)
+        ids_dev = torch.tensor(ids, dtype=torch.long, device=dev)
+        if prev_tokens is not None:
+            ids_dev = prev_tokens.index_select(0, ids_dev)
+        extra = {"hidden_index": torch.tensor(hidden_rows, dtype=torch.long, device=dev)} if hidden_rows else {}
+        logits = self.model.forward(
+            ids_dev, torch.tensor(pos, dtype=torch.long, device=dev),
+            plan, self.backend, torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            torch.tensor(seq_lens, dtype=torch.long, device=dev), max(seq_lens), **extra)
+        hidden = None
+        if hidden_rows:
+            logits, hidden = logits
+        greedy_dev = self.model.greedy(logits) if samplers else None
+        return _Part(samplers, spans, logits, greedy_dev, hidden, t, False)
 
     def _sampling_extras(self, logits: torch.Tensor | None, greedy: torch.Tensor | None, samplers: list[Sequence],
                          spans: list, hidden: torch.Tensor | None):
