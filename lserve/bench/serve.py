@@ -11,7 +11,8 @@ concurrency). Also, per run:
 * ``hol``: a short request sent while the LServe server prefills a long prompt, against the same
   short request alone (head-of-line blocking);
 * ``prefix_cache`` (``--prefix-contexts``): per context, the TTFT of a first and a second question
-  on one document and the prompt tokens the second got from the prefix cache;
+  on one document and the prompt tokens the second got from the prefix cache (also written as
+  the ``rows`` of ``<prefix_name>.json``);
 * ``steps``: per configuration, how the engine ran its steps (CUDA-graph replays, eager decode
   steps, steps with prefill), read from ``/admin/engines`` after the load.
 
@@ -246,7 +247,7 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     long_concurrency=(1, 4), output_len: int = 64, point_time_s: float = 40.0,
                     extra_flags: tuple[str, ...] = (), port: int = 8321, hol: bool = True,
                     engine_contexts: tuple[int, ...] = (32768, 131072), deadline_s: float | None = None,
-                    prefix_contexts: tuple[int, ...] = ()) -> dict:
+                    prefix_contexts: tuple[int, ...] = (), prefix_name: str = "prefix_cache_h200") -> dict:
     """Run the served benchmark and write ``<out_dir>/<name>.json`` + ``.png``; returns the report."""
     t_start = time.monotonic()
     out_dir = Path(out_dir)
@@ -294,6 +295,9 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                 prefix_probe(srv.base_url, _vocab(model), 8192, seed=99)  # warm-up: the cached-prefix path once
                 report["prefix_cache"] = [prefix_probe(srv.base_url, _vocab(model), ctx) for ctx in prefix_contexts]
                 _log(f"prefix cache: {report['prefix_cache']}")
+                write_json(out_dir / f"{prefix_name}.json", {**header(), "model": model, "backend": backend,
+                                                             "config_flags": CONFIG_FLAGS["lserve"],
+                                                             "server_flags": common, "rows": report["prefix_cache"]})
                 save()
             if hol and config == "lserve" and max(contexts) >= 32768:
                 report["hol"] = hol_probe(srv.base_url, tok, max(contexts), delay_s=1.0)
