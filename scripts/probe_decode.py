@@ -31,7 +31,7 @@ def _time_setting(s, be, tables, target, min_chunk, inner) -> tuple[float, float
     be.target_ctas = None if target is None else target * be.num_sms
     be.min_chunk = min_chunk
     for t in tables:
-        t.units.clear()
+        be.replan_units(t)
 
     def step(i, merge=True):
         j = i % s.n_sets

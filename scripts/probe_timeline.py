@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     def units(min_chunk, target=None, s=ls):
         s.backends[kb.BUDGET].min_chunk, s.backends[kb.BUDGET].target_ctas = min_chunk, target
         for t in s.tables[kb.BUDGET][1]:
-            t.units.clear()
+            s.backends[kb.BUDGET].replan_units(t)
 
     if "main" in a.cases:
         run(f"lserve reuse step {ctx}", ls, ls.reuse_step, inner, [kb.BUDGET])

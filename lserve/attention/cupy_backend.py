@@ -28,8 +28,10 @@ On sm_90+ the decode-step kernels (1-3 and the merge) are launched as programmat
 (``pdl_wait``) before reading what it wrote; on a step whose layer ran no top-k the decode
 kernel reads the stored selection before waiting.
 
-Host work happens once per step (the first layer of a plan): int32 tables are packed into one
-buffer and copied in one transfer; per (n_dense, selects) layer kind a split-K unit table.
+Host work happens once per step (the first layer of a plan, :meth:`CupyBackend.tables`):
+:mod:`lserve.attention.cupy_plan` builds every int32 table of the step, the split-K unit table
+of each (n_dense, selects) layer kind included, as one :class:`~lserve.attention.cupy_plan.CupyStep`;
+its tables are packed into one buffer and copied in one transfer. The launches only read it.
 
 CUDA graphs: with a fixed plan every launch of ``run`` is capturable (no host sync, no
 allocation outside torch's allocator; ``lserve.bench.kernels`` captures decode steps). For
@@ -42,34 +44,29 @@ select and reuse graphs differ only by one branch in the kernels.
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
-from lserve.attention.chunked import causal_attention, causal_impl, dense_chunk, streaming_prefix
+from lserve.attention.chunked import causal_attention, causal_impl, dense_chunk
+from lserve.attention.cupy_plan import CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.torch_backend import TorchBackend
 from lserve.kernels.pdl import available as pdl_available
-from lserve.sparsity.plan import SeqPlan, StepPlan
+from lserve.sparsity.plan import StepPlan
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 LOG2E = 1.4426950408889634
-MAX_CHUNK = 256  # entries per decode unit (shared-memory table in ls_decode)
 TOPK_THREADS = 512
 SCORE_PAGES_MAX = 128  # PPB_MAX in kernels/selector.cu
-PREFILL_BM = 64
 # Fresh prompts at least this long run their dense heads through SDPA (cuDNN on the H200); shorter
 # ones (the served path's chunks) through flash: cuDNN builds an execution plan per new shape
 # (~8 ms of host time per layer shape, `scripts/probe_mixed.py`: a first 256-token chunk next to
 # decodes took 265 ms), which only a long prompt's attention pays back.
 CUDNN_MIN_TOKENS = 16384
-# meta rows (see kernels/decode.cu)
-META_FIELDS = ("tok", "len", "npages", "nring", "nsel", "slot", "dyn", "kk")
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -86,62 +83,6 @@ def _check_rows(t: torch.Tensor, dtype: torch.dtype, heads: int, d: int, name: s
         raise ValueError(f"{name}: expected [T, {heads}, {d}], got {list(t.shape)}")
     if t.stride(2) != 1 or t.stride(1) != d or t.stride(0) % 8 or t.data_ptr() % 16:
         raise ValueError(f"{name}: rows must be contiguous [H, D] blocks, 16-byte aligned (strides {t.stride()})")
-
-
-@dataclass
-class _Units:
-    """Split-K decomposition of the decode work for one layer kind (n_dense, selects)."""
-
-    n_units: int
-    n_work: int
-    chunk: int
-    direct: bool
-    units: torch.Tensor  # int32 [U, 2] (work, split)
-    work_start: torch.Tensor  # int32 [W + 1]
-    part_o: torch.Tensor | None  # float32 [U, GQ, D]
-    part_lse: torch.Tensor | None  # float32 [U, GQ]
-
-
-@dataclass
-class _Step:
-    """Device tables of one StepPlan, shared by all layers."""
-
-    plan: StepPlan
-    nb: int  # decode sequences
-    dec: list[SeqPlan]
-    host: dict[str, np.ndarray]  # meta fields [nb] as numpy (for unit planning)
-    meta: torch.Tensor | None = None  # int32 [8 * nb]
-    pages: torch.Tensor | None = None  # int32 [nb, pages_stride]
-    ring_pages: torch.Tensor | None = None  # int32 [nb, ring_stride]
-    ring_pos: torch.Tensor | None = None
-    sel_rows: torch.Tensor | None = None  # int32 [R]: decode indices that select now
-    n_sel_rows: int = 0
-    n_dynamic: int = 0  # decode sequences with page selection active
-    sel_pages: int = 0  # sum of K over the selecting sequences
-    max_np_sel: int = 0
-    fast: list[SeqPlan] = field(default_factory=list)  # prefill with start == 0
-    cont: list[SeqPlan] = field(default_factory=list)  # prefill chunks with cached past (start > 0)
-    slow: list[SeqPlan] = field(default_factory=list)  # fp32 prefill (torch reference path)
-    # Streaming heads of the ``cont`` chunks as one virtual batch (see _cont_tables): int32 tables
-    c_loc: torch.Tensor | None = None  # [2, R] (stream page, offset) of each past token they see
-    c_kmap: torch.Tensor | None = None  # [V] virtual row -> row of cat(past tokens [R], step tokens [T])
-    c_qmap: torch.Tensor | None = None  # [V] virtual row -> step row of its query (past rows: any)
-    c_src: torch.Tensor | None = None  # [C] virtual rows of the chunks' tokens
-    c_dst: torch.Tensor | None = None  # [C] their step rows
-    c_tiles: torch.Tensor | None = None  # [n, 2] prefill-kernel tiles over the chunk rows only
-    c_seqs: torch.Tensor | None = None  # [m, 2] (first virtual row, virtual length)
-    c_long: tuple | None = None  # c_loc, c_kmap, c_qmap, c_src, c_dst as long (built by the first layer)
-    c_pages: torch.Tensor | None = None  # int32 [sum of P_j]: dense pages of each ``cont`` chunk's sequence
-    c_page_off: list = field(default_factory=list)  # (offset, P_j) of chunk j in c_pages
-    c_pages_long: torch.Tensor | None = None  # c_pages as long (built by the first layer)
-    tiles: torch.Tensor | None = None  # int32 [n_tiles, 2]
-    seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
-    n_tiles: int = 0
-    units: dict = field(default_factory=dict)
-    # CUDA-graph steps: entry-count upper bounds the split-K units are planned for (so every
-    # step with the same key shares one unit table), else None (planned for this step exactly)
-    bounds: tuple[np.ndarray, np.ndarray, int] | None = None  # (dense dynamic [nb], dense all [nb], ring)
-    key: tuple | None = None
 
 
 class CupyBackend(AttentionBackend):
@@ -176,6 +117,9 @@ class CupyBackend(AttentionBackend):
         programmatic dependents of the kernel before them (``kernels/pdl.py``), so each starts
         while the previous one drains. Default: on where supported (sm_90+), unless the
         environment sets ``LSERVE_PDL=0``.
+    table_planner : CupyPlanner
+        Builds each step's host tables (:mod:`lserve.attention.cupy_plan`) and holds the
+        per-sequence selection slots.
     """
 
     name = "cupy"
@@ -218,19 +162,17 @@ class CupyBackend(AttentionBackend):
         self.qscale = self.scale * LOG2E
         # The oracle's code serves fp32 prefill (and gathers the dense past of later chunks).
         self._ref = TorchBackend(self.model, self.sp, self.cache)
+        # Host tables of each step (and the per-sequence slots / last-selection page counts).
+        self.table_planner = CupyPlanner(PlanGeometry.of(self, self.gq, self.dtype != torch.float32))
         # Selection state (logical page indices) per (layer, slot, dense head).
-        self._slots: dict[int, int] = {}
-        self._free_slots: list[int] = []
-        self._np_pages: dict[int, tuple[list, np.ndarray, int]] = {}  # seq_id -> (list, int32 copy, length)
-        self._nsel: dict[int, int] = {}
         self._hd_max = max(self.cache.n_dense) if self.cache.n_dense else 0
         self._sel_idx = self._sel_mask = self._sel_cnt = None
         self._sel_page: torch.Tensor | None = None  # the physical pages of _sel_idx (decode_tc reads these)
         self._cap_slots = 0
         self._cap_u = 0
-        self._step: _Step | None = None
+        self._bound: tuple[StepPlan, CupyStep] | None = None  # the plan attend runs, and its tables
         self._static: torch.Tensor | None = None  # int32 tables of CUDA-graph steps
-        self._static_units: dict = {}  # step key -> {(nd, selects, impl): _Units}
+        self._static_units: dict = {}  # step key -> (host unit tables, {(nd, selects, impl): DecodeUnits})
         self.static_generation = 0  # bumped when a buffer graphs point into is reallocated
         self._scores_buf: torch.Tensor | None = None  # last page-score buffer (benchmarks time top-k alone)
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -259,34 +201,7 @@ class CupyBackend(AttentionBackend):
     # -- sequence state -------------------------------------------------------------------------
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
-        self._nsel.pop(seq_id, None)
-        self._np_pages.pop(seq_id, None)
-        slot = self._slots.pop(seq_id, None)
-        if slot is not None:
-            self._free_slots.append(slot)
-
-    def _page_array(self, step) -> np.ndarray:
-        """``step.dense_pages`` as int32, kept per sequence and extended as its list grows (the
-        scheduler appends to the same list), so a decode step converts O(new pages), not O(context)."""
-        lst, sid = step.dense_pages, step.seq_id
-        ent = self._np_pages.get(sid)
-        if ent is None or ent[0] is not lst or ent[2] > len(lst):
-            arr = np.asarray(lst, dtype=np.int32)
-            arr = np.concatenate((arr, np.zeros(max(64, arr.size), dtype=np.int32)))  # room to grow
-        else:
-            arr = ent[1]
-            if len(lst) > arr.size:
-                arr = np.concatenate((arr, np.zeros(max(len(lst) - arr.size, arr.size), dtype=np.int32)))
-            arr[ent[2]: len(lst)] = lst[ent[2]:]
-        self._np_pages[sid] = (lst, arr, len(lst))
-        return arr
-
-    def _slot_of(self, seq_id: int) -> int:
-        slot = self._slots.get(seq_id)
-        if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
-            self._slots[seq_id] = slot
-        return slot
+        self.table_planner.release(seq_id)
 
     def _ensure_state(self, n_slots: int, u_needed: int) -> None:
         """Grow the selection-state buffers to hold ``n_slots`` slots of ``u_needed`` entries."""
@@ -312,186 +227,94 @@ class CupyBackend(AttentionBackend):
         self._static_units.clear()
 
     # -- per-step tables ------------------------------------------------------------------------
-    def _tables(self, plan: StepPlan) -> _Step:
-        if self._step is not None and self._step.plan is plan:
-            return self._step
-        st, chunks = self._host_tables(plan)
-        if chunks:
-            flat = np.concatenate([a.reshape(-1) for _, a in chunks])
-            self._bind(st, chunks, torch.from_numpy(flat).to(self.device, non_blocking=False))
-        self._step = st
+    def split_k(self) -> SplitK:
+        """The split-K settings unit tables are planned with now (:meth:`decode_ctas`,
+        :attr:`min_chunk`, :attr:`decode_impl`)."""
+        return SplitK(self.decode_ctas(), self.min_chunk, self.decode_impl)
+
+    def tables(self, plan: StepPlan) -> CupyStep:
+        """The tables of ``plan``, planned and uploaded (one transfer) on the first call for it;
+        later calls (the other layers of the step) return the same object."""
+        if self._bound is not None and self._bound[0] is plan:
+            return self._bound[1]
+        st = self.table_planner.plan(plan, split=self.split_k())
+        if st.nb:
+            self._ensure_state(st.need_slots, st.need_entries)
+        if st.arrays:
+            flat = st.pack(units=True)
+            st.bind(torch.from_numpy(flat).to(self.device, non_blocking=False), True, self.gq, self.D)
+        self._bound = (plan, st)
         return st
 
-    @staticmethod
-    def _bind(st: _Step, chunks: list[tuple[str, np.ndarray]], dev: torch.Tensor) -> None:
-        """Point the step's device tables at consecutive slices of ``dev`` (int32)."""
-        o = 0
-        for name, a in chunks:
-            setattr(st, name, dev[o: o + a.size].view(a.shape))
-            o += a.size
+    def bind(self, plan: StepPlan, st: CupyStep) -> None:
+        """Run ``attend`` calls with ``plan`` on the tables ``st`` (already on the device).
+
+        CUDA graphs use it: ``plan`` is then the step's plan re-pointed at fixed input buffers
+        (same sequences). A CUDA-graph step gets its key's split-K units here, planned and
+        uploaded the first time the key is bound.
+        """
+        dec = [s for s in plan.seqs if s.step.decode]
+        if len(dec) != len(st.dec) or any(a is not b for a, b in zip(dec, st.dec)):
+            raise ValueError("bind: the plan's decode sequences are not those the tables were planned for")
+        if st.key is not None and st.nb and not st.units:
+            cached = self._static_units.get(st.key)
+            if cached is None:
+                host = self.table_planner.plan_units(st, self.split_k())
+                cached = self._static_units[st.key] = (host, self._upload_units(host))
+            st.unit_tables, st.units = cached
+        self._bound = (plan, st)
+
+    def replan_units(self, st: CupyStep) -> None:
+        """Plan and upload ``st``'s split-K units again, for the current :attr:`target_ctas` /
+        :attr:`min_chunk` (benchmarks that vary them on fixed tables)."""
+        st.unit_tables = self.table_planner.plan_units(st, self.split_k())
+        st.units = self._upload_units(st.unit_tables)
+
+    def _upload_units(self, host: dict) -> dict:
+        """Unit tables ``{kind: UnitTable}`` on the device (one transfer), with merge buffers."""
+        dev = torch.from_numpy(np.concatenate([a for t in host.values() for a in (t.units.reshape(-1), t.work_start)]))
+        dev = dev.to(self.device)
+        units, o = {}, 0
+        for key, t in host.items():
+            n = 2 * t.n_units + t.n_work + 1
+            units[key] = device_units(t, dev[o: o + n], self.gq, self.D)
+            o += n
+        return units
 
     # -- CUDA-graph steps -----------------------------------------------------------------------
-    def static_tables(self, plan: StepPlan) -> tuple[tuple, np.ndarray] | None:
+    def static_tables(self, plan: StepPlan) -> tuple[CupyStep, np.ndarray] | None:
         """Tables of a decode-only step in a capturable form, or None (run it eagerly).
 
         Page tables are padded to a bucket of the longest sequence (1/32..1/64 of its length),
         ring tables to the ring's size, and the split-K units are planned for entry-count
-        upper bounds, so consecutive steps share a key, and with it one CUDA graph. Returns
-        (key, int32 host tables); the step is bound to :attr:`static_buffer`, which the caller
-        fills with the host tables before the graph (or its eager warm-up) runs.
+        upper bounds, so consecutive steps share a key (``CupyStep.key``), and with it one CUDA
+        graph. Returns (tables, int32 host tables): the tables are bound to
+        :attr:`static_buffer`, which the caller fills with the host tables before the graph (or
+        its eager warm-up, after :meth:`bind`) runs; :attr:`static_generation` says whether
+        the buffers graphs point into are still those of earlier steps.
         """
         if not plan.seqs or any(not s.step.decode for s in plan.seqs):
             return None
-        st, chunks = self._host_tables(plan, static=True)
+        st = self.table_planner.plan(plan, static=True)
+        self._ensure_state(st.need_slots, st.need_entries)
+        self._bound = None  # no eager step runs on these tables without bind()
         if st.bounds is None:
             return None
-        flat = np.concatenate([a.reshape(-1) for _, a in chunks])
+        flat = st.pack(units=False)
         if self._static is None or self._static.numel() < flat.size:
             self._static = torch.empty(max(flat.size, 2 * (0 if self._static is None else self._static.numel()),
                                            4096), dtype=torch.int32, device=self.device)
             self.static_generation += 1
-        self._bind(st, chunks, self._static)
-        st.units = self._static_units.setdefault(st.key, {})
-        self._step = st
-        return (st.key, self.static_generation), flat
+        st.bind(self._static, units=False)
+        cached = self._static_units.get(st.key)
+        if cached is not None:
+            st.unit_tables, st.units = cached
+        return st, flat
 
     @property
     def static_buffer(self) -> torch.Tensor:
         """The device buffer every CUDA-graph step's tables live in (int32)."""
         return self._static
-
-    def _static_bounds(self, st: _Step, npages: list[int]) -> int | None:
-        """Set ``st.bounds``; returns the padded page-table stride, or None if a bound fails."""
-        N = self.cache.page_size
-        h = st.host
-        longest = max(npages)
-        # buckets of 1/32..1/64 of the length: a graph's split-K units cover at most ~3% of
-        # entries that are not there (empty units), and a new capture every ~3% of growth
-        step = max(1, 1 << max(0, longest.bit_length() - 6))
-        pstride = -(-longest // step) * step
-        n_sel = (h["kk"] - 1) * (self.group if self.qmode else 1)
-        # pages appended since the last selection: at most ceil((C - 1) / N) + 1
-        fresh = -(-(self.sp.reuse_interval - 1) // N) + 1
-        dyn_ub = np.minimum(n_sel + fresh + 1, pstride)
-        actual = n_sel + h["npages"] - h["nsel"] + 1
-        if np.any((h["dyn"] != 0) & (actual > dyn_ub)):
-            return None
-        ring = self.cache.ring.num_slots if self.cache.has_streaming else 0
-        st.bounds = (dyn_ub.astype(np.int64), np.full(st.nb, pstride, dtype=np.int64), ring)
-        return pstride
-
-    def _host_tables(self, plan: StepPlan, static: bool = False) -> tuple[_Step, list[tuple[str, np.ndarray]]]:
-        """Host side of :meth:`_tables`: the step's metadata and its int32 tables, not uploaded."""
-        N = self.cache.page_size
-        dec = [s for s in plan.seqs if s.step.decode]
-        pre = [s for s in plan.seqs if not s.step.decode]
-        nb = len(dec)
-        host = {f: np.zeros(nb, dtype=np.int32) for f in META_FIELDS}
-        st = _Step(plan=plan, nb=nb, dec=dec, host=host)
-        chunks: list[tuple[str, np.ndarray]] = []
-        if nb:
-            npages = [-(-s.length // N) for s in dec]
-            pstride = max(npages)
-            rings = []
-            for s in dec:
-                if self.cache.has_streaming:
-                    slots = self.cache.ring.page_in_slot(s.length)
-                    rings.append([(s.step.stream_pages[r], i * N) for r, i in enumerate(slots) if i >= 0])
-                else:
-                    rings.append([])
-            rstride = max(1, max(len(r) for r in rings))
-            if static:
-                rstride = max(1, self.cache.ring.num_slots if self.cache.has_streaming else 1)
-            ring_pages = np.zeros((nb, rstride), dtype=np.int32)
-            ring_pos = np.zeros((nb, rstride), dtype=np.int32)
-            sel_rows = []
-            u_needed = 1
-            for b, s in enumerate(dec):
-                for j, (p, pos) in enumerate(rings[b]):
-                    ring_pages[b, j], ring_pos[b, j] = p, pos
-                host["tok"][b] = s.t0
-                host["len"][b] = s.length
-                host["npages"][b] = npages[b]
-                host["nring"][b] = len(rings[b])
-                host["kk"][b] = s.budget_pages
-                if s.dynamic:
-                    sid = s.step.seq_id
-                    host["dyn"][b] = 1
-                    host["slot"][b] = self._slot_of(sid)
-                    if s.select or sid not in self._nsel:
-                        self._nsel[sid] = npages[b]
-                        sel_rows.append(b)
-                    host["nsel"][b] = self._nsel[sid]
-                    u_needed = max(u_needed, (s.budget_pages - 1) * (self.group if self.qmode else 1))
-            self._ensure_state(len(self._slots) + len(self._free_slots) + 1, u_needed)
-            if static:
-                pstride = self._static_bounds(st, npages)
-                if pstride is None:
-                    return st, []
-            pages = np.zeros((nb, pstride), dtype=np.int32)
-            for b, s in enumerate(dec):
-                pages[b, : npages[b]] = self._page_array(s.step)[: npages[b]]
-            meta = np.stack([host[f] for f in META_FIELDS]).reshape(-1)
-            chunks += [("meta", meta), ("pages", pages), ("ring_pages", ring_pages), ("ring_pos", ring_pos),
-                       ("sel_rows", np.asarray(sel_rows or [0], dtype=np.int32))]
-            st.n_sel_rows = len(sel_rows)
-            st.n_dynamic = int(host["dyn"].sum())
-            st.sel_pages = int(sum(host["kk"][b] for b in sel_rows))
-            st.max_np_sel = max((npages[b] for b in sel_rows), default=0)
-            if static:
-                st.max_np_sel = pstride if sel_rows else 0
-                st.key = (nb, pstride, rstride, tuple(host["dyn"].tolist()), tuple(host["kk"].tolist()),
-                          tuple(sel_rows))
-        fast_ok = self.dtype != torch.float32
-        st.fast = [s for s in pre if s.step.start == 0 and fast_ok]
-        st.cont = [s for s in pre if s.step.start > 0 and fast_ok]
-        st.slow = [s for s in pre if not fast_ok]
-        if st.cont:
-            lists = [s.step.dense_pages[: -(-(s.step.start + s.step.num_new) // N)] for s in st.cont]
-            st.c_page_off = [(o, len(p)) for o, p in zip(np.cumsum([0] + [len(p) for p in lists]), lists)]
-            chunks.append(("c_pages", np.asarray([p for lst in lists for p in lst], dtype=np.int32)))
-        if st.cont and self.cache.has_streaming:
-            chunks += self._cont_tables(st.cont)
-        if st.fast:
-            seqs = np.array([[s.t0, s.step.num_new] for s in st.fast], dtype=np.int32)
-            tiles = np.array([[j, q0] for j, s in enumerate(st.fast) for q0 in range(0, s.step.num_new, PREFILL_BM)],
-                             dtype=np.int32)
-            st.n_tiles = len(tiles)
-            chunks += [("seqs", seqs), ("tiles", tiles)]
-        return st, chunks
-
-    def _cont_tables(self, cont: list[SeqPlan]) -> list[tuple[str, np.ndarray]]:
-        """Host tables of the streaming heads of chunks with cached past, as one virtual batch.
-
-        Sequence j becomes ``P_j`` past rows (the sink and last ``local`` tokens it can see,
-        :func:`~lserve.attention.chunked.streaming_prefix`, read from its ring) followed by its
-        ``n_j`` chunk rows; the fresh-sequence prefill kernel then computes the chunk rows exactly.
-        """
-        N, ring = self.cache.page_size, self.cache.ring
-        loc_p, loc_o, kmap, qmap, src, dst, tiles, seqs = [], [], [], [], [], [], [], []
-        r = v = 0
-        for s in cont:
-            pos = np.concatenate([np.arange(a, b) for a, b in streaming_prefix(s.step.start, self.sp.sink_tokens,
-                                                                                self.sp.local_tokens)])
-            lp = pos // N
-            slot = np.where(lp < ring.sink_pages, lp, ring.sink_pages + (lp - ring.sink_pages) % ring.local_pages)
-            loc_p.append(np.asarray(s.step.stream_pages, dtype=np.int64)[slot])
-            loc_o.append(pos % N)
-            p, n = len(pos), s.t1 - s.t0
-            kmap += [np.arange(r, r + p), -1 - np.arange(s.t0, s.t1)]  # -1 - t: step row t (fixed below)
-            qmap += [np.full(p, s.t0), np.arange(s.t0, s.t1)]
-            src.append(np.arange(v + p, v + p + n))
-            dst.append(np.arange(s.t0, s.t1))
-            tiles += [(len(seqs), q0) for q0 in range(p, p + n, PREFILL_BM)]
-            seqs.append((v, p + n))
-            r, v = r + p, v + p + n
-        km = np.concatenate(kmap)
-        km = np.where(km < 0, r + (-1 - km), km)
-        i32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
-        return [("c_loc", i32(np.stack((np.concatenate(loc_p), np.concatenate(loc_o))))), ("c_kmap", i32(km)),
-                ("c_qmap", i32(np.concatenate(qmap))), ("c_src", i32(np.concatenate(src))),
-                ("c_dst", i32(np.concatenate(dst))), ("c_tiles", i32(tiles).reshape(-1, 2)),
-                ("c_seqs", i32(seqs).reshape(-1, 2))]
 
     def decode_ctas(self) -> int:
         """Decode units per launch: one wave of resident CTAs, so no tail wave idles the GPU."""
@@ -506,46 +329,6 @@ class CupyBackend(AttentionBackend):
     def _tc_smem(self) -> int:
         """Dynamic shared memory of ls_decode_tc: 3 stages of 64-token K and V tiles."""
         return 3 * 2 * 64 * (self.D + 8) * 2
-
-    def _units(self, st: _Step, nd: int, selects: bool) -> _Units:
-        key = (nd, selects, self.decode_impl)
-        if key in st.units:
-            return st.units[key]
-        h = st.host
-        hkv, nqs = self.hkv, self.nqs
-        dyn = (h["dyn"] != 0) & selects
-        if st.bounds is None:
-            n_sel = (h["kk"] - 1) * (self.group if self.qmode else 1)
-            e_dense = np.where(dyn, n_sel + h["npages"] - h["nsel"] + 1, h["npages"])  # [nb] upper bounds
-            e_ring = h["nring"]
-        else:  # a CUDA-graph step: bounds shared by every step of its key
-            e_dense = np.where(dyn, st.bounds[0], st.bounds[1])
-            e_ring = np.full(st.nb, st.bounds[2])
-        e = np.empty((st.nb, hkv, nqs), dtype=np.int64)
-        e[:, :nd, :] = e_dense[:, None, None]
-        e[:, nd:, :] = e_ring[:, None, None]
-        e = np.maximum(e.reshape(-1), 1)
-        target = self.decode_ctas()
-        chunk = int(min(MAX_CHUNK, max(self.min_chunk, math.ceil(e.sum() / target))))
-        nsplit = -(-e // chunk)
-        while chunk < MAX_CHUNK and nsplit.sum() > target:  # ceilings overshoot: grow
-            chunk += 1
-            nsplit = -(-e // chunk)
-        W, U = e.size, int(nsplit.sum())
-        work_start = np.zeros(W + 1, dtype=np.int32)
-        np.cumsum(nsplit, out=work_start[1:])
-        work = np.repeat(np.arange(W, dtype=np.int32), nsplit)
-        split = np.arange(U, dtype=np.int32) - np.repeat(work_start[:-1], nsplit)
-        units = np.stack([work, split], axis=1).astype(np.int32)
-        dev = torch.from_numpy(np.concatenate([units.reshape(-1), work_start])).to(self.device)
-        direct = bool(nsplit.max() == 1)
-        part_o = part_lse = None
-        if not direct:
-            part_o = torch.empty((U, self.gq, self.D), dtype=torch.float32, device=self.device)
-            part_lse = torch.empty((U, self.gq), dtype=torch.float32, device=self.device)
-        res = _Units(U, W, chunk, direct, dev[: 2 * U].view(U, 2), dev[2 * U:], part_o, part_lse)
-        st.units[key] = res
-        return res
 
     # -- run ------------------------------------------------------------------------------------
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> torch.Tensor:
@@ -562,7 +345,7 @@ class CupyBackend(AttentionBackend):
         _check_rows(k, self.dtype, self.hkv, self.D, "k", self.device)
         _check_rows(v, self.dtype, self.hkv, self.D, "v", self.device)
         _check_rows(out, self.dtype, hq, self.D, "out", self.device)
-        st = self._tables(plan)
+        st = self.tables(plan)
         self.write(layer, k, v, plan.dense_write_decode, plan.stream_write_decode)
         early = bool(st.cont) and self.one_call  # prefill_cont reads the chunks' dense keys from the pool
         if early:
@@ -606,7 +389,7 @@ class CupyBackend(AttentionBackend):
                 i32(self.cache.page_size))
         launch(kern, (-(-items // 4),), (128,), args, pdl=self.pdl)
 
-    def select_stage(self, layer: int, q: torch.Tensor, st: _Step) -> None:
+    def select_stage(self, layer: int, q: torch.Tensor, st: CupyStep) -> None:
         """The selector's part of a decode step: run it for the sequences that select now (a step
         that only reuses launches nothing; the decode kernel reads the stored selection)."""
         if not (st.n_dynamic and self.layer_selects(layer)):
@@ -617,7 +400,7 @@ class CupyBackend(AttentionBackend):
         if stats is not None:
             stats.reuses += st.n_dynamic - st.n_sel_rows
 
-    def _scores_cuda(self, q, st: _Step, stats, nd: int, npmax: int, scores: torch.Tensor, only) -> None:
+    def _scores_cuda(self, q, st: CupyStep, stats, nd: int, npmax: int, scores: torch.Tensor, only) -> None:
         """Page scores through ``ls_page_scores`` (CUDA cores)."""
         from lserve.kernels.loader import KernelError, i32, i64, launch, ptr
 
@@ -639,7 +422,7 @@ class CupyBackend(AttentionBackend):
                 ptr(scores), i32(npmax), i32(self.group), i32(self.nqs), i32(int(self.qmode)), i32(ppb),
                 i32(hpc)), pdl=self.pdl)
 
-    def _scores_tc(self, q, st: _Step, stats, nd: int, npmax: int, scores: torch.Tensor, only) -> None:
+    def _scores_tc(self, q, st: CupyStep, stats, nd: int, npmax: int, scores: torch.Tensor, only) -> None:
         """Page scores through ``ls_page_scores_tc`` (tensor cores): one dense head per CTA, pages
         per CTA sized for one wave of resident CTAs."""
         from lserve.kernels.loader import i32, i64, launch, ptr
@@ -656,7 +439,7 @@ class CupyBackend(AttentionBackend):
                 i32(st.pages.shape[1]), ptr(scores), i32(npmax), i32(self.group), i32(self.nqs),
                 i32(int(self.qmode)), i32(ppb)), shared_mem=smem, pdl=self.pdl)
 
-    def select(self, layer: int, q: torch.Tensor, st: _Step, only: str | None = None) -> None:
+    def select(self, layer: int, q: torch.Tensor, st: CupyStep, only: str | None = None) -> None:
         """Run the page selector for the decode sequences that select this step.
 
         ``only`` (``"scores"`` or ``"topk"``) launches one of the two kernels, for benchmarks.
@@ -694,7 +477,7 @@ class CupyBackend(AttentionBackend):
             stats.pages += st.sel_pages * nd * (self.group if self.qmode else 1)
             stats.seconds += time.perf_counter() - t0
 
-    def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: _Step, merge: bool = True) -> None:
+    def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: CupyStep, merge: bool = True) -> None:
         """Decode attention of every decode sequence and KV head of the layer (one launch + merge).
 
         ``merge=False`` skips the split-K merge (benchmarks: the attention kernel alone).
@@ -703,7 +486,7 @@ class CupyBackend(AttentionBackend):
 
         nd, hs = self.cache.n_dense[layer], self.cache.n_stream[layer]
         selects = self.layer_selects(layer)
-        un = self._units(st, nd, selects)
+        un = st.units[(nd, selects, self.decode_impl)]
         dp, sp_ = self.cache.dense[layer], self.cache.stream[layer]
         sel_idx = self._sel_idx[layer]
         sel_mask = self._sel_mask[layer] if self.qmode else self._sel_mask
@@ -737,7 +520,7 @@ class CupyBackend(AttentionBackend):
                     ptr(st.meta), i32(st.nb), i32(self.hkv), i32(self.group), i32(self.nqs)), pdl=self.pdl)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                st: _Step) -> None:
+                st: CupyStep) -> None:
         """Prefill (start == 0) of every such sequence: dense heads by SDPA or our kernel, streaming by ours."""
         G, nd = self.group, self.cache.n_dense[layer]
         hs = self.hkv - nd
@@ -759,7 +542,7 @@ class CupyBackend(AttentionBackend):
             self.prefill_kernel(q, k, v, out, st, head0=nd * G, n_heads=hs * G, streaming=True)
 
     def prefill_cont(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     st: _Step) -> None:
+                     st: CupyStep) -> None:
         """Chunks whose sequence has cached past (``start > 0``), see :mod:`lserve.attention.chunked`:
         dense heads against the gathered past and themselves (merged by log-sum-exp), streaming
         heads as one virtual batch through ``ls_prefill``."""
@@ -804,7 +587,7 @@ class CupyBackend(AttentionBackend):
         kk, vv = self.cache.dense[layer].gather(pages.expand(hd, -1), heads)  # [Hd, n_pages, N, D]
         return kk.view(hd, -1, self.D)[:, :length], vv.view(hd, -1, self.D)[:, :length]
 
-    def prefill_kernel(self, q, k, v, out, st: _Step, head0: int, n_heads: int, streaming: bool,
+    def prefill_kernel(self, q, k, v, out, st: CupyStep, head0: int, n_heads: int, streaming: bool,
                        tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """``ls_prefill`` over query heads [head0, head0 + n_heads) of all start == 0 sequences
         (or of the sequences of ``tables``: (tiles [n, 2], seqs [m, 2]) int32)."""

@@ -178,8 +178,8 @@ class _DecodeSetup:
             for i in range(n_sets):
                 step = SeqStep(i, context - 1, 1, True, list(range(i * pages, (i + 1) * pages)),
                                list(range(i * ring, (i + 1) * ring)))
-                sel.append(be._tables(be.plan([step])))
-                reuse.append(be._tables(be.plan([step])))
+                sel.append(be.tables(be.plan([step])))
+                reuse.append(be.tables(be.plan([step])))
             self.tables[budget] = (sel, reuse)
 
     def select_all(self) -> None:
@@ -368,7 +368,7 @@ def _prefill_row(context: int) -> dict:
     step = SeqStep(0, 0, context, False, [], [])
     for local, key in ((LOCAL, "lserve_ms"), (LOCAL_PREFILL_LONG, "lserve_local8192_ms")):
         be = _prefill_backend(4, local)
-        st = be._tables(be.plan([_with_pages(be, step, context)]))
+        st = be.tables(be.plan([_with_pages(be, step, context)]))
         row[key] = _median_events(lambda be=be, st=st: be.prefill(0, q, k, v, out, st), iters)
         if local == LOCAL:
             row["lserve_streaming_part_ms"] = _median_events(
@@ -379,7 +379,7 @@ def _prefill_row(context: int) -> dict:
                 lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, 16, 16, True), iters)
     if context <= DENSE_KERNEL_PREFILL_MAX:
         be = _prefill_backend(8, LOCAL)
-        st = be._tables(be.plan([_with_pages(be, step, context)]))
+        st = be.tables(be.plan([_with_pages(be, step, context)]))
         row["kernel_dense_ms"] = _median_events(lambda: be.prefill_kernel(q, k, v, out, st, 0, H, False), iters)
         row["kernel_dense_tflops"] = flops / (row["kernel_dense_ms"] * 1e-3) / 1e12
     return row

@@ -110,7 +110,8 @@ class DecodeGraphs:
         found = self.backend.static_tables(plan)
         if found is None:
             return None
-        (bkey, generation), tables = found
+        step, tables = found  # CupyStep bound to the static buffer, its int32 host tables
+        bkey, generation = step.key, self.backend.static_generation
         if generation != self._generation:  # buffers a graph points into were reallocated
             self._drop_all()
             self._generation = generation
@@ -126,7 +127,7 @@ class DecodeGraphs:
             self.inputs[:nb].copy_(prev_tokens.index_select(0, self.inputs[:nb]))
         if entry is None:
             try:
-                entry = self._capture(key, plan, nb)
+                entry = self._capture(key, plan, nb, step)
             except RuntimeError as e:  # keep serving eagerly, and say why
                 self.disabled = str(e).splitlines()[0][:300]
                 log.warning("CUDA graph capture failed, decoding eagerly from now on: %s", self.disabled)
@@ -188,11 +189,10 @@ class DecodeGraphs:
     def _forward(self, splan: StepPlan, x: list[torch.Tensor]) -> torch.Tensor:
         return self.model.forward(x[0], x[1], splan, self.backend, x[3], x[2], self.max_len)
 
-    def _capture(self, key, plan: StepPlan, nb: int) -> _Graph:
+    def _capture(self, key, plan: StepPlan, nb: int, step) -> _Graph:
         be = self.backend
-        step = be._step  # bound to the static buffer by static_tables
         splan, x = self._static_plan(plan, nb)
-        step.plan = splan  # the backend recognises the plan it has tables for by identity
+        be.bind(splan, step)  # the forward's attention runs splan on the static step's tables
         stats = be.selector_stats
         before = (stats.runs, stats.reuses, stats.pages)
         side = torch.cuda.Stream(self.device)

@@ -172,8 +172,8 @@ class Pair:
         sid = sp.step.seq_id
         chosen, n_at = self.ref.selection[layer][sid]  # [H_sel, K-1] ascending
         nd = self.cache_t.n_dense[layer]
-        slot = self.cup._slots[sid]
-        assert self.cup._nsel[sid] == n_at
+        slot = self.cup.table_planner.slots[sid]
+        assert self.cup.table_planner.nsel[sid] == n_at
         cnt = self.cup._sel_cnt[layer, slot, :nd].cpu()
         idx = self.cup._sel_idx[layer, slot, :nd].cpu()
         page = self.cup._sel_page[layer, slot, :nd].cpu()

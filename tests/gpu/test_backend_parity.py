@@ -130,11 +130,11 @@ def test_release_and_slot_reuse(seed):
     pair.step([(a, 600, False), (b, 900, False)])
     for _ in range(3):
         pair.step([(a, 1, True), (b, 1, True)])
-    slot_a = pair.cup._slots[0]
+    slot_a = pair.cup.table_planner.slots[0]
     pair.release(a)
     c = Seq(2, 1400)
     pair.step([(c, 1400, False), (b, 1, True)])
     for _ in range(4):
         pair.step([(c, 1, True), (b, 1, True)])
-    assert pair.cup._slots[2] == slot_a
+    assert pair.cup.table_planner.slots[2] == slot_a
     pair.compare_caches()

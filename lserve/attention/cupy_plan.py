@@ -1,0 +1,466 @@
+"""Host metadata of one step of the CUDA backend, built once per step (numpy only, no CUDA).
+
+:meth:`CupyPlanner.plan` turns a :class:`~lserve.sparsity.plan.StepPlan` into one
+:class:`CupyStep`: the decode meta rows, page and ring tables, the rows that run the page
+selector, the split-K unit tables of every layer kind, the virtual-sequence tables of prefill
+chunks with cached past, the prefill tiles and, for CUDA-graph steps, the graph key and the
+entry-count bounds the units are planned for. :meth:`CupyStep.pack` lays the int32 tables out
+as one buffer and :meth:`CupyStep.bind` points the step's device fields at a device copy of it,
+so a step costs one host-to-device transfer; the launches of
+:class:`~lserve.attention.cupy_backend.CupyBackend` only read the bound object.
+
+The planner also keeps what outlives a step: each sequence's selection-state slot, the dense
+pages it had at its last selection and an int32 copy of its page list (extended in place).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from lserve.attention.chunked import streaming_prefix
+
+if TYPE_CHECKING:
+    from lserve.cache.kv_cache import StreamRing
+    from lserve.sparsity.plan import SeqPlan, SeqStep, StepPlan
+
+MAX_CHUNK = 256  # entries per decode unit (shared-memory table in ls_decode)
+PREFILL_BM = 64  # query rows per ls_prefill tile
+# meta rows (see kernels/decode.cu)
+META_FIELDS = ("tok", "len", "npages", "nring", "nsel", "slot", "dyn", "kk")
+
+
+@dataclass(frozen=True)
+class PlanGeometry:
+    """What a step's tables depend on besides the step: the cache layout and the attention config."""
+
+    page_size: int
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    nqs: int  # query-head slices per KV head in a decode work item (group // heads per CTA)
+    qmode: bool  # select_mode "query": one selection per query head (else per KV head)
+    sink_tokens: int
+    local_tokens: int
+    reuse_interval: int  # decode steps between selector runs
+    ring: StreamRing | None  # the streaming heads' ring; None: the model has no streaming heads
+    layer_kinds: tuple[tuple[int, bool], ...]  # (dense KV heads, layer selects) per layer
+    fast_prefill: bool = True  # prefill through the kernels (False: fp32 caches, the torch reference)
+
+    @classmethod
+    def of(cls, backend, gq: int, fast_prefill: bool) -> PlanGeometry:
+        """The geometry of an attention backend's cache and config.
+
+        Parameters
+        ----------
+        backend : AttentionBackend
+            Gives the cache, the sparsity config, the GQA group and which layers select.
+        gq : int
+            Query heads per decode CTA (``group // gq`` slices per KV head).
+        fast_prefill : bool
+            Prefill runs through the kernels (16-bit caches).
+        """
+        c, sp = backend.cache, backend.sp
+        kinds = tuple((c.n_dense[i], backend.layer_selects(i)) for i in range(backend.model.num_layers))
+        return cls(c.page_size, backend.model.num_kv_heads, backend.group, backend.group // gq,
+                   sp.select_mode == "query", sp.sink_tokens, sp.local_tokens, sp.reuse_interval,
+                   c.ring if c.has_streaming else None, kinds, fast_prefill)
+
+
+@dataclass(frozen=True)
+class SplitK:
+    """How decode work is split into units: at most ``ctas`` units per launch (one wave), at
+    least ``min_chunk`` table entries per unit; ``impl`` (``"tc"``/``"cuda"``) keys the tables."""
+
+    ctas: int
+    min_chunk: int
+    impl: str
+
+
+@dataclass
+class UnitTable:
+    """Split-K decomposition of the decode work of one layer kind (host side)."""
+
+    n_units: int  # U
+    n_work: int  # W: (decode sequence, KV head, query slice) work items
+    chunk: int  # table entries per unit
+    direct: bool  # every work item in one unit: no merge
+    units: np.ndarray  # int32 [U, 2] (work item, split index)
+    work_start: np.ndarray  # int32 [W + 1] first unit of each work item
+
+
+@dataclass
+class DecodeUnits:
+    """A :class:`UnitTable` on the device, plus the merge's partial results (split work only)."""
+
+    n_units: int
+    n_work: int
+    chunk: int
+    direct: bool
+    units: torch.Tensor  # int32 [U, 2] (work, split)
+    work_start: torch.Tensor  # int32 [W + 1]
+    part_o: torch.Tensor | None  # float32 [U, GQ, D]
+    part_lse: torch.Tensor | None  # float32 [U, GQ]
+
+
+@dataclass
+class CupyStep:
+    """Everything the kernels of one step read, shared by all layers.
+
+    Host fields are set by :meth:`CupyPlanner.plan`; the device fields (torch int32 views) by
+    :meth:`bind`, before which they are None.
+    """
+
+    nb: int  # decode sequences
+    dec: list[SeqPlan]  # the decode sequences, in step order
+    fields: dict[str, np.ndarray]  # meta fields (META_FIELDS) [nb] as numpy (for unit planning)
+    # int32 tables in upload order, named as the device fields below
+    arrays: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    unit_tables: dict = field(default_factory=dict)  # (n_dense, selects, impl) -> UnitTable
+    need_slots: int = 0  # selection-state slots the step needs (all slots handed out, plus one)
+    need_entries: int = 1  # selection entries per (slot, head) the step needs
+    n_sel_rows: int = 0
+    n_dynamic: int = 0  # decode sequences with page selection active
+    sel_pages: int = 0  # sum of K over the selecting sequences
+    max_np_sel: int = 0
+    fast: list[SeqPlan] = field(default_factory=list)  # prefill with start == 0
+    cont: list[SeqPlan] = field(default_factory=list)  # prefill chunks with cached past (start > 0)
+    slow: list[SeqPlan] = field(default_factory=list)  # fp32 prefill (torch reference path)
+    c_page_off: list = field(default_factory=list)  # (offset, P_j) of chunk j in c_pages
+    n_tiles: int = 0
+    # CUDA-graph steps: entry-count upper bounds the split-K units are planned for (so every
+    # step with the same key shares one unit table), else None (planned for this step exactly)
+    bounds: tuple[np.ndarray, np.ndarray, int] | None = None  # (dense dynamic [nb], dense all [nb], ring)
+    key: tuple | None = None  # CUDA-graph steps: what fixes the launch shapes
+    # -- device fields (bind) -----------------------------------------------------------------
+    meta: torch.Tensor | None = None  # int32 [8 * nb]
+    pages: torch.Tensor | None = None  # int32 [nb, pages_stride]
+    ring_pages: torch.Tensor | None = None  # int32 [nb, ring_stride]
+    ring_pos: torch.Tensor | None = None
+    sel_rows: torch.Tensor | None = None  # int32 [R]: decode indices that select now
+    # Streaming heads of the ``cont`` chunks as one virtual batch (see CupyPlanner.cont_tables)
+    c_loc: torch.Tensor | None = None  # [2, R] (stream page, offset) of each past token they see
+    c_kmap: torch.Tensor | None = None  # [V] virtual row -> row of cat(past tokens [R], step tokens [T])
+    c_qmap: torch.Tensor | None = None  # [V] virtual row -> step row of its query (past rows: any)
+    c_src: torch.Tensor | None = None  # [C] virtual rows of the chunks' tokens
+    c_dst: torch.Tensor | None = None  # [C] their step rows
+    c_tiles: torch.Tensor | None = None  # [n, 2] prefill-kernel tiles over the chunk rows only
+    c_seqs: torch.Tensor | None = None  # [m, 2] (first virtual row, virtual length)
+    c_long: tuple | None = None  # c_loc, c_kmap, c_qmap, c_src, c_dst as long (built by the first layer)
+    c_pages: torch.Tensor | None = None  # int32 [sum of P_j]: dense pages of each ``cont`` chunk's sequence
+    c_pages_long: torch.Tensor | None = None  # c_pages as long (built by the first layer)
+    tiles: torch.Tensor | None = None  # int32 [n_tiles, 2]
+    seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
+    units: dict = field(default_factory=dict)  # (n_dense, selects, impl) -> DecodeUnits
+
+    def host_table(self, name: str) -> np.ndarray:
+        """The host copy of the int32 table ``name`` (e.g. ``"pages"``); KeyError if the step has none."""
+        for n, a in self.arrays:
+            if n == name:
+                return a
+        raise KeyError(name)
+
+    def pack(self, units: bool = True) -> np.ndarray:
+        """The int32 tables as one flat buffer, in :attr:`arrays` order, then (``units``) each
+        unit table's ``units`` and ``work_start``; :meth:`bind` reads a device copy of it."""
+        parts = [a.reshape(-1) for _, a in self.arrays]
+        if units:
+            for t in self.unit_tables.values():
+                parts += [t.units.reshape(-1), t.work_start]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+    def bind(self, dev: torch.Tensor, units: bool = True, gq: int = 1, head_dim: int = 1) -> None:
+        """Point the device fields at consecutive slices of ``dev`` (int32, laid out by
+        :meth:`pack` with the same ``units``). With ``units`` also set :attr:`units`, allocating
+        the merge buffers (float32 ``[U, gq, head_dim]`` and ``[U, gq]``) of split work."""
+        o = 0
+        for name, a in self.arrays:
+            setattr(self, name, dev[o: o + a.size].view(a.shape))
+            o += a.size
+        if units:
+            self.units = {}
+            for key, t in self.unit_tables.items():
+                n = 2 * t.n_units + t.n_work + 1
+                self.units[key] = device_units(t, dev[o: o + n], gq, head_dim)
+                o += n
+
+
+def device_units(t: UnitTable, dev: torch.Tensor, gq: int, head_dim: int) -> DecodeUnits:
+    """``t`` over ``dev`` (int32 [2U + W + 1]: its units, then its work starts), with merge buffers."""
+    U = t.n_units
+    part_o = part_lse = None
+    if not t.direct:
+        part_o = torch.empty((U, gq, head_dim), dtype=torch.float32, device=dev.device)
+        part_lse = torch.empty((U, gq), dtype=torch.float32, device=dev.device)
+    return DecodeUnits(U, t.n_work, t.chunk, t.direct, dev[: 2 * U].view(U, 2), dev[2 * U:], part_o, part_lse)
+
+
+def split_units(e: np.ndarray, ctas: int, min_chunk: int) -> UnitTable:
+    """Split work items of ``e`` table entries each (int64 [W], every entry >= 1) into units:
+    one chunk size for all, about ``ctas`` units in all (fewer when ``MAX_CHUNK`` caps the chunk)."""
+    chunk = int(min(MAX_CHUNK, max(min_chunk, math.ceil(e.sum() / ctas))))
+    nsplit = -(-e // chunk)
+    while chunk < MAX_CHUNK and nsplit.sum() > ctas:  # ceilings overshoot: grow
+        chunk += 1
+        nsplit = -(-e // chunk)
+    W, U = e.size, int(nsplit.sum())
+    work_start = np.zeros(W + 1, dtype=np.int32)
+    np.cumsum(nsplit, out=work_start[1:])
+    work = np.repeat(np.arange(W, dtype=np.int32), nsplit)
+    split = np.arange(U, dtype=np.int32) - np.repeat(work_start[:-1], nsplit)
+    units = np.stack([work, split], axis=1).astype(np.int32)
+    return UnitTable(U, W, chunk, bool(nsplit.max() == 1), units, work_start)
+
+
+class CupyPlanner:
+    """Builds the :class:`CupyStep` of each step and keeps per-sequence host state.
+
+    Parameters
+    ----------
+    geometry : PlanGeometry
+        The cache layout and attention config the tables are built for.
+
+    Attributes
+    ----------
+    slots : dict[int, int]
+        Selection-state slot of each sequence that has run with page selection (until released).
+    free_slots : list[int]
+        Slots of released sequences, handed out again first.
+    nsel : dict[int, int]
+        Dense pages of each such sequence at its last selector run (the kernels' ``nsel``).
+    """
+
+    def __init__(self, geometry: PlanGeometry) -> None:
+        self.geometry = geometry
+        self.slots: dict[int, int] = {}
+        self.free_slots: list[int] = []
+        self.nsel: dict[int, int] = {}
+        self._np_pages: dict[int, tuple[list, np.ndarray, int]] = {}  # seq_id -> (list, int32 copy, length)
+
+    # -- sequence state -------------------------------------------------------------------------
+    def release(self, seq_id: int) -> None:
+        """Forget a finished, aborted or preempted sequence (its slot is handed out again)."""
+        self.nsel.pop(seq_id, None)
+        self._np_pages.pop(seq_id, None)
+        slot = self.slots.pop(seq_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def slot_of(self, seq_id: int) -> int:
+        """The sequence's selection-state slot (a free one, or a new one, on first use)."""
+        slot = self.slots.get(seq_id)
+        if slot is None:
+            slot = self.free_slots.pop() if self.free_slots else len(self.slots)
+            self.slots[seq_id] = slot
+        return slot
+
+    def page_array(self, step: SeqStep) -> np.ndarray:
+        """``step.dense_pages`` as int32, kept per sequence and extended as its list grows (the
+        scheduler appends to the same list), so a decode step converts O(new pages), not O(context).
+        Entries past ``len(step.dense_pages)`` are spare room (zeros)."""
+        lst, sid = step.dense_pages, step.seq_id
+        ent = self._np_pages.get(sid)
+        if ent is None or ent[0] is not lst or ent[2] > len(lst):
+            arr = np.asarray(lst, dtype=np.int32)
+            arr = np.concatenate((arr, np.zeros(max(64, arr.size), dtype=np.int32)))  # room to grow
+        else:
+            arr = ent[1]
+            if len(lst) > arr.size:
+                arr = np.concatenate((arr, np.zeros(max(len(lst) - arr.size, arr.size), dtype=np.int32)))
+            arr[ent[2]: len(lst)] = lst[ent[2]:]
+        self._np_pages[sid] = (lst, arr, len(lst))
+        return arr
+
+    # -- one step -------------------------------------------------------------------------------
+    def plan(self, plan: StepPlan, static: bool = False, split: SplitK | None = None) -> CupyStep:
+        """The host tables of one step.
+
+        Parameters
+        ----------
+        plan : StepPlan
+        static : bool
+            A CUDA-graph step (decode sequences only): page tables padded to a bucket of the
+            longest sequence (1/32..1/64 of its length), ring tables to the ring's size, and
+            :attr:`CupyStep.bounds`/:attr:`CupyStep.key` set, so consecutive steps share a key
+            and with it one graph. ``bounds`` stays None (and the tables empty) when a
+            sequence's entries exceed them: the step then runs eagerly.
+        split : SplitK, optional
+            Plan the split-K unit tables of every layer kind (decode steps); None: leave
+            :attr:`CupyStep.unit_tables` empty (:meth:`plan_units` can add them).
+
+        Returns
+        -------
+        CupyStep
+            Host fields set, device fields None. Updates the selection slots and ``nsel`` of
+            the sequences that select now.
+        """
+        g = self.geometry
+        N = g.page_size
+        dec = [s for s in plan.seqs if s.step.decode]
+        pre = [s for s in plan.seqs if not s.step.decode]
+        nb = len(dec)
+        host = {f: np.zeros(nb, dtype=np.int32) for f in META_FIELDS}
+        st = CupyStep(nb=nb, dec=dec, fields=host)
+        chunks = st.arrays
+        if nb:
+            npages = [-(-s.length // N) for s in dec]
+            pstride = max(npages)
+            rings = []
+            for s in dec:
+                if g.ring is not None:
+                    slots = g.ring.page_in_slot(s.length)
+                    rings.append([(s.step.stream_pages[r], i * N) for r, i in enumerate(slots) if i >= 0])
+                else:
+                    rings.append([])
+            rstride = max(1, max(len(r) for r in rings))
+            if static:
+                rstride = max(1, g.ring.num_slots if g.ring is not None else 1)
+            ring_pages = np.zeros((nb, rstride), dtype=np.int32)
+            ring_pos = np.zeros((nb, rstride), dtype=np.int32)
+            sel_rows = []
+            u_needed = 1
+            for b, s in enumerate(dec):
+                for j, (p, pos) in enumerate(rings[b]):
+                    ring_pages[b, j], ring_pos[b, j] = p, pos
+                host["tok"][b] = s.t0
+                host["len"][b] = s.length
+                host["npages"][b] = npages[b]
+                host["nring"][b] = len(rings[b])
+                host["kk"][b] = s.budget_pages
+                if s.dynamic:
+                    sid = s.step.seq_id
+                    host["dyn"][b] = 1
+                    host["slot"][b] = self.slot_of(sid)
+                    if s.select or sid not in self.nsel:
+                        self.nsel[sid] = npages[b]
+                        sel_rows.append(b)
+                    host["nsel"][b] = self.nsel[sid]
+                    u_needed = max(u_needed, (s.budget_pages - 1) * (g.group if g.qmode else 1))
+            st.need_slots, st.need_entries = len(self.slots) + len(self.free_slots) + 1, u_needed
+            if static:
+                pstride = self._static_bounds(st, npages)
+                if pstride is None:
+                    return st
+            pages = np.zeros((nb, pstride), dtype=np.int32)
+            for b, s in enumerate(dec):
+                pages[b, : npages[b]] = self.page_array(s.step)[: npages[b]]
+            meta = np.stack([host[f] for f in META_FIELDS]).reshape(-1)
+            chunks += [("meta", meta), ("pages", pages), ("ring_pages", ring_pages), ("ring_pos", ring_pos),
+                       ("sel_rows", np.asarray(sel_rows or [0], dtype=np.int32))]
+            st.n_sel_rows = len(sel_rows)
+            st.n_dynamic = int(host["dyn"].sum())
+            st.sel_pages = int(sum(host["kk"][b] for b in sel_rows))
+            st.max_np_sel = max((npages[b] for b in sel_rows), default=0)
+            if static:
+                st.max_np_sel = pstride if sel_rows else 0
+                st.key = (nb, pstride, rstride, tuple(host["dyn"].tolist()), tuple(host["kk"].tolist()),
+                          tuple(sel_rows))
+            if split is not None:
+                st.unit_tables = self.plan_units(st, split)
+        fast_ok = g.fast_prefill
+        st.fast = [s for s in pre if s.step.start == 0 and fast_ok]
+        st.cont = [s for s in pre if s.step.start > 0 and fast_ok]
+        st.slow = [s for s in pre if not fast_ok]
+        if st.cont:
+            lists = [s.step.dense_pages[: -(-(s.step.start + s.step.num_new) // N)] for s in st.cont]
+            st.c_page_off = [(o, len(p)) for o, p in zip(np.cumsum([0] + [len(p) for p in lists]), lists)]
+            chunks.append(("c_pages", np.asarray([p for lst in lists for p in lst], dtype=np.int32)))
+        if st.cont and g.ring is not None:
+            chunks += self.cont_tables(st.cont)
+        if st.fast:
+            seqs = np.array([[s.t0, s.step.num_new] for s in st.fast], dtype=np.int32)
+            tiles = np.array([[j, q0] for j, s in enumerate(st.fast) for q0 in range(0, s.step.num_new, PREFILL_BM)],
+                             dtype=np.int32)
+            st.n_tiles = len(tiles)
+            chunks += [("seqs", seqs), ("tiles", tiles)]
+        return st
+
+    def _static_bounds(self, st: CupyStep, npages: list[int]) -> int | None:
+        """Set ``st.bounds``; returns the padded page-table stride, or None if a bound fails."""
+        g = self.geometry
+        N = g.page_size
+        h = st.fields
+        longest = max(npages)
+        # buckets of 1/32..1/64 of the length: a graph's split-K units cover at most ~3% of
+        # entries that are not there (empty units), and a new capture every ~3% of growth
+        step = max(1, 1 << max(0, longest.bit_length() - 6))
+        pstride = -(-longest // step) * step
+        n_sel = (h["kk"] - 1) * (g.group if g.qmode else 1)
+        # pages appended since the last selection: at most ceil((C - 1) / N) + 1
+        fresh = -(-(g.reuse_interval - 1) // N) + 1
+        dyn_ub = np.minimum(n_sel + fresh + 1, pstride)
+        actual = n_sel + h["npages"] - h["nsel"] + 1
+        if np.any((h["dyn"] != 0) & (actual > dyn_ub)):
+            return None
+        ring = g.ring.num_slots if g.ring is not None else 0
+        st.bounds = (dyn_ub.astype(np.int64), np.full(st.nb, pstride, dtype=np.int64), ring)
+        return pstride
+
+    def cont_tables(self, cont: list[SeqPlan]) -> list[tuple[str, np.ndarray]]:
+        """Host tables of the streaming heads of chunks with cached past, as one virtual batch.
+
+        Sequence j becomes ``P_j`` past rows (the sink and last ``local`` tokens it can see,
+        :func:`~lserve.attention.chunked.streaming_prefix`, read from its ring) followed by its
+        ``n_j`` chunk rows; the fresh-sequence prefill kernel then computes the chunk rows exactly.
+        Returns the named int32 tables ``c_loc`` .. ``c_seqs`` (see :class:`CupyStep`).
+        """
+        g = self.geometry
+        N, ring = g.page_size, g.ring
+        loc_p, loc_o, kmap, qmap, src, dst, tiles, seqs = [], [], [], [], [], [], [], []
+        r = v = 0
+        for s in cont:
+            pos = np.concatenate([np.arange(a, b) for a, b in streaming_prefix(s.step.start, g.sink_tokens,
+                                                                                g.local_tokens)])
+            lp = pos // N
+            slot = np.where(lp < ring.sink_pages, lp, ring.sink_pages + (lp - ring.sink_pages) % ring.local_pages)
+            loc_p.append(np.asarray(s.step.stream_pages, dtype=np.int64)[slot])
+            loc_o.append(pos % N)
+            p, n = len(pos), s.t1 - s.t0
+            kmap += [np.arange(r, r + p), -1 - np.arange(s.t0, s.t1)]  # -1 - t: step row t (fixed below)
+            qmap += [np.full(p, s.t0), np.arange(s.t0, s.t1)]
+            src.append(np.arange(v + p, v + p + n))
+            dst.append(np.arange(s.t0, s.t1))
+            tiles += [(len(seqs), q0) for q0 in range(p, p + n, PREFILL_BM)]
+            seqs.append((v, p + n))
+            r, v = r + p, v + p + n
+        km = np.concatenate(kmap)
+        km = np.where(km < 0, r + (-1 - km), km)
+        i32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
+        return [("c_loc", i32(np.stack((np.concatenate(loc_p), np.concatenate(loc_o))))), ("c_kmap", i32(km)),
+                ("c_qmap", i32(np.concatenate(qmap))), ("c_src", i32(np.concatenate(src))),
+                ("c_dst", i32(np.concatenate(dst))), ("c_tiles", i32(tiles).reshape(-1, 2)),
+                ("c_seqs", i32(seqs).reshape(-1, 2))]
+
+    # -- split-K units --------------------------------------------------------------------------
+    def plan_units(self, st: CupyStep, split: SplitK) -> dict:
+        """The unit table of every layer kind of the model for the decode sequences of ``st``:
+        ``{(n_dense, selects, split.impl): UnitTable}`` in order of the kinds' first layers."""
+        out = {}
+        for nd, selects in self.geometry.layer_kinds:
+            key = (nd, selects, split.impl)
+            if key not in out:
+                out[key] = split_units(self.decode_entries(st, nd, selects), split.ctas, split.min_chunk)
+        return out
+
+    def decode_entries(self, st: CupyStep, nd: int, selects: bool) -> np.ndarray:
+        """Table entries (pages, or ring pages) of each decode work item of a layer with ``nd``
+        dense KV heads: int64 [nb * H_kv * nqs] in (sequence, KV head, query slice) order, each at
+        least 1; upper bounds (selection plus fresh pages), or ``st.bounds`` on CUDA-graph steps."""
+        g = self.geometry
+        h = st.fields
+        hkv, nqs = g.num_kv_heads, g.nqs
+        dyn = (h["dyn"] != 0) & selects
+        if st.bounds is None:
+            n_sel = (h["kk"] - 1) * (g.group if g.qmode else 1)
+            e_dense = np.where(dyn, n_sel + h["npages"] - h["nsel"] + 1, h["npages"])  # [nb] upper bounds
+            e_ring = h["nring"]
+        else:  # a CUDA-graph step: bounds shared by every step of its key
+            e_dense = np.where(dyn, st.bounds[0], st.bounds[1])
+            e_ring = np.full(st.nb, st.bounds[2])
+        e = np.empty((st.nb, hkv, nqs), dtype=np.int64)
+        e[:, :nd, :] = e_dense[:, None, None]
+        e[:, nd:, :] = e_ring[:, None, None]
+        return np.maximum(e.reshape(-1), 1)
