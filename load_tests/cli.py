@@ -24,12 +24,19 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from load_tests.client import RequestOptions
-from load_tests.datasets import load_tokenizer, passkey_dataset, random_dataset, shared_prefix_dataset
+from load_tests.datasets import (
+    chat_dataset,
+    doc_qa_dataset,
+    load_tokenizer,
+    passkey_dataset,
+    random_dataset,
+    shared_prefix_dataset,
+)
 from load_tests.report import write_json, write_png
 from load_tests.runner import LoadShape, run_load
 from load_tests.stats import parse_slos, summarize
 
-DATASETS = ("random", "shared-prefix", "passkey")
+DATASETS = ("random", "shared-prefix", "doc-qa", "chat", "passkey")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow a target that is not a loopback address (refused by default)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=DATASETS, default="random",
-                   help="random prompts; long prompts sharing prefixes; passkey prompts with checked answers")
+                   help="random prompts; long prompts sharing prefixes; document QA (N docs x M questions); "
+                        "multi-turn chats; passkey prompts with checked answers")
     d.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     d.add_argument("--input-len", type=int, default=256,
                    help="prompt tokens (random) or unique suffix tokens after the prefix (shared-prefix)")
@@ -65,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prefix-len", type=int, default=2048, help="shared-prefix: tokens of each shared prefix")
     d.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
     d.add_argument("--context-len", type=int, default=2048, help="passkey: prompt tokens")
+    d.add_argument("--num-docs", type=int, default=8, help="doc-qa: documents")
+    d.add_argument("--questions-per-doc", type=int, default=6, help="doc-qa: questions per document")
+    d.add_argument("--doc-len", type=int, default=4500, help="doc-qa: mean document tokens")
+    d.add_argument("--doc-range", type=float, default=1 / 3, help="doc-qa: lengths uniform in len*(1 +- r)")
+    d.add_argument("--question-len", type=int, default=32, help="doc-qa: tokens per question")
+    d.add_argument("--conversations", type=int, default=8, help="chat: conversations")
+    d.add_argument("--turns", type=int, default=5, help="chat: turns per conversation")
+    d.add_argument("--system-len", type=int, default=512, help="chat: system prompt tokens")
+    d.add_argument("--user-len", type=int, default=64, help="chat: tokens per user message")
+    d.add_argument("--reply-len", type=int, default=128, help="chat: tokens per (fixed) assistant reply in the history")
+    d.add_argument("--think-time", type=float, default=1.0, help="chat: seconds between a reply and the next turn")
     d.add_argument("--tokenizer", default="default",
                    help="'default' (the bundled model's), a tokenizer.json, a model directory, a .gguf file or "
                         "preset:VOCAB (LServe's random-weight presets, e.g. preset:128256 for llama3-8b)")
@@ -161,6 +180,16 @@ def make_dataset(a: argparse.Namespace):
         specs = shared_prefix_dataset(tok, a.num_prompts, a.prefix_len, a.num_prefixes, a.input_len, a.output_len,
                                       a.seed, a.send_text)
         info.update(prefix_len=a.prefix_len, num_prefixes=a.num_prefixes, suffix_len=a.input_len)
+    elif a.dataset == "doc-qa":
+        specs = doc_qa_dataset(tok, a.num_docs, a.questions_per_doc, a.doc_len, a.doc_range, a.question_len,
+                               a.output_len, a.seed, a.send_text)
+        info.update(num_prompts=len(specs), num_docs=a.num_docs, questions_per_doc=a.questions_per_doc,
+                    doc_len=a.doc_len, doc_range=a.doc_range, question_len=a.question_len)
+    elif a.dataset == "chat":
+        specs = chat_dataset(tok, a.conversations, a.turns, a.system_len, a.user_len, a.reply_len, a.output_len,
+                             a.think_time, a.seed, a.send_text)
+        info.update(num_prompts=len(specs), conversations=a.conversations, turns=a.turns, system_len=a.system_len,
+                    user_len=a.user_len, reply_len=a.reply_len, think_time=a.think_time)
     else:
         specs = passkey_dataset(tok, a.num_prompts, a.context_len, a.output_len, a.seed, a.send_text)
         info.update(context_len=a.context_len)

@@ -1,4 +1,5 @@
-"""Request datasets: random prompts, long prompts with shared prefixes, and passkey prompts.
+"""Request datasets: random prompts, long prompts with shared prefixes, document QA (N documents x
+M questions), multi-turn chats, and passkey prompts.
 
 Every dataset is a list of :class:`RequestSpec`, built up front from a seeded RNG so a run is
 reproducible. Prompts are token ids (the OpenAI completions API accepts them), so an input
@@ -37,9 +38,14 @@ class RequestSpec:
     answer : str or None
         Expected substring of the output (passkey prompts), checked after the run.
     group : int
-        Shared-prefix group (-1 when the dataset has none).
+        Shared-prefix group (-1 when the dataset has none): the document, the conversation.
     meta : dict
         Extra facts recorded per request (e.g. passkey depth).
+    after : int or None
+        Index of the request that must have finished before this one is sent (the previous turn
+        of a chat); it is then sent ``think_s`` later instead of at its own arrival time.
+    think_s : float
+        Seconds between ``after`` finishing and this request being sent.
     """
 
     prompt: list[int] | str
@@ -49,6 +55,8 @@ class RequestSpec:
     answer: str | None = None
     group: int = -1
     meta: dict = field(default_factory=dict)
+    after: int | None = None
+    think_s: float = 0.0
 
 
 class Tokenizer:
@@ -240,6 +248,92 @@ def shared_prefix_dataset(tok: Tokenizer, num: int, prefix_len: int, num_prefixe
         g = i % num_prefixes
         ids = prefixes[g] + _random_ids(rng, tok, input_len)
         specs.append(RequestSpec(ids, len(ids), output_len, "shared-prefix", group=g))
+    return _finish(specs, tok, as_text)
+
+
+def doc_qa_dataset(tok: Tokenizer, num_docs: int, questions: int, doc_len: int, doc_range: float, question_len: int,
+                   output_len: int, seed: int = 0, as_text: bool = False) -> list[RequestSpec]:
+    """Document QA: ``num_docs`` documents, each asked ``questions`` different questions.
+
+    Request order (and so arrival order under Poisson load) is by round: every document's first
+    question in a shuffled order, then every second question, and so on, so a document's
+    follow-ups arrive while other documents are being read, the pattern a prefix cache and a
+    prefix-affine router are for. ``meta`` records ``doc`` and ``question`` (0: the first, which
+    no cache can serve).
+
+    Parameters
+    ----------
+    tok : Tokenizer
+    num_docs, questions : int
+        N documents x M questions.
+    doc_len : int
+        Mean document length in tokens; lengths are uniform in ``doc_len * (1 +- doc_range)``.
+    doc_range : float
+    question_len : int
+        Tokens of each question (after its document).
+    output_len : int
+    seed : int
+    as_text : bool
+
+    Returns
+    -------
+    list of RequestSpec
+    """
+    _check_common(num_docs * questions, doc_len, output_len, doc_range)
+    if question_len < 1:
+        raise ValueError(f"question length must be >= 1, got {question_len}")
+    rng = random.Random(seed)
+    docs = [_random_ids(rng, tok, n) for n in _lengths(rng, doc_len, doc_range, num_docs)]
+    specs = []
+    for q in range(questions):
+        order = list(range(num_docs))
+        rng.shuffle(order)
+        for d in order:
+            ids = docs[d] + _random_ids(rng, tok, question_len)
+            specs.append(RequestSpec(ids, len(ids), output_len, "doc-qa", group=d,
+                                     meta={"doc": d, "question": q, "doc_len": len(docs[d])}))
+    return _finish(specs, tok, as_text)
+
+
+def chat_dataset(tok: Tokenizer, conversations: int, turns: int, system_len: int, user_len: int, reply_len: int,
+                 output_len: int, think_s: float = 1.0, seed: int = 0, as_text: bool = False) -> list[RequestSpec]:
+    """Multi-turn chats: each turn resends the whole history plus a new user message.
+
+    Turn ``t`` of a conversation is its system prompt, then for every earlier turn its user
+    message and a ``reply_len``-token assistant reply (fixed text standing in for the model's,
+    so the dataset is known up front), then the new user message. A turn is sent ``think_s``
+    after the previous one finished (``after``); first turns follow the load shape's arrivals.
+
+    Parameters
+    ----------
+    tok : Tokenizer
+    conversations, turns : int
+    system_len, user_len, reply_len : int
+        Tokens of the system prompt, of each user message and of each assistant reply.
+    output_len : int
+    think_s : float
+        User think time between turns.
+    seed : int
+    as_text : bool
+
+    Returns
+    -------
+    list of RequestSpec
+        Conversation-major: the first turns are those with ``meta["turn"] == 0``.
+    """
+    _check_common(conversations * turns, user_len, output_len, 0.0)
+    if system_len < 0 or reply_len < 0 or think_s < 0:
+        raise ValueError("system and reply lengths and think time must be >= 0")
+    rng = random.Random(seed)
+    specs = []
+    for c in range(conversations):
+        history = _random_ids(rng, tok, system_len)
+        for t in range(turns):
+            history = history + _random_ids(rng, tok, user_len)
+            after = len(specs) - 1 if t else None
+            specs.append(RequestSpec(list(history), len(history), output_len, "chat", group=c,
+                                     meta={"conversation": c, "turn": t}, after=after, think_s=think_s if t else 0.0))
+            history = history + _random_ids(rng, tok, reply_len)
     return _finish(specs, tok, as_text)
 
 

@@ -9,7 +9,9 @@ Three ways to offer load:
 * ``burst``: every request at once.
 
 A run is bounded twice: by the number of requests and by ``time_limit_s``, after which no new
-request is sent and the ones in flight are cancelled (recorded as failed).
+request is sent and the ones in flight are cancelled (recorded as failed). A request with
+``after`` set (a chat's next turn) is sent when that request has finished, plus its think time
+(in the closed loop, by the client that picks it up in dataset order).
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ async def run_load(specs: list[RequestSpec], opts: RequestOptions, shape: LoadSh
     if time_limit_s <= 0:
         raise ValueError("the time limit must be > 0 s")
     results: dict[int, RequestResult] = {}
+    done = [asyncio.Event() for _ in specs]
     bar = tqdm(total=len(specs), desc=f"{shape.mode} load", unit="req", disable=not progress, dynamic_ncols=True)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     t0 = time.perf_counter()
@@ -120,7 +123,10 @@ async def run_load(specs: list[RequestSpec], opts: RequestOptions, shape: LoadSh
             # A placeholder first: a request cancelled at the time limit still counts as sent.
             results[i] = RequestResult(index=i, start=time.perf_counter() - t0, input_len=specs[i].input_len,
                                        answer_ok=None if specs[i].answer is None else False)
-            results[i] = await send_request(session, opts, specs[i], i, t0)
+            try:
+                results[i] = await send_request(session, opts, specs[i], i, t0)
+            finally:
+                done[i].set()  # a later chat turn waits for this one
             bar.update(1)
             if not results[i].success:
                 bar.set_postfix_str(f"failed: {sum(not r.success for r in results.values())}")
@@ -131,7 +137,11 @@ async def run_load(specs: list[RequestSpec], opts: RequestOptions, shape: LoadSh
 
             async def client() -> None:
                 while queue and time.perf_counter() < deadline:
-                    await one(queue.pop())
+                    i = queue.pop()
+                    if specs[i].after is not None:  # popped in order: the previous turn is sent or done
+                        await done[specs[i].after].wait()
+                        await asyncio.sleep(specs[i].think_s)
+                    await one(i)
 
             tasks = [asyncio.create_task(client()) for _ in range(min(shape.concurrency, len(specs)))]
         else:
@@ -145,7 +155,15 @@ async def run_load(specs: list[RequestSpec], opts: RequestOptions, shape: LoadSh
                     if time.perf_counter() < deadline:
                         await one(i)
 
-            for i, at in enumerate(shape.arrival_times(len(specs))):
+            async def dependent(i: int) -> None:
+                await done[specs[i].after].wait()
+                await asyncio.sleep(specs[i].think_s)
+                if time.perf_counter() < deadline and results.get(specs[i].after, None) is not None:
+                    await capped(i)
+
+            free = [i for i, s in enumerate(specs) if s.after is None]
+            tasks += [asyncio.create_task(dependent(i)) for i, s in enumerate(specs) if s.after is not None]
+            for i, at in zip(free, shape.arrival_times(len(free))):
                 delay = t0 + at - time.perf_counter()
                 if t0 + at >= deadline:
                     break
