@@ -46,7 +46,7 @@ def test_metrics_after_traffic(app):
         # the selector keeps budget/page_size pages per dense head, so twice the budget, twice the pages.
         # Measured from the counters over whole requests: the per-run gauge covers one export period,
         # which can end mid-step, and layers differ in their number of dense heads.
-        per_run = {}
+        per_run, kv_frac = {}, {}
         for budget in (128, 256):
             fams0 = scrape(app)[1]
             r = c.post("/v1/completions", json={"prompt": "The quick brown fox jumps over the lazy dog. " * 40,
@@ -57,8 +57,10 @@ def test_metrics_after_traffic(app):
             rep = r.headers["x-lserve-replica"]
             delta = {n: total(fams1[n], "_total", replica=rep)
                      - (total(fams0[n], "_total", replica=rep) if n in fams0 else 0)
-                     for n in ("lserve:sparsity_selected_pages", "lserve:sparsity_selector_runs")}
+                     for n in ("lserve:sparsity_selected_pages", "lserve:sparsity_selector_runs",
+                               "lserve:decode_kv_read_head_tokens", "lserve:decode_kv_dense_head_tokens")}
             assert delta["lserve:sparsity_selector_runs"] > 0, budget
+            kv_frac[budget] = delta["lserve:decode_kv_read_head_tokens"] / delta["lserve:decode_kv_dense_head_tokens"]
             per_run[budget] = delta["lserve:sparsity_selected_pages"] / delta["lserve:sparsity_selector_runs"]
             assert total(fams1["lserve:sparsity_selected_pages_per_run"], replica=rep) > 0
     time.sleep(1.5)  # replicas export engine gauges/counters twice a second
@@ -84,6 +86,12 @@ def test_metrics_after_traffic(app):
     assert total(fams["lserve:sparsity_selector_runs"], "_total") > runs_before  # the budgeted request selected pages
     assert total(fams["lserve:sparsity_selected_pages"], "_total") > 0
     assert per_run[128] > 0 and per_run[256] == pytest.approx(2 * per_run[128]), per_run
+    # decode KV bytes read vs dense: the smaller budget reads less; the gauge is a fraction
+    assert 0 < kv_frac[128] < kv_frac[256] < 1, kv_frac
+    read, dense = (total(fams[f"lserve:decode_kv_{n}_head_tokens"], "_total") for n in ("read", "dense"))
+    assert 0 < read < dense
+    assert fams["lserve:decode_kv_read_fraction"].type == "gauge"
+    assert all(0 < s.value <= 1 for s in fams["lserve:decode_kv_read_fraction"].samples)
     ok = total(fams["lserve:http_responses"], "_total", endpoint="/v1/completions", status="200")
     bad = total(fams["lserve:http_responses"], "_total", endpoint="/v1/completions", status="400")
     assert ok >= 3 and bad >= 1
