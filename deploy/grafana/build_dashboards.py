@@ -191,6 +191,18 @@ def overview() -> dict:
     g.add("Aborted requests / s",
           [(f"sum by (replica) (rate(lserve:num_aborted_requests_total{{{SEL}}}[{RI}]))", "{{replica}}")],
           "short", "Requests aborted in the engine (client disconnected or cancelled).", w=12)
+    g.add("Prefix cache hit rate",
+          [(f"sum(rate(lserve:prefix_cache_hits_total{{{SEL}}}[{RI}])) / "
+            f"sum(rate(lserve:prefix_cache_queries_total{{{SEL}}}[{RI}]))", "all replicas"),
+           (f"sum by (replica) (rate(lserve:prefix_cache_hits_total{{{SEL}}}[{RI}])) / "
+            f"sum by (replica) (rate(lserve:prefix_cache_queries_total{{{SEL}}}[{RI}]))", "{{replica}}")],
+          "percentunit", "Prompt tokens served from the prefix cache over prompt tokens looked up (vLLM's "
+                         "prefix_cache_hits / prefix_cache_queries), over all replicas and per replica.",
+          w=12, max_value=1)
+    g.add("Prefix cache pages per replica",
+          [(f"max by (replica) (lserve:prefix_cache_pages{{{SEL}}})", "{{replica}}")],
+          "short", "Dense KV pages each replica's prefix cache holds (read by running requests or idle; idle "
+                   "ones are evicted, least recently used first, when pages run out).", w=12)
 
     g.row("Sparsity")
     g.add("Page selector time",

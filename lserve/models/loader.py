@@ -167,6 +167,23 @@ def load_gguf(path: Path) -> LoadedModel:
     return LoadedModel(cfg, weights, tok, str(path))
 
 
+def load_tokenizer(spec: str):
+    """The tokenizer of model ``spec`` (as :func:`load_model` would give it) without its weights."""
+    from transformers import AutoTokenizer
+
+    if spec in presets.PRESETS:
+        return PresetTokenizer(presets.preset_config(spec).vocab_size)
+    path = default_model_path() if spec == "default" else Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        cached = _gguf_cache_dir(path)
+        if (cached / "weights.safetensors").is_file():
+            return HFTokenizer(AutoTokenizer.from_pretrained(str(cached)))
+        return HFTokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    if path.is_dir() and (path / "config.json").is_file():
+        return HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
+    raise ConfigError(f"model {spec!r} not found")
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0) -> LoadedModel:
     """Resolve ``spec`` to a model.
 

@@ -105,11 +105,14 @@ def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = 
     ingress_env = dict(env)
     if os.environ.get(API_KEY_ENV):
         ingress_env[API_KEY_ENV] = os.environ[API_KEY_ENV]
+    policy: dict[str, Any] = {}
+    if s.request_router == "prefix":  # else Ray Serve's default class (power of two choices)
+        policy = {"request_router_class": PrefixAwareRequestRouter,
+                  "request_router_kwargs": {"min_prefix_blocks": s.min_prefix_blocks,
+                                            "imbalance_tokens": s.imbalance_tokens,
+                                            "imbalance_ratio": s.imbalance_ratio}}
     router = RequestRouterConfig(
-        request_router_class=PrefixAwareRequestRouter,
-        request_router_kwargs={"min_prefix_blocks": s.min_prefix_blocks, "imbalance_tokens": s.imbalance_tokens,
-                               "imbalance_ratio": s.imbalance_ratio},
-        request_routing_stats_period_s=s.routing_stats_period_s,
+        **policy, request_routing_stats_period_s=s.routing_stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 4 * s.routing_stats_period_s))
     engine_opts: dict[str, Any] = {
         "name": ENGINE_DEPLOYMENT,

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lserve.serve.logprobs import chat_logprobs, completion_logprobs
 from lserve.serve.metrics import get_http_metrics, render_metrics
+from lserve.serve.prefix_keys import PrefixKeys
 from lserve.serve.protocol import (
     MAX_CHOICES,
     MAX_STOP,
@@ -48,11 +49,12 @@ from lserve.serve.protocol import (
     ModelCard,
     ModelList,
     OpenAIError,
+    PromptTokensDetails,
     Usage,
     bad_request,
 )
 from lserve.serve.ray_router import ROUTE_KWARG
-from lserve.serve.router import prefix_hashes, routers_for, routing_text
+from lserve.serve.router import routers_for
 from lserve.serve.settings import API_KEY_ENV, ServeSettings
 
 log = logging.getLogger("lserve.serve")
@@ -122,6 +124,7 @@ class SubRequest:
         self.text: list[str] = []
         self.finish_reason: str | None = None
         self.prompt_tokens = int(first.get("prompt_tokens", 0))
+        self.cached_tokens = 0  # of the prompt's, reused from the replica's prefix cache
         self.completion_tokens = 0
         self.logprobs: list = []  # lserve.serve.logprobs entries of the text so far (echoed prompt first)
         self.new_logprobs: list = []  # those of the last event
@@ -223,6 +226,7 @@ class OpenAIServer:
         self._max_model_len = settings.max_model_len or None
         self.admission = Admission(settings.replica_max_ongoing, settings.max_queued_requests, self.num_replicas)
         self.lifecycle = Lifecycle()
+        self.prefix_keys = PrefixKeys(settings)
 
     def num_replicas(self) -> int:
         """Engine replicas the router currently knows (the configured count before the first request)."""
@@ -268,12 +272,15 @@ class OpenAIServer:
             raise bad_request(f"stop strings must have 1 to {MAX_STOP_CHARS} characters", "stop")
         check_unicode(stop, "stop")
         token_budget = None
+        extra: dict[str, Any] = {}
         if req.lserve is not None:
             if req.lserve.streaming is False:
                 raise bad_request("lserve.streaming=false is not supported on this deployment: streaming heads are "
                                   "fixed when the engine starts and cannot be switched off per request",
                                   "lserve.streaming")
             token_budget = req.lserve.token_budget
+            if req.lserve.prefix_cache is False:
+                extra["prefix_cache"] = False
             if token_budget is not None:
                 page = self.settings.page_size
                 if 0 < token_budget < 2 * page:
@@ -289,7 +296,7 @@ class OpenAIServer:
         top_p = 1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P)
         return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": req.top_k or 0,
                 "seed": req.seed, "stop": stop, "ignore_eos": req.ignore_eos, "token_budget": token_budget,
-                **logit_fields(req, max_tokens), **logprob_fields(req)}
+                **logit_fields(req, max_tokens), **logprob_fields(req), **extra}
 
     # -- engine calls -------------------------------------------------------------------------
     async def _open(self, index: int, payload: dict[str, Any]) -> SubRequest:
@@ -303,8 +310,8 @@ class OpenAIServer:
                               f"The server is at capacity ({self.admission.in_flight} requests in flight, capacity "
                               f"{self.admission.capacity}); retry later.", "server_overloaded", None,
                               "server_overloaded", retry)
-        text = routing_text(payload["prompt"])
-        route = {"prefix": prefix_hashes(text, self.settings.prefix_block_chars), "tokens": max(1, len(text) // 4)}
+        # tokenizing a long prompt takes milliseconds: off the event loop
+        route = await asyncio.to_thread(self.prefix_keys.route, payload["prompt"], bool(payload.get("chat")))
         stream = self.engine_stream.generate.remote(payload, **{ROUTE_KWARG: route})
         try:
             try:
@@ -515,6 +522,7 @@ class OpenAIServer:
         sub.text.append(text)
         sub.completion_tokens = int(ev.get("completion_tokens", sub.completion_tokens))
         sub.prompt_tokens = int(ev.get("prompt_tokens", sub.prompt_tokens))
+        sub.cached_tokens = int(ev.get("cached_tokens", sub.cached_tokens))
         if ev.get("finished"):
             sub.finish_reason = ev.get("finish_reason")
         return text
@@ -522,8 +530,10 @@ class OpenAIServer:
     @staticmethod
     def _usage(subs: list[SubRequest], n: int) -> Usage:
         prompt = sum(s.prompt_tokens for s in subs if s.index % n == 0)  # each prompt counted once
+        cached = sum(s.cached_tokens for s in subs if s.index % n == 0)
         completion = sum(s.completion_tokens for s in subs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def _sse(self, subs: list[SubRequest], rid: str, obj: str, include_usage: bool, n: int,
              logprobs: bool = False) -> StreamingResponse:

@@ -109,6 +109,10 @@ class EngineMetrics:
                                       "Cached tokens x KV heads read by decode steps (all layers).")
         self.kv_dense_tokens = counter("decode_kv_dense_head_tokens",
                                        "Cached tokens x KV heads dense attention would have read at those steps.")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens of admitted requests looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.")
+        self.prefix_pages = gauge("prefix_cache_pages", "Dense KV pages the prefix cache holds (in use or idle).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = counter("request_success", "Requests finished, by finish reason (stop, length, abort, error).",
@@ -124,6 +128,7 @@ class EngineMetrics:
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.aborts, self.steps,
                        self.selector_runs, self.selector_reuses, self.selector_pages, self.selector_time,
+                       self.prefix_queries, self.prefix_hits,
                        self.kv_read_tokens, self.kv_dense_tokens):
             self.of(metric)
         for reason in ("stop", "length", "abort", "error"):

@@ -73,6 +73,9 @@ class LServeOptions(BaseModel):
     streaming: bool | None = Field(
         None, description="Streaming heads on/off. Only true (or absent) is accepted: this deployment cannot switch "
                           "streaming heads off per request.")
+    prefix_cache: bool | None = Field(
+        None, description="false: this request neither reuses cached prompt pages nor leaves its own in the "
+                          "replica's prefix cache (default true).")
 
 
 class StreamOptions(_Strict):
@@ -163,10 +166,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):

@@ -6,6 +6,8 @@ It runs inside each caller of the engine deployment (the ingress), sees every ha
   by prefix affinity and token load. Load is what each replica last reported through
   ``record_routing_stats`` (``queued_prompt_tokens``, ``kv_tokens``, ``alive``, ``ts``) plus the
   prompt tokens this router sent it since that report;
+* forgets prefixes a replica reports its prefix cache evicted (``prefix_evicted`` in its routing
+  stats), so affinity follows the pages that are really there;
 * for calls made with ``lserve_target=<replica id>`` (admin and drill calls), picks that replica;
 * for anything else, ranks by load alone.
 
@@ -42,6 +44,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         # while serving one HTTP request share the internal id (n > 1 choices), hence the lists.
         self._inflight: dict[tuple[str, str], list[tuple[int, float]]] = {}
         self._known: set[str] = set()
+        self._evictions_seen: dict[str, tuple[float, int]] = {}  # replica -> (report time, evictions) applied
         self.decisions: deque[tuple[float, str, RouteDecision]] = deque(maxlen=256)
         register_router(self)
 
@@ -63,7 +66,26 @@ class PrefixAwareRequestRouter(RequestRouter):
         ids = {r.replica_id.unique_id for r in candidates}
         for gone in self._known - ids:
             self.policy.forget(gone)
+            self._evictions_seen.pop(gone, None)
         self._known = ids
+        for r in candidates:
+            self._apply_evictions(r.replica_id.unique_id, r.routing_stats or {})
+
+    def _apply_evictions(self, rid: str, stats: dict) -> None:
+        """Forget the prefixes a replica reported evicted. Its report repeats the last
+        ``prefix_window_s`` seconds; if this router last read one before that window began and
+        evictions happened since, it cannot know which: it forgets the replica's prefixes."""
+        ts = float(stats.get("ts", 0.0))
+        total = int(stats.get("prefix_evictions", 0))
+        seen_ts, seen_total = self._evictions_seen.get(rid, (0.0, 0))
+        if ts <= seen_ts:
+            return
+        if total > seen_total:
+            if seen_ts and ts - seen_ts > float(stats.get("prefix_window_s", 0.0)):
+                self.policy.forget(rid)
+            else:
+                self.policy.drop(stats.get("prefix_evicted") or [], rid)
+        self._evictions_seen[rid] = (ts, total)
 
     # -- the Ray interface --------------------------------------------------------------------
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

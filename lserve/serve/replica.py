@@ -7,7 +7,7 @@ crosses process boundaries:
 * ``{"type": "accepted", "replica", "prompt_tokens"}`` once the request is tokenized and checked;
   (plus ``"prompt_text"`` when the params ask for ``echo``);
 * ``{"type": "delta", "text", "num_tokens", "finished", "finish_reason", "prompt_tokens",
-  "completion_tokens"}`` per engine step that touched the request, with ``"logprobs"`` (the new
+  "completion_tokens", "cached_tokens"}`` per engine step that touched the request, with ``"logprobs"`` (the new
   tokens') when asked for, and ``"prompt_logprobs"`` once, in the first delta after prefill, when
   asked for (entries as :mod:`lserve.serve.logprobs` describes);
 * ``{"type": "error", "status", "message", "param", "code"}`` instead, for a request the engine
@@ -37,6 +37,8 @@ from lserve.serve.logprobs import TokenTexts
 from lserve.serve.metrics import EngineMetrics, get_engine_metrics
 from lserve.serve.settings import ServeSettings
 
+#: Seconds of prefix-cache evictions each routing report repeats (reports are polled about every second).
+EVICTION_WINDOW_S = 60.0
 log = logging.getLogger("lserve.serve")
 
 STATS_PERIOD_S = 0.5
@@ -160,7 +162,7 @@ class EngineReplica:
                     self._observe_finished(out.metrics, t_recv, now, len(out.token_ids))
                 ev = {"type": "delta", "text": out.delta_text, "num_tokens": n_new, "finished": out.finished,
                       "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
-                      "completion_tokens": len(out.token_ids)}
+                      "completion_tokens": len(out.token_ids), "cached_tokens": out.metrics.get("cached_tokens", 0)}
                 if out.delta_logprobs is not None:
                     ev["logprobs"] = self._token_texts().entries(out.delta_logprobs)
                 if out.prompt_logprobs is not None and not prompt_lps_sent:
@@ -243,7 +245,13 @@ class EngineReplica:
         ingress's admin and health views read it without waiting behind busy requests.
         """
         stats = self.engine_stats()
-        stats.update(ts=time.time(), kv_tokens=stats["dense_pages_used"] * self.page_size)
+        now = time.time()
+        st = self.engine.stats()
+        # Pages this replica's prefix cache dropped lately, so routers stop sending their prefixes
+        # here; a router that last looked before the window starts forgets this replica instead.
+        evicted = [h for t, h in st.prefix_recent_evicted if t >= now - EVICTION_WINDOW_S]
+        stats.update(ts=now, kv_tokens=stats["dense_pages_used"] * self.page_size, prefix_evicted=evicted,
+                     prefix_evictions=st.prefix_evictions, prefix_window_s=EVICTION_WINDOW_S)
         return stats
 
     def kill_engine(self, lserve_target: str | None = None) -> str:
@@ -264,7 +272,8 @@ class EngineReplica:
 
     def _poll_stats(self) -> None:
         m = self.metrics
-        last: dict[str, float] = {"prompt": 0, "gen": 0, "pre": 0, "steps": 0, "runs": 0, "reuses": 0, "pages": 0,
+        last: dict[str, float] = {"prompt": 0, "gen": 0, "pre": 0, "steps": 0, "pc_q": 0, "pc_h": 0,
+                                  "runs": 0, "reuses": 0, "pages": 0,
                                   "seconds": 0.0, "kv_read": 0, "kv_dense": 0}
         while not self._stop.wait(STATS_PERIOD_S):
             try:
@@ -297,9 +306,11 @@ class EngineReplica:
                     m.of(m.kv_dense_tokens).inc(dense)
                     last.update(kv_read=kv.read, kv_dense=kv.dense)
                 now = {"prompt": st.prompt_tokens, "gen": st.generation_tokens, "pre": st.num_preemptions,
-                       "steps": st.steps}
+                       "steps": st.steps, "pc_q": st.prefix_cache_queries, "pc_h": st.prefix_cache_hits}
+                m.of(m.prefix_pages).set(st.prefix_cached_pages)
                 for key, counter in (("prompt", m.prompt_tokens), ("gen", m.generation_tokens),
-                                     ("pre", m.preemptions), ("steps", m.steps)):
+                                     ("pre", m.preemptions), ("steps", m.steps), ("pc_q", m.prefix_queries),
+                                     ("pc_h", m.prefix_hits)):
                     if now[key] > last[key]:
                         m.of(counter).inc(now[key] - last[key])
                 last.update(now)

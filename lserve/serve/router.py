@@ -1,13 +1,15 @@
 """Routing policy: prefix affinity balanced against token load (pure Python, no Ray).
 
-A request is described by the chained hashes of its prompt's fixed-size text blocks
-(:func:`prefix_hashes`): block ``i``'s hash covers blocks ``0..i``, so two prompts share a hash
-exactly when they share that whole prefix. :class:`PrefixAffinityPolicy` remembers which replica
-recently served each hash and prefers the replica holding the longest matching prefix, unless
-that replica's token load (prompt tokens queued + KV tokens in use + tokens routed to it since its
-last report) is too far above the least-loaded replica's; then, as for prompts with no known
-prefix, replicas are ranked by load. Ties are broken by rendezvous hashing on the prompt's first
-block, so new prefixes spread over replicas deterministically.
+A request is described by chained hashes of its prompt's blocks: the full token pages the
+engine's prefix cache indexes (:mod:`lserve.serve.prefix_keys`), or, before the ingress has a
+tokenizer, fixed-size text blocks (:func:`prefix_hashes`). Block ``i``'s hash covers blocks
+``0..i``, so two prompts share a hash exactly when they share that whole prefix.
+:class:`PrefixAffinityPolicy` remembers which replica recently served each hash and prefers
+the replica holding the longest matching prefix, unless that replica's token load (prompt
+tokens queued + KV tokens in use + tokens routed to it since its last report) is too far above
+the least-loaded replica's; then, as for prompts with no known prefix, replicas are ranked by
+load. Ties are broken by rendezvous hashing on the prompt's first block, so new prefixes spread
+over replicas deterministically.
 
 :mod:`lserve.serve.ray_router` plugs this policy into Ray Serve's request-router interface.
 """
@@ -184,6 +186,15 @@ class PrefixAffinityPolicy:
         for h in list(self._table):
             holders = self._table[h]
             if replica_id in holders:
+                holders.remove(replica_id)
+                if not holders:
+                    del self._table[h]
+
+    def drop(self, hashes: Sequence[int], replica_id: str) -> None:
+        """``replica_id`` no longer holds these prefixes (its cache evicted their pages)."""
+        for h in hashes:
+            holders = self._table.get(h)
+            if holders and replica_id in holders:
                 holders.remove(replica_id)
                 if not holders:
                     del self._table[h]

@@ -19,7 +19,7 @@ ENGINE_FIELDS = (
     "model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
     "pattern", "static_sparsity", "sink", "local", "token_budget", "reuse_interval", "dynamic_threshold",
     "dense_layers", "select_mode", "select_layers", "page_size", "logical_page_size", "kv_quant", "max_cache_tokens",
-    "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall",
+    "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache",
 )
 
 _D = engine_flag_defaults()
@@ -88,6 +88,9 @@ class ServeSettings:
         How often replicas report their token load to the router.
     prefix_block_chars, min_prefix_blocks, imbalance_tokens, imbalance_ratio
         Router policy, see :class:`lserve.serve.router.PrefixAffinityPolicy`.
+    request_router : str
+        ``"prefix"`` (prefix affinity and token load, the default) or ``"default"`` (Ray Serve's
+        own power-of-two-choices router, for comparison).
     max_body_bytes : int
         Larger request bodies get HTTP 413.
     default_max_tokens : int
@@ -133,6 +136,7 @@ class ServeSettings:
     async_decode: bool = _D["async_decode"]
     step_time_target: float = _D["step_time_target"]
     decode_stall: float = _D["decode_stall"]
+    prefix_cache: bool = _D["prefix_cache"]
     # -- serving ------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
@@ -159,6 +163,7 @@ class ServeSettings:
     min_prefix_blocks: int = 2
     imbalance_tokens: int = 2048
     imbalance_ratio: float = 2.0
+    request_router: str = "prefix"
     max_body_bytes: int = 16 * 1024 * 1024
     default_max_tokens: int = 1024
     request_timeout_s: float | None = None
@@ -193,6 +198,8 @@ class ServeSettings:
                "prefix_block_chars and min_prefix_blocks must be >= 1")
         _check(self.imbalance_tokens >= 0 and self.imbalance_ratio >= 1.0,
                "imbalance_tokens must be >= 0 and imbalance_ratio >= 1")
+        _check(self.request_router in ("prefix", "default"),
+               f"request_router must be prefix or default, got {self.request_router!r}")
         _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
         _check(self.default_max_tokens >= 1, "default_max_tokens must be >= 1")
         _check(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s must be > 0")

@@ -25,7 +25,10 @@ def _engine(tiny, kv_quant="none", reuse=2):
     # Room for both prompts in one step: forked and separate runs then cut the same prefill chunks
     # (numerics depend on where chunks end: a chunk attends to its own K/V unquantized, to the
     # cached past as stored, e.g. INT8), which shortest-first scheduling of shared steps would not keep.
-    return LLMEngine(EngineConfig(model="tiny", sparsity=sp, cache=cc, max_num_seqs=16, max_batched_tokens=1024), tiny)
+    # No prefix cache: a separate run of a prompt seen before would resume after its cached pages,
+    # i.e. end a chunk there.
+    return LLMEngine(EngineConfig(model="tiny", sparsity=sp, cache=cc, max_num_seqs=16, max_batched_tokens=1024,
+                                  prefix_cache=False), tiny)
 
 
 @pytest.mark.parametrize("kv_quant", ["none", "int8"])

@@ -1,0 +1,73 @@
+"""Router affinity on the engine's own prefix-cache keys, and forgetting evicted prefixes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from lserve.serve.prefix_keys import PrefixKeys
+from lserve.serve.ray_router import PrefixAwareRequestRouter
+from lserve.serve.router import PrefixAffinityPolicy, ReplicaLoad
+from lserve.serve.settings import ServeSettings
+
+DOC = "The router keys prefixes on the same token pages the engine caches. " * 30
+
+
+def test_route_keys_are_the_engines_page_hashes(smol):
+    from lserve.config import CacheConfig, EngineConfig
+    from lserve.engine import LLMEngine
+
+    settings = ServeSettings(page_size=16, logical_page_size=4)
+    keys = PrefixKeys(settings, load=False)
+    keys.tokenizer = smol.tokenizer
+    route = keys.route(DOC + " Q1?")
+    assert route["keys"] == "pages"
+    cfg = settings.engine_config()
+    eng = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=512),
+                                 sparsity=cfg.sparsity, prefix_cache=True), smol)
+    # The engine's seed comes from its own config; the settings' config differs only in fields
+    # that are not part of the seed (max tokens), so the keys agree.
+    assert eng.cache.prefix.seed == keys.seed
+    ids = eng.encode_prompt(DOC + " Q1?")
+    assert route["prefix"] == eng.cache.prefix.hashes(ids) and len(route["prefix"]) == len(ids) // 16
+    assert route["tokens"] == len(ids)
+    chat = keys.route([{"role": "user", "content": DOC}], chat=True)
+    assert chat["tokens"] == len(eng.encode_prompt([{"role": "user", "content": DOC}]))
+
+
+def test_keys_fall_back_to_characters_without_a_tokenizer():
+    keys = PrefixKeys(ServeSettings(), load=False)
+    route = keys.route(DOC)
+    assert route["keys"] == "chars" and len(route["prefix"]) == len(DOC) // keys.block_chars
+
+
+def test_policy_drops_evicted_prefixes_of_one_replica():
+    p = PrefixAffinityPolicy(min_prefix_blocks=2)
+    p.record([1, 2, 3], "a")
+    p.record([1, 2, 3], "b")
+    p.drop([2, 3], "a")
+    assert p.longest_match([1, 2, 3], {"a"}) == (1, ["a"])
+    assert p.longest_match([1, 2, 3], {"a", "b"}) == (3, ["b"])
+
+
+def _router() -> PrefixAwareRequestRouter:
+    r = object.__new__(PrefixAwareRequestRouter)  # Ray builds it with its own arguments; the state is ours
+    r.initialize_state(min_prefix_blocks=2)
+    return r
+
+
+def _replica(rid: str, **stats) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats=stats)
+
+
+def test_router_forgets_what_a_replica_reports_evicted():
+    r = _router()
+    r.policy.record([1, 2, 3], "a")
+    r._sync_replicas([_replica("a", ts=10.0, prefix_evictions=0)])
+    assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 3
+    r._sync_replicas([_replica("a", ts=11.0, prefix_evictions=1, prefix_evicted=[3], prefix_window_s=60.0)])
+    assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 2
+    # A router that missed more than the reported window forgets the replica's prefixes entirely.
+    r._sync_replicas([_replica("a", ts=200.0, prefix_evictions=5, prefix_evicted=[], prefix_window_s=60.0)])
+    assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 0
+    d = r.policy.decide([1, 2, 3], [ReplicaLoad("a"), ReplicaLoad("b")])
+    assert d.reason == "load"
