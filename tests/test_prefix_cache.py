@@ -115,6 +115,17 @@ def test_prefix_shared_by_concurrent_requests(smol):
     assert eng.cache.all_free() and eng.stats().prefix_cached_pages > 0
 
 
+def test_request_arriving_with_its_prefix_in_flight_waits_for_it(smol):
+    # Both arrive together; chunks of <= 48 tokens: the second waits for the first's pages.
+    eng = _engine(smol, True, max_batched_tokens=48)
+    prompts = [DOC + q for q in QUESTIONS]
+    outs = eng.generate(prompts, GREEDY)
+    first, second = sorted(o.metrics["cached_tokens"] for o in outs)  # shortest remaining goes first
+    assert first == 0 and second >= 80
+    plain = _one_by_one(_engine(smol, False), prompts)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
 def test_abort_and_preemption_never_free_a_page_another_sequence_reads(smol):
     # 12 pages of 16 tokens: three ~100-token prompts (7 pages, the first 5 or 6 shared) fit, but
     # not once each grows to ~119 tokens (8 pages).

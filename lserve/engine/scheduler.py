@@ -12,8 +12,9 @@ Prefix cache (:class:`~lserve.cache.prefix_cache.PrefixCache`): a waiting reques
 prefill after the longest verified run of cached pages its prompt begins with (at most up to its
 last token, which must be computed for logits); it takes a reference on those pages and its
 streaming ring is filled from their shadows. Full prompt pages are indexed as soon as they are
-written, so requests running at the same time share a prefix too; release drops references
-instead of freeing cached pages.
+written, so requests running at the same time share a prefix too, and a request whose next page
+is being prefilled by a running one waits for it instead of computing it again; release drops
+references instead of freeing cached pages.
 """
 
 from __future__ import annotations
@@ -89,6 +90,22 @@ class Scheduler:
         N = self.cache.page_size
         most = min(len(seq.prompt_ids) // N, (seq.num_tokens - 1) // N)
         return self.cache.prefix.match(seq.prompt_ids, seq.page_hashes(self.cache.prefix), most)
+
+    def _prefix_in_flight(self, seq: Sequence, have: int) -> bool:
+        """Whether a running sequence is prefilling the page of ``seq``'s prompt after its ``have``
+        cached ones: admitting ``seq`` now would compute that page (and those after it) twice."""
+        if not self._looks_up(seq):
+            return False
+        pc, N = self.cache.prefix, self.cache.page_size
+        mine = seq.page_hashes(pc)
+        if have >= min(len(mine), (seq.num_tokens - 1) // N):
+            return False
+        for r in self.running:
+            if r.cacheable and not r.in_decode and r.num_computed < (have + 1) * N:
+                theirs = r.page_hashes(pc)
+                if have < len(theirs) and theirs[have] == mine[have]:  # chained: the same prefix up to it
+                    return True
+        return False
 
     def _admit(self, seq: Sequence, n: int) -> int | None:
         """Give a waiting ``seq`` its cached prefix and pages for ``n`` more tokens; where its
@@ -204,6 +221,8 @@ class Scheduler:
             admit = seq.status is Status.WAITING
             if admit and len(self.running) >= self.max_num_seqs:
                 continue
+            if admit and self._prefix_in_flight(seq, len(hits[id(seq)])):
+                continue  # wait for those pages: they will be cached in a step or a few
             if admit:
                 start = self._admit(seq, n)
                 if start is None:

@@ -2,15 +2,15 @@
 engine's prefix cache indexes (:mod:`lserve.cache.page_hash`, same seed and page size), so that
 "replica R holds this prefix" means R's cache holds those pages.
 
-The ingress tokenizes with the model's own tokenizer (loaded in a background thread at start, no
-weights). Until it is loaded, or when it cannot be, routing falls back to hashes of the prompt's
+The ingress tokenizes with the model's own tokenizer, loaded (without weights) when the ingress
+starts, so every request is keyed the same way from the first one (the engine replicas take
+longer to start anyway). When it cannot be loaded, routing falls back to hashes of the prompt's
 characters (:func:`lserve.serve.router.prefix_hashes`), which still keep a prefix on one replica.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from lserve.cache.page_hash import namespace_seed, page_hashes
@@ -27,7 +27,7 @@ class PrefixKeys:
     settings : ServeSettings
         The deployment's settings (model, page size and everything in the hash seed).
     load : bool
-        Start loading the tokenizer now (tests of the fallback pass False).
+        Load the tokenizer (tests of the fallback pass False).
     """
 
     def __init__(self, settings, load: bool = True) -> None:
@@ -37,22 +37,16 @@ class PrefixKeys:
         self.block_chars = settings.prefix_block_chars
         self.model = settings.model
         self.tokenizer = None
-        self.ready = threading.Event()
         if load and cfg.prefix_cache:
-            threading.Thread(target=self._load, name="lserve-route-tokenizer", daemon=True).start()
+            try:
+                from lserve.models.loader import load_tokenizer
 
-    def _load(self) -> None:
-        try:
-            from lserve.models.loader import load_tokenizer
-
-            self.tokenizer = load_tokenizer(self.model)
-        except Exception as e:  # noqa: BLE001 - routing must work without it
-            log.warning("router: no tokenizer for %s (%s); prefix affinity hashes characters", self.model, e)
-        finally:
-            self.ready.set()
+                self.tokenizer = load_tokenizer(self.model)
+            except Exception as e:  # noqa: BLE001 - routing must work without it
+                log.warning("router: no tokenizer for %s (%s); prefix affinity hashes characters", self.model, e)
 
     def route(self, prompt: str | list, chat: bool = False) -> dict[str, Any]:
-        """``{"prefix": [hash, ...], "tokens": n, "keys": "pages" | "chars"}`` for the router."""
+        """``{"prefix": [hash, ...], "tokens": n, "block_tokens": b, "keys": "pages" | "chars"}`` for the router."""
         tok = self.tokenizer
         if tok is not None:
             from lserve.models.tokenizer import encode_prompt
@@ -63,6 +57,7 @@ class PrefixKeys:
                 ids = None
             if ids is not None:
                 return {"prefix": page_hashes(ids, self.page_size, self.seed, MAX_BLOCKS), "tokens": max(1, len(ids)),
-                        "keys": "pages"}
+                        "block_tokens": self.page_size, "keys": "pages"}
         text = routing_text(prompt)
-        return {"prefix": prefix_hashes(text, self.block_chars), "tokens": max(1, len(text) // 4), "keys": "chars"}
+        return {"prefix": prefix_hashes(text, self.block_chars), "tokens": max(1, len(text) // 4),
+                "block_tokens": self.block_chars // 4, "keys": "chars"}  # ~4 characters a token

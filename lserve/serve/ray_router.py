@@ -100,7 +100,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         if target is not None:
             return [[by_id[target]]] if target in by_id else []
         route = kwargs.get(ROUTE_KWARG) or {}
-        decision = self.policy.decide(route.get("prefix") or [], self.replica_loads(candidate_replicas))
+        decision = self.policy.decide(route.get("prefix") or [], self.replica_loads(candidate_replicas),
+                                      int(route.get("tokens", 0)), int(route.get("block_tokens", 0)))
         if route:
             self.decisions.append((time.time(), decision.ranked[0] if decision.ranked else "", decision))
         return [[by_id[rid]] for rid in decision.ranked]
@@ -111,9 +112,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not route:
             return
         rid = replica_id.unique_id
-        self.policy.record(route.get("prefix") or [], rid)
+        prefix = route.get("prefix") or []
+        # what the replica will compute: the prompt less the prefix it (as far as we know) caches
+        matched = self.policy.longest_match(prefix, {rid})[0]
+        tokens = int(route.get("tokens", 0))
+        tokens = max(1, tokens - matched * int(route.get("block_tokens", 0))) if tokens else 0
+        self.policy.record(prefix, rid)
         key = (pending_request.metadata.internal_request_id, rid)
-        self._inflight.setdefault(key, []).append((int(route.get("tokens", 0)), time.time()))
+        self._inflight.setdefault(key, []).append((tokens, time.time()))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """Forget a finished request's pending tokens."""

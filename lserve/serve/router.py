@@ -104,7 +104,8 @@ class ReplicaLoad:
     kv_tokens : int
         KV cache in use (dense pages used times the page size).
     pending_tokens : int
-        Prompt tokens this router sent to the replica after its last report.
+        Prompt tokens this router sent to the replica after its last report (less the prefix it
+        was known to cache).
     alive : bool
         False when the replica reported a dead engine (it is ranked last).
     """
@@ -214,15 +215,20 @@ class PrefixAffinityPolicy:
         """Whether a replica with ``load`` tokens is too busy next to the least-loaded one."""
         return load > self.imbalance_ratio * min_load + self.imbalance_tokens
 
-    def decide(self, prefix: Sequence[int], loads: Sequence[ReplicaLoad]) -> RouteDecision:
+    def decide(self, prefix: Sequence[int], loads: Sequence[ReplicaLoad], tokens: int = 0,
+               block_tokens: int = 0) -> RouteDecision:
         """Rank replicas for a request whose prompt has block hashes ``prefix``.
 
         Parameters
         ----------
         prefix : sequence of int
-            :func:`prefix_hashes` of the prompt (may be empty).
+            Block hashes of the prompt (may be empty).
         loads : sequence of ReplicaLoad
             The candidate replicas.
+        tokens, block_tokens : int
+            The prompt's tokens and the tokens per block. The imbalance check then weighs what the
+            request itself costs where it goes: only its unmatched tokens on the prefix holder,
+            all of them elsewhere (0: the loads alone).
 
         Returns
         -------
@@ -244,7 +250,8 @@ class PrefixAffinityPolicy:
         reason, first, holder = "load", None, None
         if matched >= self.min_prefix_blocks:
             holder = min(holders, key=lambda r: (load_of[r], tie[r]))
-            if not self.overloaded(load_of[holder], min_load):
+            cached = min(tokens, matched * block_tokens)
+            if not self.overloaded(load_of[holder] + tokens - cached, min_load + tokens):
                 reason, first = "prefix", holder
             else:
                 reason = "imbalance"

@@ -71,3 +71,15 @@ def test_router_forgets_what_a_replica_reports_evicted():
     assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 0
     d = r.policy.decide([1, 2, 3], [ReplicaLoad("a"), ReplicaLoad("b")])
     assert d.reason == "load"
+
+
+def test_imbalance_weighs_what_the_request_costs_on_each_replica():
+    p = PrefixAffinityPolicy(min_prefix_blocks=2, imbalance_tokens=1000, imbalance_ratio=2.0)
+    p.record(list(range(30)), "a")  # a caches 30 blocks of 64 tokens
+    busy = [ReplicaLoad("a", kv_tokens=3000), ReplicaLoad("b")]
+    assert p.decide(list(range(31)), busy).reason == "imbalance"  # the loads alone: 3000 > 2 * 0 + 1000
+    # 2000 prompt tokens, 1920 of them cached on a: 3000 + 80 <= 2 * (0 + 2000) + 1000
+    d = p.decide(list(range(31)), busy, tokens=2000, block_tokens=64)
+    assert d.reason == "prefix" and d.ranked[0] == "a"
+    assert p.decide(list(range(31)), [ReplicaLoad("a", kv_tokens=6000), ReplicaLoad("b")], 2000, 64).reason \
+        == "imbalance"
