@@ -42,7 +42,10 @@ def test_overloaded_prefix_holder_gives_way_to_the_least_loaded_replica(app):
     s = app.settings
     page = s.page_size
     # Cache off for these: with it, readers of one document share its pages and the holder's KV
-    # load grows by a page per reader, too slowly to ever exceed the allowance here.
+    # load grows by a page per reader, too slowly to ever exceed the allowance here. A document no
+    # other test sent: pages of one cached earlier and evicted now would be dropped from the
+    # router's table (it follows evictions), and the prefix would stop counting.
+    doc = DOC.replace("LServe routes", "The router sends")
     body = {"max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True, "lserve": {"prefix_cache": False}}
     placed: list[tuple[str, dict]] = []  # (replica, loads seen just before sending)
     held = []
@@ -50,7 +53,7 @@ def test_overloaded_prefix_holder_gives_way_to_the_least_loaded_replica(app):
         for i in range(10):
             loads = {r["replica"]: token_load(r, page) for r in app.engines()}
             r = stack.enter_context(c.stream("POST", "/v1/completions",
-                                             json={**body, "prompt": DOC + f" Reader {i} asks:"}))
+                                             json={**body, "prompt": doc + f" Reader {i} asks:"}))
             assert r.status_code == 200
             lines = r.iter_lines()
             held.append(lines)  # hold the stream open once it is generating (unreferenced, it would close)
@@ -71,7 +74,9 @@ def test_overloaded_prefix_holder_gives_way_to_the_least_loaded_replica(app):
     seen = placed[k][1]
     other = next(r for r in seen if r != holder)
     assert seen[holder] > s.imbalance_ratio * seen[other] + s.imbalance_tokens * 0.5, placed
-    # ... and not before: while the holder was well within the allowance it kept the prefix
+    # ... and not before: while the holder was well within the allowance it kept the prefix (the
+    # allowance also covers the request's tokens the router takes as cached there: its ~220-token
+    # document, at most 4 pages)
     for rep, loads in placed[:k]:
-        assert rep == holder and loads[holder] <= s.imbalance_ratio * min(loads.values()) + s.imbalance_tokens
+        assert rep == holder and loads[holder] <= s.imbalance_ratio * min(loads.values()) + s.imbalance_tokens + 4 * page
     app.wait_idle(timeout=30)  # closing the held streams aborted them and freed their pages
