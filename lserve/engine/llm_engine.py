@@ -326,9 +326,13 @@ class LLMEngine:
         logits, greedy_dev, extras = self._sampling_extras(logits, greedy_dev, samplers, spans,
                                                            hidden if spans else None)
         for item in batch:
-            item.seq.num_computed += item.num_tokens
-            if not item.decode:
-                self.prompt_tokens += item.num_tokens
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            if not item.decode and not seq.prompt_counted and seq.num_computed >= len(seq.prompt_ids):
+                # once per request, cached prefix included (vLLM's prompt_tokens): a recompute after
+                # preemption or a prefix-cache hit does not change what the request asked for
+                seq.prompt_counted = True
+                self.prompt_tokens += len(seq.prompt_ids)
         fetch = self._host_tokens.start(greedy_dev) if samplers else None
         return LaunchedStep(batch, samplers, logits, greedy_dev, fetch, sum(p.num_tokens for p in parts),
                             chained=prev is not None, extras=extras, graph=parts[0].graph)

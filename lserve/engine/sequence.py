@@ -81,6 +81,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
         self.num_preemptions = 0
+        self.prompt_counted = False  # its prompt tokens are in the engine's prompt_tokens counter
         # Prefix cache (the scheduler's): prompt tokens reused at the first admission; whether this
         # sequence's prompt pages may be indexed (only pages prefilled through the scheduler have
         # their streaming shadows written), how many leading ones are, the entry of the last one.

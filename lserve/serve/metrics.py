@@ -113,7 +113,7 @@ class EngineMetrics:
                                       "Prompt tokens of admitted requests looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.")
         self.prefix_pages = gauge("prefix_cache_pages", "Dense KV pages the prefix cache holds (in use or idle).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of prefilled requests (prefix-cache hits included).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = counter("request_success", "Requests finished, by finish reason (stop, length, abort, error).",
                                 ("finished_reason",))
