@@ -7,6 +7,7 @@ spans many pages and the ring of a hit (sink + local window) must be filled from
 from __future__ import annotations
 
 import pytest
+from chunk_ends import chunks_end_at
 
 from lserve.cache.allocator import OutOfPages, PageAllocator
 from lserve.cache.prefix_cache import PrefixCache
@@ -31,19 +32,6 @@ def _engine(smol, prefix_cache: bool, sparsity: str = "lserve", kv_quant: str = 
                                   **kw), smol)
 
 
-def _chunks_end_at(engine: LLMEngine, ends: list[int]) -> None:
-    """Make ``engine``'s prefill chunks stop at each of ``ends`` (the cached run's chunk ends)."""
-    budget = engine.scheduler.budget
-    plain = budget.tokens_within
-
-    def capped(room: float, start: int, remaining: int) -> int:
-        nxt = [e for e in ends if e > start]
-        n = plain(room, start, remaining)
-        return min(n, min(nxt) - start) if nxt else n
-
-    budget.tokens_within = capped
-
-
 def _one_by_one(engine: LLMEngine, prompts: list[str], params: SamplingParams = GREEDY):
     return [engine.generate([p], params)[0] for p in prompts]
 
@@ -63,7 +51,7 @@ def test_greedy_outputs_equal_with_and_without_cache(smol, sparsity, kv_quant, d
         # Quantized or bf16 K/V make a prompt's outputs depend on where its chunks end (a chunk
         # attends to its own K/V exactly, to earlier chunks' through the cache): the uncached run
         # of a follow-up ends a chunk where the cached one resumed.
-        _chunks_end_at(plain_engine, sorted(set(hits[1:])))
+        chunks_end_at(plain_engine, sorted(set(hits[1:])))
     plain += _one_by_one(plain_engine, prompts[1:])
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
     assert all(o.metrics["cached_tokens"] == 0 for o in plain)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from chunk_ends import chunks_end_at
 
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
@@ -67,18 +68,6 @@ def _run(engine: LLMEngine, prompts):
     return [engine.generate([p], GREEDY)[0] for p in prompts]
 
 
-def _chunks_end_at(engine: LLMEngine, ends: list[int]) -> None:
-    budget = engine.scheduler.budget
-    plain = budget.tokens_within
-
-    def capped(room: float, start: int, remaining: int) -> int:
-        nxt = [e for e in ends if e > start]
-        n = plain(room, start, remaining)
-        return min(n, min(nxt) - start) if nxt else n
-
-    budget.tokens_within = capped
-
-
 @pytest.mark.parametrize("kv_quant", ["none", "int8"])
 def test_float32_tokens_identical_with_and_without_cache(tiny_cuda, kv_quant):
     prompts = _prompts()
@@ -89,7 +78,7 @@ def test_float32_tokens_identical_with_and_without_cache(tiny_cuda, kv_quant):
     plain_engine = _engine(tiny_cuda, False, "float32", kv_quant)
     plain = _run(plain_engine, prompts[:1])
     if kv_quant != "none":  # quantized K/V: a follow-up's outputs depend on where its chunks end
-        _chunks_end_at(plain_engine, sorted(set(hits[1:])))
+        chunks_end_at(plain_engine, sorted(set(hits[1:])))
     plain += _run(plain_engine, prompts[1:])
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
     assert cached_engine.cache.all_free() and cached_engine.stats().prefix_cache_hits == sum(hits)
@@ -106,7 +95,7 @@ def test_bf16_resumed_prefill_through_prefill_cont_matches_uncached(tiny_cuda):
     plain_engine = _engine(loaded, False, "bfloat16", graphs=True)
     plain_logits = _first_logits(plain_engine)
     plain = _run(plain_engine, prompts[:1])
-    _chunks_end_at(plain_engine, sorted(set(hits[1:])))
+    chunks_end_at(plain_engine, sorted(set(hits[1:])))
     plain += _run(plain_engine, prompts[1:])
     assert len(cached_logits) == len(plain_logits) == 3
     for a, b in zip(cached_logits, plain_logits):
