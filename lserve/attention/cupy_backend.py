@@ -177,7 +177,6 @@ class CupyBackend(AttentionBackend):
         self._scores_buf: torch.Tensor | None = None  # last page-score buffer (benchmarks time top-k alone)
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         self._no_writes = (empty, empty, empty)
-        self._head_rows: dict[int, torch.Tensor] = {}  # n heads -> long [n, 1] (gather rows)
         # Chunks with cached past: dense heads in one flash call over the whole sequence, their
         # keys written first (exact only unquantized); else past and chunk merged by LSE.
         self.flash = causal_impl(self.device, self.dtype, self.D) if self.dtype != torch.float32 else None
@@ -556,10 +555,10 @@ class CupyBackend(AttentionBackend):
                 pages = st.c_pages_long[off: off + npg]
                 qd = q[sl, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
                 if self.one_call:  # the chunk's keys are in the pool already (attend)
-                    kd, vd = self._dense_keys(layer, pages, start + sp.step.num_new)  # [Hd, start + n, D]
+                    kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new)  # [Hd, start + n, D]
                     o = causal_attention(qd, kd, vd, self.scale)
                 else:
-                    kp, vp = self._dense_keys(layer, pages, start)  # [Hd, start, D]
+                    kp, vp = self.cache.dense[layer].sequence_kv(pages, start)  # [Hd, start, D]
                     o = dense_chunk(qd, kp, vp, k[sl, :nd].transpose(0, 1), v[sl, :nd].transpose(0, 1), G, self.scale)
                 out[sl, : nd * G] = o.transpose(0, 1)  # o: [Hd*G, n, D]
         if not hs:
@@ -575,17 +574,6 @@ class CupyBackend(AttentionBackend):
         self.prefill_kernel(qv, kv_, vv, ov, st, head0=0, n_heads=hs * G, streaming=True,
                             tables=(st.c_tiles, st.c_seqs))
         out[:, nd * G:].index_copy_(0, dst, ov.index_select(0, src))
-
-    def _dense_keys(self, layer: int, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached K, V of the dense heads for positions [0, length) of a sequence whose dense
-        pages are ``pages`` (long [>= ceil(length / N)]): two [Hd, length, D]."""
-        hd, N = self.cache.n_dense[layer], self.cache.page_size
-        pages = pages[: -(-length // N)]
-        heads = self._head_rows.get(hd)
-        if heads is None:
-            heads = self._head_rows[hd] = torch.arange(hd, device=self.device)[:, None]  # [Hd, 1]
-        kk, vv = self.cache.dense[layer].gather(pages.expand(hd, -1), heads)  # [Hd, n_pages, N, D]
-        return kk.view(hd, -1, self.D)[:, :length], vv.view(hd, -1, self.D)[:, :length]
 
     def prefill_kernel(self, q, k, v, out, st: CupyStep, head0: int, n_heads: int, streaming: bool,
                        tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

@@ -103,11 +103,7 @@ class TorchBackend(AttentionBackend):
     # -- helpers ------------------------------------------------------------------------------
     def _dense_kv(self, layer: int, pages: torch.Tensor, length: int):
         """Cached K/V of the dense heads for the first ``length`` tokens: two [H_d, L, D]."""
-        hd = self.cache.n_dense[layer]
-        heads = torch.arange(hd, device=pages.device)[:, None]
-        k, v = self.cache.dense[layer].gather(pages.expand(hd, -1), heads)  # [Hd, n, N, D]
-        d = k.shape[-1]
-        return k.view(hd, -1, d)[:, :length], v.view(hd, -1, d)[:, :length]
+        return self.cache.dense[layer].sequence_kv(pages, length)
 
     def _ring_kv(self, layer: int, sp: SeqPlan):
         """Cached K/V of the streaming heads and their positions: [H_s, R*N, D] x2, [R*N]."""

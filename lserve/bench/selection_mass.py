@@ -165,7 +165,7 @@ class MassRecorder:
     @torch.no_grad()
     def observe(self, layer: int, sp, q: torch.Tensor) -> None:
         b = self.backend
-        k, _ = b._dense_kv(layer, sp.pages, sp.length)  # [H, L, D]
+        k, _ = b.cache.dense[layer].sequence_kv(sp.pages, sp.length)  # [H, L, D]
         stats = b.cache.stats[layer]
         kmax, kmin = stats.kmax[sp.pages], stats.kmin[sp.pages]  # [n, g, H, D]
         if sp.n_pages > 1:

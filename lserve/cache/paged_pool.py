@@ -20,6 +20,7 @@ class PagedPool:
     def __init__(self, num_pages: int, num_heads: int, page_size: int, head_dim: int,
                  kv_quant: str, dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_heads, self.page_size, self.head_dim = num_heads, page_size, head_dim
+        self._head_rows: torch.Tensor | None = None  # long [H, 1]: gather rows of sequence_kv
         self.kv_quant, self.dtype = kv_quant, dtype
         shape = (num_pages, num_heads, page_size)
         if kv_quant == "none":
@@ -84,6 +85,19 @@ class PagedPool:
             return quant.dequantize_int4(data[pages, heads], scale[pages, heads], zero[pages, heads], self.dtype)
 
         return one(self.k, self.k_scale, self.k_zero), one(self.v, self.v_scale, self.v_zero)
+
+    def sequence_kv(self, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V of positions [0, length) of one sequence, every head of the pool.
+
+        pages: [>= ceil(length / N_P)] long, the sequence's pages in order -> two [H, length, D].
+        """
+        h = self.num_heads
+        heads = self._head_rows
+        if heads is None or heads.device != pages.device:  # built once: one launch less per layer and chunk
+            heads = self._head_rows = torch.arange(h, device=pages.device)[:, None]  # [H, 1]
+        k, v = self.gather(pages[: -(-length // self.page_size)].expand(h, -1), heads)  # [H, n, N_P, D]
+        d = k.shape[-1]
+        return k.view(h, -1, d)[:, :length], v.view(h, -1, d)[:, :length]
 
     def pages_view(self, pages: torch.Tensor, page_list: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of whole pages in pool layout: two [n, H, N_P, D].

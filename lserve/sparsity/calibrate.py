@@ -126,7 +126,7 @@ class MassProbe:
         stats = b.cache.stats[layer]
         scores = page_scores(q, stats.kmax[sp.pages], stats.kmin[sp.pages], G, self.mode)  # [H_sel, n]
         idx = top_pages(scores, sp.budget_pages)  # [H_sel, K]
-        k, _ = b._dense_kv(layer, sp.pages, sp.length)  # [H, L, D]
+        k, _ = b.cache.dense[layer].sequence_kv(sp.pages, sp.length)  # [H, L, D]
         h, length, d = k.shape
         logits = torch.bmm(q.float().view(h, G, d), k.float().transpose(1, 2)) * b.scale  # [H, G, L]
         p = torch.nn.functional.pad(torch.softmax(logits, dim=-1), (0, n * N - length))
