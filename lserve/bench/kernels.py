@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from lserve.bench.report import header, write_json
+from lserve.plotting import pyplot
 
 DECODE_CONTEXTS = (4096, 16384, 65536, 131072, 262144)
 PREFILL_CONTEXTS = (8192, 32768, 131072)
@@ -395,10 +396,9 @@ def _with_pages(be, step, context: int):
 
 
 def _plot(report: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     dec = report["decode"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lserve.plotting import pyplot
+
 # Line colour by physical page size; solid: bound with logical page 16, dashed: logical page 8,
 # dotted: oracle at that page size; black: token oracle.
 COLOURS = {16: "tab:green", 32: "tab:orange", 64: "tab:blue"}
@@ -22,10 +24,9 @@ def _style(method: str) -> dict:
 
 def plot_mass_by_layer(report: dict, path: str | Path) -> None:
     """Write the PNG: rows = contexts, columns = the table's budgets."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     budgets = report["settings"]["budgets"]
     contexts = list(report["layers"])

@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 
 from lserve.bench.report import header, write_json
+from lserve.plotting import pyplot
 
 CONFIG_FLAGS = {
     "lserve": ["--pattern", "random", "--static-sparsity", "0.5", "--token-budget", "4096"],
@@ -366,10 +367,9 @@ def summary(report: dict) -> str:
 
 def plot_serve(report: dict, path: Path) -> None:
     """Output tokens/s vs concurrency per context, and TTFT/ITL p50 per point, LServe beside dense."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     rows = report["rows"]
     if not rows:

@@ -20,6 +20,7 @@ from lserve.bench.report import header, write_json
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.models.loader import load_model
+from lserve.plotting import pyplot
 from lserve.sparsity.threshold import choose_ratio, profile_key, save_profile
 
 
@@ -77,10 +78,9 @@ def run_profile_threshold(model: str = "default", device: str = "cpu", backend: 
 
 
 def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     rows = report["rows"]
     x = [r["context"] for r in rows]

@@ -5,14 +5,11 @@ from __future__ import annotations
 from fractions import Fraction
 from pathlib import Path
 
+from lserve.plotting import pyplot
+
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def plot_heatmaps(summary: dict, path: str | Path, task: str) -> bool:
@@ -118,8 +115,10 @@ def plot_bars(summary: dict, path: str | Path) -> bool:
 
 
 def plot_all(summary: dict, out: str) -> list[str]:
-    """Every plot the summary supports; returns the written paths."""
+    """Every plot the summary supports; returns the written paths (none without matplotlib)."""
     written = []
+    if pyplot() is None:
+        return written
     for task in sorted({r["task"] for r in summary["depth_rows"]}):
         p = f"{out}_heatmap_{task}.png"
         if plot_heatmaps(summary, p, task):

@@ -40,6 +40,7 @@ from lserve.config import ConfigError, ModelConfig
 from lserve.models.llama import LlamaModel
 from lserve.models.norm import rms_norm
 from lserve.models.rope import Rope
+from lserve.plotting import pyplot
 from lserve.sparsity.patterns import HeadLayout, HeadPattern
 from lserve.sparsity.shipped import (  # noqa: F401 - re-exported: the trainer's callers look them up here too
     LEARNED_ALIASES,
@@ -482,10 +483,9 @@ def train_gates(cfg: GateTrainConfig, loaded=None, progress: bool = True) -> Hea
 
 def plot_alphas(alphas: np.ndarray, path: Path, title: str = "") -> None:
     """Heatmap of gates [layers, KV heads] (1 = retrieval/dense, 0 = streaming)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(2.5 + 0.5 * alphas.shape[1], 1.5 + 0.18 * alphas.shape[0]))
     im = ax.imshow(alphas, aspect="auto", cmap="viridis", vmin=0, vmax=1)
