@@ -1,4 +1,5 @@
-// Per-decode-sequence metadata rows shared by the decode kernels (see CupyBackend._tables).
+// Per-decode-sequence metadata rows: the one definition of the layout. Every kernel that reads META
+// includes this file, and the Python side reads these defines (kernels/decode_args.py: META_FIELDS).
 #pragma once
 
 // meta[f * nb + b]: per decode sequence

@@ -22,10 +22,7 @@
 #define NSTREAMS (NWARPS * SPW)
 #define PPB_MAX 128  // most physical pages per CTA (launch argument ppb)
 
-#define META_TOK 0
-#define META_NPAGES 2
-#define META_SLOT 5
-#define META_KK 7
+#include "decode_meta.cuh"  // META_* rows: the one layout every kernel reads
 
 // A lane's 8 elements of one statistics row, raw (converted when consumed).
 #if LS_DTYPE == 2

@@ -22,8 +22,7 @@
 #define STAGES 3
 #define PPB_MAX 128  // most physical pages per CTA (launch argument ppb)
 
-#define META_TOK 0
-#define META_NPAGES 2
+#include "decode_meta.cuh"  // META_* rows: the one layout every kernel reads
 
 #if GQ > 8
 #error "the tensor-core page scores take at most 8 query heads per CTA"

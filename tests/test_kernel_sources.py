@@ -37,3 +37,61 @@ def test_pdl_argument_buffer_matches_the_c_layout():
         assert off % ctypes.alignment(ct) == 0
         assert ct.from_address(base + off).value == a.item()
     assert lay.offsets.tolist() == [0, 8, 16, 24, 28, 32, 40, 44]
+
+
+def _c_kind(decl: str) -> str:
+    # A C parameter declaration -> how Python passes it (kernels/decode_args.py kinds).
+    if "*" in decl:
+        return "ptr"
+    ctype = decl.split()[-2]
+    return {"int": "i32", "i64": "i64", "float": "f32"}[ctype]
+
+
+def _kernel_params(src: str, name: str) -> list[tuple[str, str]]:
+    src = re.sub(r"//[^\n]*", "", src)  # comments hold parentheses and commas
+    m = re.search(rf"\b{name}\s*\(([^)]*)\)\s*\{{", src)
+    assert m, f"no definition of {name}"
+    body = m.group(1)
+    return [(d.split()[-1].lstrip("*"), _c_kind(d)) for d in (p.strip() for p in body.split(",")) if d]
+
+
+def test_decode_signatures_match_the_python_argument_table():
+    """Names, order and types of ls_decode / ls_decode_tc equal the table the launcher packs from."""
+    from lserve.kernels.decode_args import DECODE_KERNELS, DECODE_PARAMS
+
+    for impl, (fname, kernel) in DECODE_KERNELS.items():
+        got = _kernel_params((KERNEL_DIR / fname).read_text(), kernel)
+        assert got == list(DECODE_PARAMS[impl]), f"{fname}:{kernel} differs from DECODE_PARAMS[{impl!r}]"
+
+
+def test_decode_args_rejects_missing_or_unknown_names():
+    import pytest
+    from lserve.kernels.decode_args import DECODE_PARAMS, decode_args
+
+    values = {n: 0 for n, kind in DECODE_PARAMS["cuda"] if kind != "ptr"}
+    with pytest.raises(TypeError, match="missing"):
+        decode_args("cuda", **values)
+
+
+def test_meta_layout_is_defined_once():
+    """decode_meta.cuh is the only file defining META rows; every kernel reading META includes it,
+    and the Python META_FIELDS (the order the planner stacks rows in) follow its defines and MetaRow."""
+    import pytest
+    from lserve.kernels.decode_args import META_FIELDS
+
+    pytest.importorskip("torch")
+    from lserve.attention.cupy_plan import META_FIELDS as plan_fields
+
+    header = (KERNEL_DIR / "decode_meta.cuh").read_text()
+    rows = dict((n.lower(), int(i)) for n, i in re.findall(r"^#define META_(\w+)\s+(\d+)", header, re.M))
+    assert [rows[f] for f in META_FIELDS] == list(range(len(META_FIELDS)))
+    assert plan_fields == META_FIELDS
+    loads = re.findall(r"m\.\w+ = meta\[META_(\w+) \* nb \+ b\]", header)
+    assert [x.lower() for x in loads] == list(META_FIELDS), "load_meta reads the rows out of order"
+    for f in sorted(KERNEL_DIR.glob("*.c*")):
+        if f.name == "decode_meta.cuh":
+            continue
+        src = f.read_text()
+        assert not re.search(r"#define\s+META_", src), f"{f.name} redefines a META row"
+        if re.search(r"\bMETA_\w+", src):
+            assert '#include "decode_meta.cuh"' in src, f"{f.name} reads META without decode_meta.cuh"

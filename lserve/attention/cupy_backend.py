@@ -481,9 +481,11 @@ class CupyBackend(AttentionBackend):
 
         ``merge=False`` skips the split-K merge (benchmarks: the attention kernel alone).
         """
-        from lserve.kernels.loader import f32, i32, i64, launch, ptr
+        from lserve.kernels.decode_args import decode_args
+        from lserve.kernels.loader import i32, i64, launch, ptr
 
         nd, hs = self.cache.n_dense[layer], self.cache.n_stream[layer]
+        N = self.cache.page_size
         selects = self.layer_selects(layer)
         un = st.units[(nd, selects, self.decode_impl)]
         dp, sp_ = self.cache.dense[layer], self.cache.stream[layer]
@@ -493,24 +495,26 @@ class CupyBackend(AttentionBackend):
             kern, smem = self._kernel("decode_tc", "ls_decode_tc", "none", self.gq), self._tc_smem()
         else:
             kern, smem = self._kernel("decode", "ls_decode", self.kv_quant, self.gq), 0
-        args = (ptr(q), i64(q.stride(0)), ptr(out), i64(out.stride(0)),
-                ptr(un.part_o), ptr(un.part_lse), ptr(un.units), i32(un.chunk), i32(int(un.direct)),
-                ptr(st.meta), i32(st.nb), ptr(st.pages), i32(st.pages.shape[1]),
-                ptr(st.ring_pages), ptr(st.ring_pos), i32(st.ring_pages.shape[1]),
-                ptr(sel_idx), ptr(sel_mask), ptr(self._sel_cnt[layer]),
-                *((ptr(self._sel_page[layer]),) if self.decode_impl == "tc" else ()),
-                i32(sel_idx.shape[1] * sel_idx.shape[2]), i32(sel_idx.shape[2]), i32(self._sel_cnt.shape[2]),
-                i32(int(self.qmode)), i32(int(selects)),
-                ptr(dp.k), ptr(dp.v), ptr(dp.k_scale), ptr(dp.v_scale), ptr(dp.k_zero), ptr(dp.v_zero), i32(nd),
-                ptr(sp_.k), ptr(sp_.v), ptr(sp_.k_scale), ptr(sp_.v_scale), ptr(sp_.k_zero), ptr(sp_.v_zero), i32(hs),
-                i32(self.group), i32(self.nqs), i32(self.cache.page_size), i32(self.sp.sink_tokens),
-                i32(self.sp.local_tokens), f32(self.qscale))
-        if self.decode_impl == "tc":
-            N = self.cache.page_size
-            args += (i32(N.bit_length() - 1 if N & (N - 1) == 0 else -1),)  # page_shift
-        # No top-k ran for this layer in this step: the kernel may read the stored selection
-        # before its PDL wait (common.cuh says why that is safe).
-        args += (i32(int(not (st.n_dynamic and selects and st.n_sel_rows))),)  # sel_ready
+        tc = self.decode_impl == "tc"
+        args = decode_args(
+            self.decode_impl,
+            q=q, q_tok_stride=q.stride(0), out=out, out_tok_stride=out.stride(0),
+            part_o=un.part_o, part_lse=un.part_lse, units=un.units, chunk=un.chunk, direct=int(un.direct),
+            meta=st.meta, nb=st.nb, pages=st.pages, pages_stride=st.pages.shape[1],
+            ring_pages=st.ring_pages, ring_pos=st.ring_pos, ring_stride=st.ring_pages.shape[1],
+            sel_idx=sel_idx, sel_mask=sel_mask, sel_cnt=self._sel_cnt[layer],
+            **({"sel_page": self._sel_page[layer]} if tc else {}),
+            sel_slot_stride=sel_idx.shape[1] * sel_idx.shape[2], sel_head_stride=sel_idx.shape[2],
+            cnt_slot_stride=self._sel_cnt.shape[2], qmode=int(self.qmode), selects=int(selects),
+            dk=dp.k, dv=dp.v, dks=dp.k_scale, dvs=dp.v_scale, dkz=dp.k_zero, dvz=dp.v_zero, hd=nd,
+            sk=sp_.k, sv=sp_.v, sks=sp_.k_scale, svs=sp_.v_scale, skz=sp_.k_zero, svz=sp_.v_zero, hs=hs,
+            group=self.group, nqs=self.nqs, page_size=self.cache.page_size, sink=self.sp.sink_tokens,
+            local=self.sp.local_tokens, qscale=self.qscale,
+            # page_shift: log2 of a power-of-two page size, else -1 (the kernel divides)
+            **({"page_shift": N.bit_length() - 1 if N & (N - 1) == 0 else -1} if tc else {}),
+            # No top-k ran for this layer in this step: the kernel may read the stored selection
+            # before its PDL wait (common.cuh says why that is safe).
+            sel_ready=int(not (st.n_dynamic and selects and st.n_sel_rows)))
         launch(kern, (un.n_units,), (128,), args, shared_mem=smem, pdl=self.pdl)
         if not un.direct and merge:
             kern = self._kernel("merge", "ls_decode_merge", "none", self.gq)

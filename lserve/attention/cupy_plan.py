@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from lserve.attention.chunked import streaming_prefix
+from lserve.kernels.decode_args import META_FIELDS  # meta rows, read from kernels/decode_meta.cuh
 
 if TYPE_CHECKING:
     from lserve.cache.kv_cache import StreamRing
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 
 MAX_CHUNK = 256  # entries per decode unit (shared-memory table in ls_decode)
 PREFILL_BM = 64  # query rows per ls_prefill tile
-# meta rows (see kernels/decode.cu)
-META_FIELDS = ("tok", "len", "npages", "nring", "nsel", "slot", "dyn", "kk")
 
 
 @dataclass(frozen=True)
