@@ -72,19 +72,22 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._apply_evictions(r.replica_id.unique_id, r.routing_stats or {})
 
     def _apply_evictions(self, rid: str, stats: dict) -> None:
-        """Forget the prefixes a replica reported evicted. Its report repeats the last
-        ``prefix_window_s`` seconds; if this router last read one before that window began and
-        evictions happened since, it cannot know which: it forgets the replica's prefixes."""
+        """Forget the prefixes a replica reported evicted. Its report lists only its newest
+        evictions (a bounded number, newest last) beside a running count; when more pages were
+        evicted since this router's last read than the report lists, it cannot know which: it
+        forgets the replica's prefixes (a lost hit, never a belief in a page that is gone)."""
         ts = float(stats.get("ts", 0.0))
         total = int(stats.get("prefix_evictions", 0))
         seen_ts, seen_total = self._evictions_seen.get(rid, (0.0, 0))
         if ts <= seen_ts:
             return
-        if total > seen_total:
-            if seen_ts and ts - seen_ts > float(stats.get("prefix_window_s", 0.0)):
+        new = total - seen_total
+        if new > 0:
+            listed = list(stats.get("prefix_evicted") or [])
+            if new > len(listed):
                 self.policy.forget(rid)
             else:
-                self.policy.drop(stats.get("prefix_evicted") or [], rid)
+                self.policy.drop(listed[-new:], rid)
         self._evictions_seen[rid] = (ts, total)
 
     # -- the Ray interface --------------------------------------------------------------------

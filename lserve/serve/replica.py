@@ -39,6 +39,9 @@ from lserve.serve.settings import ServeSettings
 
 #: Seconds of prefix-cache evictions each routing report repeats (reports are polled about every second).
 EVICTION_WINDOW_S = 60.0
+#: At most this many (the newest) evicted hashes per report: a router that finds more evictions
+#: than listed since its last read forgets the replica's prefixes instead (bounded payload).
+EVICTED_REPORT_CAP = 256
 log = logging.getLogger("lserve.serve")
 
 STATS_PERIOD_S = 0.5
@@ -249,7 +252,7 @@ class EngineReplica:
         st = self.engine.stats()
         # Pages this replica's prefix cache dropped lately, so routers stop sending their prefixes
         # here; a router that last looked before the window starts forgets this replica instead.
-        evicted = [h for t, h in st.prefix_recent_evicted if t >= now - EVICTION_WINDOW_S]
+        evicted = [h for t, h in st.prefix_recent_evicted if t >= now - EVICTION_WINDOW_S][-EVICTED_REPORT_CAP:]
         stats.update(ts=now, kv_tokens=stats["dense_pages_used"] * self.page_size, prefix_evicted=evicted,
                      prefix_evictions=st.prefix_evictions, prefix_window_s=EVICTION_WINDOW_S)
         return stats

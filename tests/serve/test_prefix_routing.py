@@ -73,6 +73,22 @@ def test_router_forgets_what_a_replica_reports_evicted():
     assert d.reason == "load"
 
 
+def test_router_forgets_a_replica_whose_report_lists_fewer_evictions_than_happened():
+    r = _router()
+    r.policy.record([1, 2, 3], "a")
+    r.policy.record([7, 8, 9], "a")
+    r._sync_replicas([_replica("a", ts=10.0, prefix_evictions=1, prefix_evicted=[3])])
+    assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 2
+    r.policy.record([1, 2, 3], "a")  # the document was sent there again: its last page is cached anew
+    # Two new evictions; the report still repeats the older one: only the newest two count.
+    r._sync_replicas([_replica("a", ts=11.0, prefix_evictions=3, prefix_evicted=[3, 9, 8])])
+    assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 3
+    assert r.policy.longest_match([7, 8, 9], {"a"})[0] == 1
+    # A capped report (fewer hashes than evictions since the last read): the router cannot know which.
+    r._sync_replicas([_replica("a", ts=12.0, prefix_evictions=10, prefix_evicted=[5, 6])])
+    assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 0
+
+
 def test_imbalance_weighs_what_the_request_costs_on_each_replica():
     p = PrefixAffinityPolicy(min_prefix_blocks=2, imbalance_tokens=1000, imbalance_ratio=2.0)
     p.record(list(range(30)), "a")  # a caches 30 blocks of 64 tokens
