@@ -225,6 +225,32 @@ class LLMEngine:
         self.scheduler.add(seq)
         return rid
 
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The live sequence of a request, or None once it finished, was aborted or is unknown."""
+        return self._seqs.get(request_id)
+
+    def new_sequence_id(self) -> int:
+        """A fresh sequence id (for :meth:`add_running_sequence`)."""
+        return next(self._ids)
+
+    def add_running_sequence(self, seq: Sequence) -> None:
+        """Adopt an already prefilled sequence (e.g. a fork) straight into the running set.
+
+        Parameters
+        ----------
+        seq : Sequence
+            Holds its own cache pages and a fresh id from :meth:`new_sequence_id`.
+
+        Raises
+        ------
+        RequestError
+            If its request id is already in use.
+        """
+        if seq.request_id in self._seqs:
+            raise RequestError(f"request id {seq.request_id!r} is already in use")
+        self._seqs[seq.request_id] = seq
+        self.scheduler.running.append(seq)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages now. Returns False if it is unknown or done."""
         seq = self._seqs.pop(request_id, None)

@@ -48,7 +48,7 @@ def fork_sequence(engine, src: Sequence, params: SamplingParams, request_id: str
     n_dense, n_ring = len(src.dense_pages), len(src.stream_pages)
     if not cache.dense_alloc.can_allocate(n_dense) or not cache.stream_alloc.can_allocate(n_ring):
         raise RuntimeError("the KV cache is too small to fork: raise max_tokens / max_num_seqs")
-    seq = Sequence(next(engine._ids), request_id, src.prompt_ids, params, src.arrival)
+    seq = Sequence(engine.new_sequence_id(), request_id, src.prompt_ids, params, src.arrival)
     seq.first_scheduled = src.first_scheduled
     seq.append_token(src.output_ids[0], engine.tokenizer, engine.eos_ids, engine.max_model_len)
     seq.num_computed = src.num_computed
@@ -67,8 +67,7 @@ def fork_sequence(engine, src: Sequence, params: SamplingParams, request_id: str
                 st.kmin[d] = st.kmin[s]
             if n_ring:
                 _copy_pool_pages(cache.stream[layer], src.stream_pages, seq.stream_pages)
-    engine._seqs[request_id] = seq
-    engine.scheduler.running.append(seq)
+    engine.add_running_sequence(seq)
     return seq
 
 
@@ -116,17 +115,17 @@ class ReuseOverride:
             c = self.interval.get(seq.seq_id)
             if c is None or not seq.in_decode:
                 continue
-            step = pl._decode_steps.get(seq.seq_id, 0)  # index the coming decode step will get
+            step, _ = pl.selection_state(seq.seq_id)  # index the coming decode step will get
             last = self.last.get(seq.seq_id)
             if last is None or step - last >= c:
-                pl._last_select.pop(seq.seq_id, None)
+                pl.set_last_selection(seq.seq_id, None)
                 self._allowed[seq.seq_id] = step
             else:
-                pl._last_select[seq.seq_id] = step
+                pl.set_last_selection(seq.seq_id, step)
 
     def after_step(self) -> None:
         for seq_id, step in self._allowed.items():
-            if self.planner._last_select.get(seq_id) == step:
+            if self.planner.selection_state(seq_id)[1] == step:
                 self.last[seq_id] = step
 
 
@@ -166,10 +165,10 @@ def generate_variants(engine, prompts: list[list[int]], variants: list[list[Samp
     meter = engine.backend.kv_read
     with ReuseOverride(engine) as override:  # per planned step, however step() plans them
         src_ids = [engine.add_request(p, v[0]) for p, v in zip(prompts, variants)]
-        seq_ids = {src: engine._seqs[src].seq_id for src in src_ids}
+        seq_ids = {src: engine.sequence(src).seq_id for src in src_ids}
         for i, src in enumerate(src_ids):
             if reuse[i][0] is not None:
-                override.set(engine._seqs[src], reuse[i][0])
+                override.set(engine.sequence(src), reuse[i][0])
         rids = [[src] + [f"{src}/v{j}" for j in range(1, len(v))] for src, v in zip(src_ids, variants)]
         forked = [len(v) == 1 for v in variants]
         final: dict[str, RequestOutput] = {}
@@ -182,7 +181,7 @@ def generate_variants(engine, prompts: list[list[int]], variants: list[list[Samp
             for i, src_id in enumerate(src_ids):
                 if forked[i]:
                     continue
-                seq = engine._seqs.get(src_id)
+                seq = engine.sequence(src_id)
                 if seq is None:  # finished at its first token (EOS or max_tokens 1): every variant is the same
                     if src_id in final:
                         for rid in rids[i][1:]:

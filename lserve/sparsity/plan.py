@@ -117,6 +117,26 @@ class StepPlanner:
             return self.sp.dynamic_threshold
         return math.ceil(self.threshold_ratio * budget)
 
+    def selection_state(self, seq_id: int) -> tuple[int, int | None]:
+        """Where a sequence stands in the reuse rule.
+
+        Returns
+        -------
+        next_step : int
+            Index the sequence's coming decode step will get (0 before its first).
+        last_select : int or None
+            Decode step of its last selection, None if the selector may run at the next step.
+        """
+        return self._decode_steps.get(seq_id, 0), self._last_select.get(seq_id)
+
+    def set_last_selection(self, seq_id: int, step: int | None) -> None:
+        """Record ``step`` as the sequence's last selection, or forget it (``None``: the selector
+        may run at its next decode step). Tools that override the reuse interval use this."""
+        if step is None:
+            self._last_select.pop(seq_id, None)
+        else:
+            self._last_select[seq_id] = step
+
     def release(self, seq_id: int) -> None:
         """Forget a finished, aborted or preempted sequence."""
         self._decode_steps.pop(seq_id, None)
