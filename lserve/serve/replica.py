@@ -251,7 +251,7 @@ class EngineReplica:
         now = time.time()
         st = self.engine.stats()
         # Pages this replica's prefix cache dropped lately, so routers stop sending their prefixes
-        # here; a router that last looked before the window starts forgets this replica instead.
+        # here; a router that missed some (more evictions than listed) forgets this replica instead.
         evicted = [h for t, h in st.prefix_recent_evicted if t >= now - EVICTION_WINDOW_S][-EVICTED_REPORT_CAP:]
         stats.update(ts=now, kv_tokens=stats["dense_pages_used"] * self.page_size, prefix_evicted=evicted,
                      prefix_evictions=st.prefix_evictions, prefix_window_s=EVICTION_WINDOW_S)
