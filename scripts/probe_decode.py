@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from kernel_edits import use_edited  # scripts/kernel_edits.py (run as python scripts/...)
 
 from lserve.bench import kernels as kb
 
@@ -69,10 +70,10 @@ def main(argv=None) -> int:
             runs += [(None, 2, e) for e in EDITS]
             for target, mcn, edit in runs:
                 if edit:
-                    be._kernel = kb.edited_kernels(be, "decode_tc", EDITS[edit])
+                    use_edited(be, "decode_tc", EDITS[edit])
                 full, attn, nu = _time_setting(s, be, tables, target, mcn, inner)
                 if edit:
-                    del be._kernel  # back to the class method
+                    be.clear_kernel_overrides()  # back to the shipped sources
                 row[key].append({"target_x_sms": target, "min_chunk": mcn, "edit": edit, "units": nu, "ms": full,
                                  "attn_ms": attn})
                 print(f"{ctx:>7} {key:>6} target={target} min_chunk={mcn} edit={edit} units={nu}: "

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from kernel_edits import use_edited  # scripts/kernel_edits.py (run as python scripts/...)
 
 from lserve.bench import kernels as kb
 
@@ -41,10 +42,9 @@ VARIANTS = {
 def _set(s, attrs: dict, edits: dict) -> None:
     for be in s.backends.values():
         be.pdl, be.score_impl = attrs.get("pdl", True), attrs.get("score_impl", "tc")
-        if "_kernel" in vars(be):
-            del be._kernel  # back to the shipped sources
+        be.clear_kernel_overrides()  # back to the shipped sources
         for family, ed in edits.items():
-            be._kernel = kb.edited_kernels(be, family, ed)
+            use_edited(be, family, ed)
 
 
 def _dense_ms(s, inner: int) -> float:

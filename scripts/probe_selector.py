@@ -20,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from kernel_edits import use_edited  # scripts/kernel_edits.py (run as python scripts/...)
 from torch.profiler import ProfilerActivity, profile
 
 from lserve.bench import kernels as kb
@@ -91,14 +92,14 @@ def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
     row["selector_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0]), 32)
     impl, be.score_impl = be.score_impl, "cuda"  # EDITS change the CUDA-core score kernel
     for edit in EDITS:
-        be._kernel = kb.edited_kernels(be, "selector", EDITS[edit])
+        use_edited(be, "selector", EDITS[edit])
         row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
-        del be._kernel  # back to the class method
+        be.clear_kernel_overrides()  # back to the shipped sources
     be.score_impl = impl
     for edit in TOPK_EDITS:
-        be._kernel = kb.edited_kernels(be, "selector", TOPK_EDITS[edit])
+        use_edited(be, "selector", TOPK_EDITS[edit])
         row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
-        del be._kernel
+        be.clear_kernel_overrides()
     nbytes = s.selector_bytes()
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)

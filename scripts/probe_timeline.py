@@ -122,12 +122,9 @@ class Instrumented:
             self.bufs[fam] = cupy.ndarray((N_CTA, N_SLOT), dtype=cupy.uint64, memptr=mod.get_global("ls_tl"))
 
     def install(self, be) -> None:
-        orig = type(be)._kernel.__get__(be)
-
-        def _kernel(fam, name, quant="none", gq=1):
-            return self.mods[fam].get_function(name) if fam in self.mods and name == KERNEL_OF[fam] else \
-                orig(fam, name, quant, gq)
-        be._kernel = _kernel
+        be.clear_kernel_overrides()
+        for fam, mod in self.mods.items():
+            be.override_kernels(fam, mod, names=(KERNEL_OF[fam],))
 
     def clear(self) -> None:
         import cupy

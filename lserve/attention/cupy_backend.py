@@ -175,6 +175,7 @@ class CupyBackend(AttentionBackend):
         self._static_units: dict = {}  # step key -> (host unit tables, {(nd, selects, impl): DecodeUnits})
         self.static_generation = 0  # bumped when a buffer graphs point into is reallocated
         self._scores_buf: torch.Tensor | None = None  # last page-score buffer (benchmarks time top-k alone)
+        self._kernel_overrides: dict = {}  # family -> (module, entry points or None): override_kernels
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         self._no_writes = (empty, empty, empty)
         # Chunks with cached past: dense heads in one flash call over the whole sequence, their
@@ -192,9 +193,45 @@ class CupyBackend(AttentionBackend):
         return torch.cuda.get_device_properties(self.device).multi_processor_count
 
     # -- kernels --------------------------------------------------------------------------------
+    def override_kernels(self, family: str, module, names=None) -> None:
+        """Take ``family``'s kernels from ``module`` instead of the shipped sources.
+
+        The one way tools swap kernels (``scripts/kernel_edits.py`` compiles edited sources for
+        timing experiments); the serving path never calls it.
+
+        Parameters
+        ----------
+        family : str
+            A kernel family of :data:`lserve.kernels.loader.FAMILIES` (e.g. ``"decode_tc"``).
+        module : cupy.RawModule
+            Compiled for this backend's variant (dtype, head dim, ``gq``).
+        names : iterable of str, optional
+            Only these entry points; the family's other kernels stay the shipped ones.
+
+        Raises
+        ------
+        ValueError
+            For an unknown family or entry point.
+        """
+        from lserve.kernels.loader import FAMILIES
+
+        if family not in FAMILIES:
+            raise ValueError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
+        names = None if names is None else frozenset(names)
+        if names is not None and not names <= set(FAMILIES[family][1]):
+            raise ValueError(f"{family} has no kernel {sorted(names - set(FAMILIES[family][1]))}")
+        self._kernel_overrides[family] = (module, names)
+
+    def clear_kernel_overrides(self) -> None:
+        """Back to the shipped kernels after :meth:`override_kernels`."""
+        self._kernel_overrides.clear()
+
     def _kernel(self, family: str, name: str, quant: str = "none", gq: int = 1):
         from lserve.kernels.loader import Variant, get_kernel
 
+        ov = self._kernel_overrides.get(family)
+        if ov is not None and (ov[1] is None or name in ov[1]):
+            return ov[0].get_function(name)
         return get_kernel(Variant(family, self.dt_name, self.D, quant, gq), name)
 
     # -- sequence state -------------------------------------------------------------------------

@@ -108,28 +108,6 @@ def _graph_time(step, n_inner: int, replays: int = 15) -> float:
     return _median_events(run, replays) / n_inner
 
 
-def edited_kernels(be, family: str, edits: list[tuple[str, str]]):
-    """A ``_kernel`` replacement for the backend ``be`` that serves ``family`` from its source with
-    text ``edits`` applied (each ``(old, new)``; ``old`` must occur exactly once). For timing
-    experiments (``scripts/probe_*.py``): assign to ``be._kernel``, ``del be._kernel`` to undo."""
-    import cupy
-
-    from lserve.kernels.loader import Variant, options_of, source_of
-
-    src = source_of(family)
-    for a, b in edits:
-        if src.count(a) != 1:
-            raise ValueError(f"edit of {family} does not match exactly once: {a[:60]!r}")
-        src = src.replace(a, b)
-    mod = cupy.RawModule(code=src, options=options_of(Variant(family, be.dt_name, be.D, "none", be.gq)),
-                         backend="nvrtc")
-    orig = be._kernel
-
-    def _kernel(fam, name, quant="none", gq=1):
-        return mod.get_function(name) if fam == family else orig(fam, name, quant, gq)
-    return _kernel
-
-
 def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
