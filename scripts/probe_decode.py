@@ -29,8 +29,7 @@ EDITS: dict[str, list[tuple[str, str]]] = {}
 
 
 def _time_setting(s, be, tables, target, min_chunk, inner) -> tuple[float, float, int]:
-    be.target_ctas = None if target is None else target * be.num_sms
-    be.min_chunk = min_chunk
+    be.tune(target_ctas=None if target is None else target * be.num_sms, min_chunk=min_chunk)
     for t in tables:
         be.replan_units(t)
 

@@ -85,9 +85,9 @@ def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
            "floor_ms": s.selector_bytes() / (bw * 1e12) * 1e3}
     be.select(0, s.q[0], sel[0])
     for ppb in (None, 4, 8, 16, 32, 64, 128):
-        be.score_ppb = ppb
+        be.tune(score_ppb=ppb)
         row[f"scores_ppb{ppb}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
-    be.score_ppb = None
+    be.tune(score_ppb=None)
     row["topk_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
     row["selector_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0]), 32)
     impl, be.score_impl = be.score_impl, "cuda"  # EDITS change the CUDA-core score kernel

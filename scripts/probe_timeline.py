@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     be = ls.backends[kb.BUDGET]
 
     def units(min_chunk, target=None, s=ls):
-        s.backends[kb.BUDGET].min_chunk, s.backends[kb.BUDGET].target_ctas = min_chunk, target
+        s.backends[kb.BUDGET].tune(min_chunk=min_chunk, target_ctas=target)
         for t in s.tables[kb.BUDGET][1]:
             s.backends[kb.BUDGET].replan_units(t)
 

@@ -1,4 +1,4 @@
-"""CupyBackend.override_kernels, the one public way tools swap kernels (no GPU: an unbound call
+"""CupyBackend.override_kernels and tune, the public ways tools swap kernels and launch shapes (no GPU: unbound calls
 on a stand-in that has only the override table)."""
 
 import types
@@ -32,3 +32,18 @@ def test_override_rejects_unknown_family_and_entry_point():
         CupyBackend.override_kernels(be, "nope", _Module())
     with pytest.raises(ValueError, match="has no kernel"):
         CupyBackend.override_kernels(be, "decode_tc", _Module(), names=("ls_nope",))
+
+
+def test_tuning_is_validated_once_and_replaced_whole():
+    from dataclasses import replace
+
+    from lserve.attention.cupy_tuning import CupyTuning
+
+    t = CupyTuning()
+    assert (t.target_ctas, t.min_chunk, t.score_ppb) == (None, 2, None)
+    assert replace(t, target_ctas=1, min_chunk=256).min_chunk == 256
+    for bad in ({"min_chunk": 0}, {"min_chunk": None}, {"target_ctas": 0}, {"score_ppb": -4}, {"score_ppb": 2.5}):
+        with pytest.raises(ValueError):
+            replace(t, **bad)
+    be = types.SimpleNamespace(tuning=t)
+    assert CupyBackend.tune(be, score_ppb=16).score_ppb == 16 and be.tuning.min_chunk == 2

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ import torch.nn.functional as F
 from lserve.attention.base import AttentionBackend
 from lserve.attention.chunked import causal_attention, causal_impl, dense_chunk
 from lserve.attention.cupy_plan import CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
+from lserve.attention.cupy_tuning import CupyTuning
 from lserve.attention.torch_backend import TorchBackend
 from lserve.kernels.pdl import available as pdl_available
 from lserve.sparsity.plan import StepPlan
@@ -98,10 +100,9 @@ class CupyBackend(AttentionBackend):
     ----------
     decode_impl : str
         ``"tc"`` (tensor cores; bf16/fp16 unquantized pools, the default there) or ``"cuda"``.
-    target_ctas : int or None
-        Most decode units per launch (split-K granularity); None: one wave of resident CTAs.
-    min_chunk : int
-        Fewest table entries per decode unit (default 2: fewer, longer units and splits).
+    tuning : CupyTuning
+        Launch shapes (``target_ctas``, ``min_chunk``, ``score_ppb``; read-only attributes of the
+        same names); :meth:`tune` replaces them.
     prefill_dense : str
         ``"sdpa"`` (default) or ``"kernel"``: what runs the dense heads at prefill.
     score_impl : str
@@ -110,8 +111,6 @@ class CupyBackend(AttentionBackend):
     score_hpc : int or None
         Dense heads per CTA of the CUDA-core page-score kernel (1, 2 or 4; None: the largest that
         divides the layer's dense heads).
-    score_ppb : int or None
-        Physical pages per page-score CTA (None: sized for one wave of ~3 CTAs per SM).
     pdl : bool
         Launch the decode-step kernels (cache write, page scores, top-k, decode, merge) as
         programmatic dependents of the kernel before them (``kernels/pdl.py``), so each starts
@@ -151,13 +150,11 @@ class CupyBackend(AttentionBackend):
         self.num_sms = self._num_sms()
         # Tensor-core decode for 16-bit unquantized pools; CUDA cores (dequantize on load) else.
         self.decode_impl = "tc" if self.dtype != torch.float32 and self.kv_quant == "none" else "cuda"
-        self.target_ctas: int | None = None  # None: one wave of resident decode CTAs
-        self.min_chunk = 2
+        self.tuning = CupyTuning()  # launch shapes (target_ctas, min_chunk, score_ppb): tune() changes them
         self.prefill_dense = "sdpa"
         tc_scores = self.dtype != torch.float32 and self.g_log in (1, 2, 4, 8, 16)
         self.score_impl = "tc" if tc_scores else "cuda"
         self.score_hpc: int | None = None  # dense heads per page-score CTA (None: 4, 2 or 1)
-        self.score_ppb: int | None = None  # physical pages per page-score CTA (None: one wave)
         self.pdl = os.environ.get("LSERVE_PDL", "1") != "0" and pdl_available(torch.cuda.get_device_capability(self.device))
         self.qscale = self.scale * LOG2E
         # The oracle's code serves fp32 prefill (and gathers the dense past of later chunks).
@@ -193,6 +190,29 @@ class CupyBackend(AttentionBackend):
         return torch.cuda.get_device_properties(self.device).multi_processor_count
 
     # -- kernels --------------------------------------------------------------------------------
+    def tune(self, **changes) -> CupyTuning:
+        """Change launch shapes (fields of :class:`CupyTuning`), validated; returns the new tuning.
+
+        For benchmarks and probes; plans made before keep their units until re-planned
+        (:meth:`replan_units`)."""
+        self.tuning = replace(self.tuning, **changes)
+        return self.tuning
+
+    @property
+    def target_ctas(self) -> int | None:
+        """Most decode units per launch (None: one wave of resident CTAs); see :class:`CupyTuning`."""
+        return self.tuning.target_ctas
+
+    @property
+    def min_chunk(self) -> int:
+        """Fewest table entries per decode unit; see :class:`CupyTuning`."""
+        return self.tuning.min_chunk
+
+    @property
+    def score_ppb(self) -> int | None:
+        """Physical pages per page-score CTA (None: one wave); see :class:`CupyTuning`."""
+        return self.tuning.score_ppb
+
     def override_kernels(self, family: str, module, names=None) -> None:
         """Take ``family``'s kernels from ``module`` instead of the shipped sources.
 

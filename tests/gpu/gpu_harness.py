@@ -108,11 +108,9 @@ class Pair:
         self.ref = TorchBackend(self.mc, self.sp, self.cache_t)
         self.cup = backend_cls(self.mc, self.sp, self.cache_c)
         if split == "direct":
-            self.cup.target_ctas = 1
-            self.cup.min_chunk = 256
+            self.cup.tune(target_ctas=1, min_chunk=256)
         elif split == "many":
-            self.cup.target_ctas = 1 << 30
-            self.cup.min_chunk = 1
+            self.cup.tune(target_ctas=1 << 30, min_chunk=1)
         self.alloc = self.cache_t.dense_alloc  # page ids shared by both caches
         self.salloc = self.cache_t.stream_alloc
         self.errors: list[float] = []
