@@ -498,9 +498,25 @@ class CupyBackend(AttentionBackend):
     def select(self, layer: int, q: torch.Tensor, st: CupyStep, only: str | None = None) -> None:
         """Run the page selector for the decode sequences that select this step.
 
-        ``only`` (``"scores"`` or ``"topk"``) launches one of the two kernels, for benchmarks.
+        Parameters
+        ----------
+        only : {None, "scores", "topk"}
+            Benchmarks only (``lserve bench kernels``, ``scripts/probe_selector.py``): launch the
+            page-score kernel alone, or the top-k alone over the scores of the last full call
+            with the same step (the other kernel gets an empty grid, so PDL chains stay as
+            they are). None (serving): both.
+
+        Raises
+        ------
+        ValueError
+            For another ``only``, or ``"topk"`` before any full call.
         """
         from lserve.kernels.loader import KernelError, i32, launch, ptr
+
+        if only not in (None, "scores", "topk"):
+            raise ValueError(f"select(only=...) takes None, 'scores' or 'topk', got {only!r}")
+        if only == "topk" and self._scores_buf is None:
+            raise ValueError("select(only='topk') times the top-k over a full call's scores: run select() first")
 
         t0 = time.perf_counter()
         nd = self.cache.n_dense[layer]
