@@ -58,7 +58,9 @@ def test_cancelling_20_streams_mid_stream_frees_every_page(app):
     assert len(replicas) == n
     # all 20 were inside the engines at once, holding KV pages
     assert sum(r["running"] + r["waiting"] for r in in_flight) == n, in_flight
-    assert sum(r["dense_pages_used"] for r in in_flight) >= n
+    # each running one holds pages (a preempted one waits with none: the engine recomputes it)
+    running = sum(r["running"] for r in in_flight)
+    assert running > 0 and sum(r["dense_pages_used"] for r in in_flight) >= running
     t0 = time.monotonic()
     after = app.wait_idle(timeout=15)  # no running request, every page of both pools free
     freed_in = time.monotonic() - t0
