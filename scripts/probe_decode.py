@@ -37,8 +37,8 @@ def _time_setting(s, be, tables, target, min_chunk, inner) -> tuple[float, float
         j = i % s.n_sets
         be.decode(0, s.q[j], s.out, tables[j], merge=merge)
 
-    full = kb._graph_time(step, inner)
-    attn = kb._graph_time(lambda i: step(i, merge=False), inner)
+    full = kb.graph_time(step, inner)
+    attn = kb.graph_time(lambda i: step(i, merge=False), inner)
     n_units = next(iter(tables[0].units.values())).n_units
     return full, attn, n_units
 
@@ -54,11 +54,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "settings": SETTINGS, "rows": []}
     for ctx in a.contexts:
-        n_sets, inner = kb._rotation(ctx)
-        row = {"context": ctx, "sdpa_ms": kb._sdpa_decode_ms(ctx, n_sets, inner), "dense": [], "reuse": []}
+        n_sets, inner = kb.rotation(ctx)
+        row = {"context": ctx, "sdpa_ms": kb.sdpa_decode_ms(ctx, n_sets, inner), "dense": [], "reuse": []}
         torch.cuda.empty_cache()
         for n_dense, key, budget in ((8, "dense", 0), (4, "reuse", kb.BUDGET)):
-            s = kb._DecodeSetup(ctx, n_dense, n_sets)
+            s = kb.DecodeSetup(ctx, n_dense, n_sets)
             be = s.backends[budget]
             sel, reuse = s.tables[budget]
             tables = sel

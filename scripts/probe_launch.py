@@ -49,14 +49,14 @@ def _set(s, attrs: dict, edits: dict) -> None:
 
 def _dense_ms(s, inner: int) -> float:
     be, (sel, _) = s.backends[0], s.tables[0]
-    return kb._graph_time(lambda i: be.decode(0, s.q[i % s.n_sets], s.out, sel[i % s.n_sets]), inner)
+    return kb.graph_time(lambda i: be.decode(0, s.q[i % s.n_sets], s.out, sel[i % s.n_sets]), inner)
 
 
 def _lserve_times(s, inner: int) -> dict:
-    return {"lserve_ms": kb._graph_time(s.cycle_step, s.cycle_steps()),
-            "select_step_ms": kb._graph_time(s.select_step, inner),
-            "reuse_step_ms": kb._graph_time(s.reuse_step, inner),
-            "selector_ms": kb._graph_time(s.selector, inner)}
+    return {"lserve_ms": kb.graph_time(s.cycle_step, s.cycle_steps()),
+            "select_step_ms": kb.graph_time(s.select_step, inner),
+            "reuse_step_ms": kb.graph_time(s.reuse_step, inner),
+            "selector_ms": kb.graph_time(s.selector, inner)}
 
 
 def main(argv=None) -> int:
@@ -69,11 +69,11 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(), "variants": {k: {"attrs": v[0], "edits": v[1]}
                                                                     for k, v in VARIANTS.items()}, "rows": []}
     for ctx in a.contexts:
-        n_sets, inner = kb._rotation(ctx)
-        row = {"context": ctx, "sdpa_ms": kb._sdpa_decode_ms(ctx, n_sets, inner), "runs": []}
+        n_sets, inner = kb.rotation(ctx)
+        row = {"context": ctx, "sdpa_ms": kb.sdpa_decode_ms(ctx, n_sets, inner), "runs": []}
         torch.cuda.empty_cache()
-        dense = kb._DecodeSetup(ctx, 8, n_sets)
-        ls = kb._DecodeSetup(ctx, 4, n_sets)
+        dense = kb.DecodeSetup(ctx, 8, n_sets)
+        ls = kb.DecodeSetup(ctx, 4, n_sets)
         ls.select_all()
         for name, (attrs, edits) in VARIANTS.items():
             _set(dense, attrs, edits)

@@ -78,7 +78,7 @@ TOPK_EDITS = {
 
 def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
     """One context's row (see the module docstring)."""
-    s = kb._DecodeSetup(ctx, 4, 1)
+    s = kb.DecodeSetup(ctx, 4, 1)
     be = s.backends[kb.BUDGET]
     sel, reuse = s.tables[kb.BUDGET]
     row = {"context": ctx, "selector_bytes": s.selector_bytes(),
@@ -86,24 +86,24 @@ def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
     be.select(0, s.q[0], sel[0])
     for ppb in (None, 4, 8, 16, 32, 64, 128):
         be.tune(score_ppb=ppb)
-        row[f"scores_ppb{ppb}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
+        row[f"scores_ppb{ppb}_ms"] = kb.graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
     be.tune(score_ppb=None)
-    row["topk_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
-    row["selector_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0]), 32)
+    row["topk_ms"] = kb.graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
+    row["selector_ms"] = kb.graph_time(lambda i: be.select(0, s.q[0], sel[0]), 32)
     impl, be.score_impl = be.score_impl, "cuda"  # EDITS change the CUDA-core score kernel
     for edit in EDITS:
         use_edited(be, "selector", EDITS[edit])
-        row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
+        row[f"{edit}_ms"] = kb.graph_time(lambda i: be.select(0, s.q[0], sel[0], only="scores"), 32)
         be.clear_kernel_overrides()  # back to the shipped sources
     be.score_impl = impl
     for edit in TOPK_EDITS:
         use_edited(be, "selector", TOPK_EDITS[edit])
-        row[f"{edit}_ms"] = kb._graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
+        row[f"{edit}_ms"] = kb.graph_time(lambda i: be.select(0, s.q[0], sel[0], only="topk"), 32)
         be.clear_kernel_overrides()
     nbytes = s.selector_bytes()
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    row["copy_same_bytes_hot_ms"] = kb._graph_time(lambda i: dst.copy_(src), 32)
+    row["copy_same_bytes_hot_ms"] = kb.graph_time(lambda i: dst.copy_(src), 32)
 
     def sel_step():
         be.select_stage(0, s.q[0], sel[0])

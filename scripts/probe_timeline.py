@@ -139,7 +139,7 @@ class Instrumented:
 
 def _last_step_stamps(ins: Instrumented, step, inner: int) -> dict:
     """Replay a graph of ``inner`` steps on cleared stamp buffers; per family the [CTA, slot] array."""
-    kb._graph_time(step, inner, replays=5)  # warm (and the step time)
+    kb.graph_time(step, inner, replays=5)  # warm (and the step time)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(inner):
@@ -204,14 +204,14 @@ def main(argv=None) -> int:
         ins = Instrumented(s.backends[be_keys[0]], extra)
         for k in be_keys:
             ins.install(s.backends[k])
-        step_ms = kb._graph_time(step, inner)
+        step_ms = kb.graph_time(step, inner)
         summ = _summary(_last_step_stamps(ins, step, inner))
         _print(case, step_ms, summ)
         report["cases"].append({"case": case, "step_ms": step_ms, "kernels": summ})
 
     ctx = a.context
-    n_sets, inner = kb._rotation(ctx)
-    ls = kb._DecodeSetup(ctx, 4, n_sets)
+    n_sets, inner = kb.rotation(ctx)
+    ls = kb.DecodeSetup(ctx, 4, n_sets)
     ls.select_all()
     be = ls.backends[kb.BUDGET]
 
@@ -235,8 +235,8 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
 
     if "main" in a.cases:
-        n_sets, inner = kb._rotation(65536)
-        dense = kb._DecodeSetup(65536, 8, n_sets)
+        n_sets, inner = kb.rotation(65536)
+        dense = kb.DecodeSetup(65536, 8, n_sets)
 
         def dense_step(i):
             j = i % dense.n_sets

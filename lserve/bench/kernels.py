@@ -79,7 +79,7 @@ def _median_events(fn, iters: int, warmup: int = 2) -> float:
 TIMING_NOTES: list[str] = []
 
 
-def _graph_time(step, n_inner: int, replays: int = 15) -> float:
+def graph_time(step, n_inner: int, replays: int = 15) -> float:
     """Milliseconds per call of ``step(i)``, i = 0..n_inner-1, captured in one CUDA graph
     (falls back to timing the eager loop, noted in the report, if capture fails)."""
     side = torch.cuda.Stream()
@@ -116,7 +116,7 @@ def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-class _DecodeSetup:
+class DecodeSetup:
     """A cache holding ``n_sets`` copies of a batch-1 sequence of ``context`` tokens and the
     backends (budget 0 and budget 4096) over it."""
 
@@ -202,7 +202,7 @@ class _DecodeSetup:
         return 2 * (-(-self.context // PAGE)) * st.g * self.n_dense * st.kmax.shape[-1] * st.kmax.element_size()
 
 
-def _sdpa_decode_ms(context: int, n_sets: int, inner: int) -> float:
+def sdpa_decode_ms(context: int, n_sets: int, inner: int) -> float:
     """SDPA decode over contiguous K/V [1, 8, context, 128] (n_sets copies, rotated)."""
     mc = _model_config()
     ks = [torch.randn(1, mc.num_kv_heads, context, mc.head_dim, device="cuda", dtype=torch.bfloat16)
@@ -214,7 +214,7 @@ def _sdpa_decode_ms(context: int, n_sets: int, inner: int) -> float:
         j = i % n_sets
         F.scaled_dot_product_attention(qs[j], ks[j], vs[j], enable_gqa=True)
 
-    return _graph_time(sdpa, inner)
+    return graph_time(sdpa, inner)
 
 
 def _kv_bytes(context: int) -> int:
@@ -223,7 +223,7 @@ def _kv_bytes(context: int) -> int:
     return context * mc.num_kv_heads * mc.head_dim * 2 * 2
 
 
-def _rotation(context: int) -> tuple[int, int]:
+def rotation(context: int) -> tuple[int, int]:
     """(cache copies, graph steps): copies rotated so a pass touches ROTATE_BYTES of K/V (L2 stays
     cold), and at least 32 steps per graph, a whole number of rotations."""
     n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / _kv_bytes(context))))
@@ -231,14 +231,14 @@ def _rotation(context: int) -> tuple[int, int]:
 
 
 def _decode_row(context: int, bw_tbps: float) -> dict:
-    n_sets, inner = _rotation(context)
+    n_sets, inner = rotation(context)
     row = {"context": context, "cache_copies": n_sets}
 
-    row["sdpa_ms"] = _sdpa_decode_ms(context, n_sets, inner)
+    row["sdpa_ms"] = sdpa_decode_ms(context, n_sets, inner)
     torch.cuda.empty_cache()
 
     for n_dense, (plain_key, dyn_key) in ((8, ("dense_ms", "dynamic_ms")), (4, ("streaming_ms", "lserve_ms"))):
-        s = _DecodeSetup(context, n_dense, n_sets)
+        s = DecodeSetup(context, n_dense, n_sets)
         be0 = s.backends[0]
         sel0, _ = s.tables[0]
 
@@ -246,43 +246,43 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
             j = i % s.n_sets
             be0.decode(0, s.q[j], s.out, sel0[j])
 
-        row[plain_key] = _graph_time(plain, inner)
+        row[plain_key] = graph_time(plain, inner)
         be = s.backends[BUDGET]
         sel, reuse = s.tables[BUDGET]
         dynamic = sel[0].dec[0].dynamic
         if n_dense == 8:
             s.select_all()  # attention alone on a reuse step (the selection stored by a first select)
 
-            row[dyn_key] = _graph_time(s.reuse_step, inner)
+            row[dyn_key] = graph_time(s.reuse_step, inner)
         else:
-            row[dyn_key] = _graph_time(s.cycle_step, s.cycle_steps())
+            row[dyn_key] = graph_time(s.cycle_step, s.cycle_steps())
 
             def reuse_step(i, s=s, be=be, reuse=reuse):
                 j = i % s.n_sets
                 be.select_stage(0, s.q[j], reuse[j])
                 be.decode(0, s.q[j], s.out, reuse[j])
 
-            row["lserve_reuse_step_ms"] = _graph_time(s.reuse_step, inner)
+            row["lserve_reuse_step_ms"] = graph_time(s.reuse_step, inner)
             # The selector stage of a reuse step launches nothing; its cost is what it adds to
             # the step, measured as the difference of the two graphs (noise-level by design).
-            row["selector_reuse_ms"] = _graph_time(reuse_step, inner) - row["lserve_reuse_step_ms"]
+            row["selector_reuse_ms"] = graph_time(reuse_step, inner) - row["lserve_reuse_step_ms"]
             if dynamic:
-                row["selector_ms"] = _graph_time(s.selector, inner)
-                row["lserve_select_step_ms"] = _graph_time(s.select_step, inner)
+                row["selector_ms"] = graph_time(s.selector, inner)
+                row["lserve_select_step_ms"] = graph_time(s.select_step, inner)
                 be.select(0, s.q[0], sel[0])  # leaves the score buffer the top-k part reads
                 for part in ("scores", "topk"):
-                    row[f"selector_{part}_ms"] = _graph_time(
+                    row[f"selector_{part}_ms"] = graph_time(
                         lambda i, s=s, be=be, sel=sel, part=part: be.select(0, s.q[0], sel[0], only=part), inner)
                 # The CUDA-core score kernel (4 heads per CTA, and fewer), for comparison.
                 impl, be.score_impl = be.score_impl, "cuda"
                 for hpc, key in ((None, "cuda"), (1, "hpc1"), (2, "hpc2")):
                     be.score_hpc = hpc
-                    row[f"selector_scores_{key}_ms"] = _graph_time(
+                    row[f"selector_scores_{key}_ms"] = graph_time(
                         lambda i, s=s, be=be, sel=sel: be.select(0, s.q[0], sel[0], only="scores"), inner)
                 be.score_hpc, be.score_impl = None, impl
             else:  # the context fits the budget: no selection happens at all
                 row["selector_ms"] = row["lserve_select_step_ms"] = None
-            row["lserve_attn_kernel_ms"] = _graph_time(lambda i, s=s: s.reuse_step(i, merge=False), inner)
+            row["lserve_attn_kernel_ms"] = graph_time(lambda i, s=s: s.reuse_step(i, merge=False), inner)
             row["selector_floor_ms"] = s.selector_bytes() / (bw_tbps * 1e12) * 1e3
             row["dynamic_active"] = bool(dynamic)
         del s
