@@ -8,6 +8,7 @@ import torch
 
 from lserve.config import CacheConfig, ConfigError, EngineConfig
 from lserve.engine import LLMEngine, RequestError, SamplingParams
+from lserve.engine.sampling import sample
 
 PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=4096)
 PROMPT = "The list: apple, apple, apple, banana, apple, apple,"
@@ -181,3 +182,12 @@ def test_bad_sampling_values_are_rejected(eng):
     with pytest.raises(RequestError) as e:
         eng.add_request(PROMPT, SamplingParams(logit_bias={10**7: 1.0}))
     assert e.value.param == "logit_bias" and "outside the vocabulary" in str(e.value)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6])
+def test_tiny_temperature_samples_greedily(temperature):
+    # logits / 1e-300 overflows to inf and softmax gives NaN: the fuzz test once killed the engine loop so
+    logits = torch.randn(512, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=temperature, max_tokens=1)
+    assert params.greedy
+    assert sample(logits, params, torch.Generator().manual_seed(1)) == int(torch.argmax(logits))

@@ -23,6 +23,8 @@ PROMPT_LOGPROB_BLOCK = 256  # prompt rows turned into [rows, V] logits at a time
 # A token's logprob entry: (token id, logprob, ((alternative id, logprob), ...) best first).
 TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM does)
+
 
 @dataclass
 class SamplingParams:
@@ -117,7 +119,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # vLLM's rule: below this, logits / temperature overflows to inf (NaN probabilities)
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -314,4 +317,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop[0] = False  # the most likely token always stays, however small top_p rounds
         x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = torch.softmax(x, dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # an overflow must not kill the engine loop for everyone
+        return int(torch.argmax(logits))
     return int(torch.multinomial(probs, 1, generator=generator))
