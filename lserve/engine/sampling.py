@@ -317,6 +317,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop[0] = False  # the most likely token always stays, however small top_p rounds
         x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = torch.softmax(x, dim=-1)
-    if not bool(torch.isfinite(probs).all()):  # an overflow must not kill the engine loop for everyone
-        return int(torch.argmax(logits))
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -8,10 +8,6 @@ from pathlib import Path
 from lserve.plotting import pyplot
 
 
-def _plt():
-    return pyplot()
-
-
 def plot_heatmaps(summary: dict, path: str | Path, task: str) -> bool:
     """One panel per configuration: accuracy by depth (rows) x context (columns) for ``task``."""
     rows = [r for r in summary["depth_rows"] if r["task"] == task]
@@ -21,7 +17,7 @@ def plot_heatmaps(summary: dict, path: str | Path, task: str) -> bool:
     ctxs = sorted({r["context"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
     cell = {(r["config"], r["context"], r["depth"]): r["accuracy"] for r in rows}
-    plt = _plt()
+    plt = pyplot()
     ncol = min(4, len(configs))
     nrow = -(-len(configs) // ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(0.9 * len(ctxs) * ncol + 1.5, 0.35 * len(depths) * nrow + 1.2),
@@ -62,7 +58,7 @@ def plot_budget(summary: dict, path: str | Path) -> bool:
     if not sweep:
         return False
     tasks = sorted({r["task"] for r in sweep})
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         lines = sorted({(r["config"].split("@")[0], r["context"]) for r in sweep if r["task"] == task})
@@ -98,7 +94,7 @@ def plot_bars(summary: dict, path: str | Path) -> bool:
     groups = list(dict.fromkeys((r["task"], r["context"]) for r in rows))
     configs = list(dict.fromkeys(r["config"] for r in rows))
     val = {(r["config"], r["task"], r["context"]): r["accuracy"] for r in rows}
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(groups) * len(configs) / 2), 3.6))
     w = 0.8 / len(configs)
     for i, c in enumerate(configs):

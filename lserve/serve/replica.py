@@ -254,7 +254,7 @@ class EngineReplica:
         # here; a router that missed some (more evictions than listed) forgets this replica instead.
         evicted = [h for t, h in st.prefix_recent_evicted if t >= now - EVICTION_WINDOW_S][-EVICTED_REPORT_CAP:]
         stats.update(ts=now, kv_tokens=stats["dense_pages_used"] * self.page_size, prefix_evicted=evicted,
-                     prefix_evictions=st.prefix_evictions, prefix_window_s=EVICTION_WINDOW_S)
+                     prefix_evictions=st.prefix_evictions)
         return stats
 
     def kill_engine(self, lserve_target: str | None = None) -> str:

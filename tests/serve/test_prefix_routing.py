@@ -64,10 +64,10 @@ def test_router_forgets_what_a_replica_reports_evicted():
     r.policy.record([1, 2, 3], "a")
     r._sync_replicas([_replica("a", ts=10.0, prefix_evictions=0)])
     assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 3
-    r._sync_replicas([_replica("a", ts=11.0, prefix_evictions=1, prefix_evicted=[3], prefix_window_s=60.0)])
+    r._sync_replicas([_replica("a", ts=11.0, prefix_evictions=1, prefix_evicted=[3])])
     assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 2
     # A router that missed more than the reported window forgets the replica's prefixes entirely.
-    r._sync_replicas([_replica("a", ts=200.0, prefix_evictions=5, prefix_evicted=[], prefix_window_s=60.0)])
+    r._sync_replicas([_replica("a", ts=200.0, prefix_evictions=5, prefix_evicted=[])])
     assert r.policy.longest_match([1, 2, 3], {"a"})[0] == 0
     d = r.policy.decide([1, 2, 3], [ReplicaLoad("a"), ReplicaLoad("b")])
     assert d.reason == "load"
