@@ -72,7 +72,9 @@ def test_prefill_only_steps_follow_the_time_target():
 
 def test_short_request_ttft_during_long_prefill_cpu():
     """The serving engine (time-targeted steps) on the default model: a short request sent during
-    the prefill of a long prompt gets its first token within 3x of its time alone."""
+    the prefill of a long prompt gets its first token within a few engine steps, long before the
+    long prompt's first token. Counted in steps, not seconds: on a loaded CI machine a step's
+    wall time varies several-fold (the wall-time target lives in the serve benchmarks)."""
     from lserve.engine.async_engine import AsyncEngine
     from lserve.serve.settings import ServeSettings
 
@@ -80,24 +82,29 @@ def test_short_request_ttft_during_long_prefill_cpu():
     engine = AsyncEngine(cfg)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     long_ids, short_ids = list(range(1000, 4000)), list(range(500, 530))
+    marks = {}
 
-    async def ttft(ids, delay=0.0):
+    async def first_token(name, ids, delay=0.0):
         await asyncio.sleep(delay)
-        t0 = time.perf_counter()
+        t0, s0 = time.perf_counter(), engine.stats().steps
         async for out in engine.generate(ids, params):
             if out.token_ids:
-                return time.perf_counter() - t0
+                marks[name] = (time.perf_counter() - t0, engine.stats().steps - s0, time.perf_counter())
+                return
 
     async def run():
-        await ttft(short_ids)  # warm-up
-        solo = min([await ttft(short_ids) for _ in range(3)])
-        long_t, during = await asyncio.gather(ttft(long_ids), ttft(short_ids, delay=1.0))
-        return solo, during, long_t
+        await first_token("warm", short_ids)
+        await asyncio.gather(first_token("long", long_ids), first_token("short", short_ids, delay=1.0))
 
     try:
-        solo, during, long_t = asyncio.run(run())
+        asyncio.run(run())
     finally:
         engine.shutdown()
-    print(f"short alone {solo:.3f} s, during the long prefill {during:.3f} s; long TTFT {long_t:.2f} s")
-    assert long_t > 3.0, "the long prompt must still be prefilling when the short one arrives"
-    assert during <= 3 * solo + 0.05, f"short TTFT {during:.3f} s during a long prefill vs {solo:.3f} s alone"
+    (short_s, short_steps, short_at), (long_s, long_steps, long_at) = marks["short"], marks["long"]
+    print(f"short: {short_s:.3f} s, {short_steps} steps; long: {long_s:.2f} s, {long_steps} steps")
+    assert long_steps >= 6, "the long prompt must take several chunked steps"
+    assert short_at < long_at, "the short request must not wait for the long prefill"
+    # the step in flight when it arrives, its own step, and one of async output hand-off
+    assert short_steps <= 3, f"short request took {short_steps} steps during a long prefill"
+    # FCFS would make it wait for the rest of the long prefill (long_s - 1 s)
+    assert short_s < 0.5 * (long_s - 1.0), f"short TTFT {short_s:.3f} s vs long {long_s:.2f} s"
