@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--select-layers", default=D["select_layers"],
                    help="layers where dense heads select pages: 'auto' (the model's shipped calibration, see "
                         "lserve calibrate-selection; else all), 'all', 'none', indices '0,5,7' or a calibration .json")
+    s.add_argument("--adaptive-budgets", default=D["adaptive_budgets"],
+                   help="per-layer decode budgets around the mean --token-budget: 'auto' (the model's shipped "
+                        "calibration, see lserve calibrate-budgets), a calibration .json, or '' (off)")
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=D["page_size"], help="physical page N_P")
     c.add_argument("--logical-page-size", type=int, default=D["logical_page_size"], help="logical page N_L")

@@ -126,7 +126,7 @@ class SparsityConfig:
         layer indices (a tuple, or a string ``"0,5,7"``) or a calibration JSON path written by
         ``lserve calibrate-selection``. Normalised here: indices become a sorted tuple.
     adaptive_budgets : str
-        Per-layer decode budgets (torch backend only; :mod:`lserve.sparsity.adaptive_budget`):
+        Per-layer decode budgets (torch and cupy backends; :mod:`lserve.sparsity.adaptive_budget`):
         ``""`` (off: every selecting layer keeps ``token_budget``), ``"auto"`` (the calibration
         shipped beside the model's pattern) or a JSON written by ``lserve calibrate-budgets``;
         ``token_budget`` is then the dense-head-weighted mean budget.
@@ -308,7 +308,8 @@ def engine_config_from_args(a) -> EngineConfig:
     sp = SparsityConfig(pattern=a.pattern, static_sparsity=a.static_sparsity, sink_tokens=a.sink,
                         local_tokens=a.local, token_budget=a.token_budget, reuse_interval=a.reuse_interval,
                         dynamic_threshold=a.dynamic_threshold, dense_layers=a.dense_layers,
-                        select_mode=a.select_mode, select_layers=a.select_layers)
+                        select_mode=a.select_mode, select_layers=a.select_layers,
+                        adaptive_budgets=getattr(a, "adaptive_budgets", ""))
     cc = CacheConfig(page_size=a.page_size, logical_page_size=a.logical_page_size, kv_quant=a.kv_quant,
                      max_tokens=a.max_cache_tokens)
     return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
@@ -338,7 +339,7 @@ def engine_flag_defaults() -> dict[str, Any]:
              "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache")
     out = {f: getattr(objs["engine"], f) for f in flags}
     for f in ("pattern", "static_sparsity", "token_budget", "reuse_interval", "dynamic_threshold", "dense_layers",
-              "select_mode", "select_layers"):
+              "select_mode", "select_layers", "adaptive_budgets"):
         out[f] = getattr(objs["sparsity"], f)
     for f in ("page_size", "logical_page_size", "kv_quant"):
         out[f] = getattr(objs["cache"], f)

@@ -123,7 +123,7 @@ def test_other_backends_refuse_adaptive_budgets(tiny, tmp_path):
     p = tmp_path / "ratios.json"
     p.write_text(json.dumps({"kind": ADAPTIVE_KIND, "ratios": [1.0] * 4}))
     eng = _engine(tiny, str(p))
-    with pytest.raises(ConfigError, match="torch backend only"):
+    with pytest.raises(ConfigError, match="torch and cupy backends only"):
         Other(eng.backend.model, eng.backend.sp, eng.cache)
     with pytest.raises(ConfigError, match="no shipped adaptive budgets"):
         _engine(tiny, "auto")

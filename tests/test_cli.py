@@ -25,6 +25,21 @@ def test_generate_with_sparsity_flags_on_preset():
     assert r.returncode == 0, r.stderr
 
 
+def test_generate_with_adaptive_budgets_file(tmp_path):
+    import json
+
+    from lserve.sparsity.adaptive_budget import ADAPTIVE_KIND
+
+    p = tmp_path / "ratios.json"
+    p.write_text(json.dumps({"kind": ADAPTIVE_KIND, "ratios": [0.5, 1.0, 2.0, 4.0]}))  # the tiny preset's 4 layers
+    r = lserve("generate", "hello " * 40, "--model", "tiny", "--max-tokens", "4", "--pattern", "random",
+               "--page-size", "16", "--sink", "16", "--local", "32", "--token-budget", "32",
+               "--dynamic-threshold", "0", "--select-layers", "all", "--adaptive-budgets", str(p))
+    assert r.returncode == 0, r.stderr
+    r = lserve("generate", "hi", "--model", "tiny", "--adaptive-budgets", str(tmp_path / "missing.json"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/model.gguf"], "model '/no/such/model.gguf' not found"),
     (["--static-sparsity", "1.5"], "static_sparsity must be in [0, 1]"),
@@ -33,6 +48,7 @@ def test_generate_with_sparsity_flags_on_preset():
     (["--pattern", "/no/such/pattern"], "head pattern not found"),
     (["--backend", "cupy"], "needs a CUDA device"),
     (["--max-tokens", "0"], "max_tokens must be"),
+    (["--adaptive-budgets", "auto"], "no shipped adaptive budgets"),
 ])
 def test_bad_settings_print_one_line(args, message):
     r = lserve("generate", "hi", "--model", "tiny", *args) if "--model" not in args else lserve("generate", "hi", *args)

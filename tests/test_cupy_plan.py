@@ -28,12 +28,14 @@ from lserve.sparsity.plan import SeqStep
 N, SINK, LOCAL = 16, 32, 64
 
 
-def _setup(n_dense=(1, 2), hkv=2, G=4, budget=64, reuse=3, select_mode="kv", gq=None, dtype=torch.bfloat16):
+def _setup(n_dense=(1, 2), hkv=2, G=4, budget=64, reuse=3, select_mode="kv", gq=None, dtype=torch.bfloat16,
+           adaptive=""):
     """(oracle backend on the CPU: plans the steps, cupy planner over the same cache)."""
     mc = ModelConfig(vocab_size=32, hidden_size=16 * hkv * G, intermediate_size=32, num_layers=len(n_dense),
                      num_heads=hkv * G, num_kv_heads=hkv, head_dim=16)
     sp = SparsityConfig(pattern="random" if min(n_dense) < hkv else None, sink_tokens=SINK, local_tokens=LOCAL,
-                        token_budget=budget, reuse_interval=reuse, select_mode=select_mode, dynamic_threshold=0)
+                        token_budget=budget, reuse_interval=reuse, select_mode=select_mode, dynamic_threshold=0,
+                        select_layers="all", adaptive_budgets=adaptive)
     cc = CacheConfig(page_size=N, logical_page_size=4, num_pages=64)
     cache = KVCache(mc, cc, list(n_dense), SINK, LOCAL, 4, dtype, "cpu")
     be = TorchBackend(mc, sp, cache)
@@ -59,7 +61,7 @@ def test_geometry_matches_the_cache():
     g = pl.geometry
     assert (g.page_size, g.num_kv_heads, g.group, g.nqs, g.qmode) == (16, 2, 4, 1, False)
     assert g.ring.sink_pages == 2 and g.ring.local_pages == 5 and g.ring.num_slots == 7
-    assert g.layer_kinds == ((1, True), (2, True)) and g.fast_prefill
+    assert g.layer_kinds == ((1, True, 0), (2, True, 0)) and g.fast_prefill and g.budget_ratios == ()
 
 
 def test_decode_meta_rows_page_and_ring_tables():
@@ -114,6 +116,44 @@ def test_selection_rows_slots_and_reuse():
     assert pl.slots == {2: 1, 3: 0} and st.fields["slot"].tolist() == [0] and 0 not in pl.nsel
 
 
+def test_adaptive_budget_kinds(tmp_path):
+    """Per-layer ratios: each distinct ratio is a budget kind with its own meta rows (``kk``,
+    ``dyn``), selecting rows and unit tables; a layer whose pages cover the sequence's pages at
+    its last selection reads every page (``dyn`` 0), decided at the selection step."""
+    import json
+
+    from lserve.sparsity.adaptive_budget import ADAPTIVE_KIND
+
+    p = tmp_path / "ratios.json"
+    p.write_text(json.dumps({"kind": ADAPTIVE_KIND, "ratios": [0.5, 2.0, 0.5]}))
+    be, pl = _setup(n_dense=(1, 2, 2), budget=64, reuse=3, adaptive=str(p))  # mean K = 4 pages
+    g = pl.geometry
+    assert g.budget_ratios == (0.5, 2.0) and [k for _, _, k in g.layer_kinds] == [1, 2, 1]
+    # 7 pages: kind 1 keeps 2 and selects, kind 2 keeps 8 >= 7 and reads all; 13 pages: both select
+    a, b = _step(0, 99, 1, True), _step(1, 199, 1, True, first_page=10, ring0=7)
+    st = pl.plan(be.plan([a, b]), split=SplitK(8, 2, "tc"))
+    assert st.fields["kk"].tolist() == [4, 4] and st.fields["dyn"].tolist() == [1, 1]
+    k1, k2 = st.kind_fields(1), st.kind_fields(2)
+    assert k1["kk"].tolist() == [2, 2] and k1["dyn"].tolist() == [1, 1] and st.kinds[0].sel_rows == [0, 1]
+    assert k2["kk"].tolist() == [4, 8] and k2["dyn"].tolist() == [0, 1] and st.kinds[1].sel_rows == [1]
+    assert st.need_entries == 7  # the largest kind's K - 1
+    km = st.host_table("kind_meta")
+    assert km.shape == (2, 8 * 2) and km[1].tolist() == sum((k2[f].tolist() for f in META_FIELDS), [])
+    assert st.host_table("kind_sel_rows").tolist() == [[0, 1], [1, 0]]
+    assert list(st.unit_tables) == [(1, True, 1, "tc"), (2, True, 2, "tc"), (2, True, 1, "tc")]
+    e2 = pl.decode_entries(st, 2, True, 2).reshape(2, 2)
+    assert e2[0].tolist() == [7, 7] and e2[1].tolist() == [8 - 1 + 13 - 13 + 1] * 2  # all pages / K - 1 + fresh
+    # reuse steps keep the decision of the selection step, even as pages grow past the kind's K
+    for length in (101, 117):
+        a = SeqStep(0, length - 1, 1, True, list(range(-(-length // N))), list(range(7)))
+        st = pl.plan(be.plan([a]))
+        assert st.kind_fields(2)["dyn"].tolist() == [0] and st.kinds[1].sel_rows == []
+        assert st.kind_fields(1)["dyn"].tolist() == [1] and st.kinds[0].sel_rows == []
+    # CUDA-graph steps: per-kind bounds, and the kinds' dyn rows are part of the key
+    st = pl.plan(be.plan([SeqStep(0, 117, 1, True, list(range(8)), list(range(7)))]), static=True)
+    assert st.bounds is not None and len(st.bounds[0]) == 3 and st.key[-1] == ((1,), (0,))
+
+
 def test_query_mode_selection_entries():
     be, pl = _setup(budget=64, select_mode="query")
     st = pl.plan(be.plan([_step(0, 99, 1, True)]))
@@ -137,9 +177,9 @@ def test_units_cover_every_entry_once(ctas, min_chunk, G):
     plan = be.plan([_step(0, 99, 1, True), _step(1, 199, 1, True, first_page=10, ring0=7),
                     _step(2, 20, 1, True, first_page=30, ring0=14)])
     st = pl.plan(plan, split=SplitK(ctas, min_chunk, "cuda"))
-    assert list(st.unit_tables) == [(1, True, "cuda"), (2, True, "cuda")]  # one per layer kind, layer order
-    for (nd, selects, _), t in st.unit_tables.items():
-        e = pl.decode_entries(st, nd, selects)
+    assert list(st.unit_tables) == [(1, True, 0, "cuda"), (2, True, 0, "cuda")]  # one per layer kind, layer order
+    for (nd, selects, kind, _), t in st.unit_tables.items():
+        e = pl.decode_entries(st, nd, selects, kind)
         assert e.size == t.n_work == st.nb * 2 * pl.geometry.nqs
         assert np.array_equal(_covered(t, e), e)
         ws = t.work_start
@@ -231,12 +271,12 @@ def test_static_tables_buckets_key_and_bounds():
         plan = be.plan([SeqStep(0, length - 1, 1, True, list(range(-(-length // N))), list(range(7)))], host=True)
         st = pl.plan(plan, static=True)
         assert st.host_table("pages").shape == (1, stride) and st.host_table("ring_pages").shape == (1, 7)
-        assert st.key == (1, stride, 7, (1,), (4,), (0,)) and st.max_np_sel == stride
+        assert st.key == (1, stride, 7, (1,), (4,), (0,), ()) and st.max_np_sel == stride
         fresh = -(-(3 - 1) // N) + 1  # pages appended since the last selection, at most
-        assert st.bounds[0].tolist() == [3 + fresh + 1] and st.bounds[1].tolist() == [stride] and st.bounds[2] == 7
+        assert st.bounds[0][0].tolist() == [3 + fresh + 1] and st.bounds[1].tolist() == [stride] and st.bounds[2] == 7
         assert not st.unit_tables
         # units planned for the bounds: dense heads the selection bound, streaming heads the whole ring
-        t = pl.plan_units(st, SplitK(4, 1, "tc"))[(1, True, "tc")]
+        t = pl.plan_units(st, SplitK(4, 1, "tc"))[(1, True, 0, "tc")]
         assert np.array_equal(_covered(t, np.array([3 + fresh + 1, 7])), [3 + fresh + 1, 7])
     # query mode, G = 4: (K - 1) * 4 + 1 = 13 entries exceed a 6-page table: no graph for this step
     be, pl = _setup(budget=64, select_mode="query")

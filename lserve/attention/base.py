@@ -65,7 +65,7 @@ class AttentionBackend(ABC):
         # Per-layer budget ratios (None: every selecting layer keeps the request's budget).
         self.layer_ratios = resolve_ratios(sparsity.adaptive_budgets, model.name, model.num_layers)
         if self.layer_ratios is not None and not self.supports_adaptive_budgets:
-            raise ConfigError(f"adaptive_budgets runs on the torch backend only, not {self.name!r}")
+            raise ConfigError(f"adaptive_budgets runs on the torch and cupy backends only, not {self.name!r}")
         # Decode KV reads as a fraction of dense attention's (lserve.sparsity.kv_read), per step.
         self.kv_read = KVReadMeter()
 
@@ -91,13 +91,14 @@ class AttentionBackend(ABC):
             if s.dynamic:
                 for i, on in enumerate(self._selecting):
                     k = self.layer_budget_pages(i, s.budget_pages)
-                    if on and k < s.n_pages:
+                    if on and k < s.pages_at_select:
                         per_layer[i] = selected_tokens(s.length, N, k, s.pages_at_select, group)
             meter.add(s.step.seq_id, *step_read(c.n_dense, self.model.num_kv_heads, s.length, stream, per_layer))
 
     def layer_budget_pages(self, layer: int, budget_pages: int) -> int:
         """Pages a selecting layer keeps for a sequence whose (mean) budget is ``budget_pages``;
-        a layer reads every page when this is at least the sequence's pages."""
+        a layer reads every page while this is at least the sequence's pages at its last
+        selection (so the choice changes only when the selection does, on every backend)."""
         if self.layer_ratios is None:
             return budget_pages
         return layer_pages(self.layer_ratios[layer], budget_pages, self.cache.page_size)

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
 from lserve.attention.chunked import causal_attention, causal_impl, dense_chunk
-from lserve.attention.cupy_plan import CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
+from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.cupy_tuning import CupyTuning
 from lserve.attention.torch_backend import TorchBackend
 from lserve.kernels.pdl import available as pdl_available
@@ -122,6 +122,7 @@ class CupyBackend(AttentionBackend):
     """
 
     name = "cupy"
+    supports_adaptive_budgets = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -161,6 +162,8 @@ class CupyBackend(AttentionBackend):
         self._ref = TorchBackend(self.model, self.sp, self.cache)
         # Host tables of each step (and the per-sequence slots / last-selection page counts).
         self.table_planner = CupyPlanner(PlanGeometry.of(self, self.gq, self.dtype != torch.float32))
+        # Budget kind of each layer (0: the mean budget; j: adaptive ratio j of the geometry).
+        self.budget_kind = tuple(k for _, _, k in self.table_planner.geometry.layer_kinds)
         # Selection state (logical page indices) per (layer, slot, dense head).
         self._hd_max = max(self.cache.n_dense) if self.cache.n_dense else 0
         self._sel_idx = self._sel_mask = self._sel_cnt = None
@@ -169,7 +172,7 @@ class CupyBackend(AttentionBackend):
         self._cap_u = 0
         self._bound: tuple[StepPlan, CupyStep] | None = None  # the plan attend runs, and its tables
         self._static: torch.Tensor | None = None  # int32 tables of CUDA-graph steps
-        self._static_units: dict = {}  # step key -> (host unit tables, {(nd, selects, impl): DecodeUnits})
+        self._static_units: dict = {}  # step key -> (host unit tables, {(nd, selects, budget kind, impl): DecodeUnits})
         self.static_generation = 0  # bumped when a buffer graphs point into is reallocated
         self._scores_buf: torch.Tensor | None = None  # last page-score buffer (benchmarks time top-k alone)
         self._kernel_overrides: dict = {}  # family -> (module, entry points or None): override_kernels
@@ -448,19 +451,21 @@ class CupyBackend(AttentionBackend):
     def select_stage(self, layer: int, q: torch.Tensor, st: CupyStep) -> None:
         """The selector's part of a decode step: run it for the sequences that select now (a step
         that only reuses launches nothing; the decode kernel reads the stored selection)."""
-        if not (st.n_dynamic and self.layer_selects(layer)):
+        bv = st.budget(self.budget_kind[layer])
+        if not (bv.n_dynamic and self.layer_selects(layer)):
             return
-        if st.n_sel_rows:
+        if bv.n_sel_rows:
             self.select(layer, q, st)
         stats = getattr(self, "selector_stats", None)  # metrics (AttentionBackend)
         if stats is not None:
-            stats.reuses += st.n_dynamic - st.n_sel_rows
+            stats.reuses += bv.n_dynamic - bv.n_sel_rows
 
-    def _scores_cuda(self, q, st: CupyStep, stats, nd: int, npmax: int, scores: torch.Tensor, only) -> None:
+    def _scores_cuda(self, q, st: CupyStep, bv: BudgetView, stats, nd: int, npmax: int, scores: torch.Tensor,
+                     only) -> None:
         """Page scores through ``ls_page_scores`` (CUDA cores)."""
         from lserve.kernels.loader import KernelError, i32, i64, launch, ptr
 
-        R = st.n_sel_rows
+        R = bv.n_sel_rows
         kern = self._kernel("selector", "ls_page_scores", "none", self.gq)
         hpc = self.score_hpc or next(c for c in (4, 2, 1) if nd % c == 0)  # heads per CTA
         if nd % hpc:
@@ -474,16 +479,17 @@ class CupyBackend(AttentionBackend):
             ppb = min(SCORE_PAGES_MAX, max(nst, self.score_ppb // nst * nst))
         launch(kern, (-(-npmax // ppb) if only != "topk" else 0, (nd // hpc) * self.nqs, R), (128,),
                (ptr(q), i64(q.stride(0)), ptr(stats.kmax), ptr(stats.kmin), i32(nd), i32(self.g_log),
-                ptr(st.meta), i32(st.nb), ptr(st.sel_rows), ptr(st.pages), i32(st.pages.shape[1]),
+                ptr(bv.meta), i32(st.nb), ptr(bv.sel_rows), ptr(st.pages), i32(st.pages.shape[1]),
                 ptr(scores), i32(npmax), i32(self.group), i32(self.nqs), i32(int(self.qmode)), i32(ppb),
                 i32(hpc)), pdl=self.pdl)
 
-    def _scores_tc(self, q, st: CupyStep, stats, nd: int, npmax: int, scores: torch.Tensor, only) -> None:
+    def _scores_tc(self, q, st: CupyStep, bv: BudgetView, stats, nd: int, npmax: int, scores: torch.Tensor,
+                   only) -> None:
         """Page scores through ``ls_page_scores_tc`` (tensor cores): one dense head per CTA, pages
         per CTA sized for one wave of resident CTAs."""
         from lserve.kernels.loader import i32, i64, launch, ptr
 
-        R = st.n_sel_rows
+        R = bv.n_sel_rows
         smem = 2 * 3 * 64 * (self.D + 8) * 2  # STAGES kmax + kmin tiles of 64 rows
         per_sm = max(1, min(4, (228 * 1024) // (smem + 2048)))
         ppb = -(-npmax * nd * self.nqs * R // (per_sm * self.num_sms))
@@ -491,7 +497,7 @@ class CupyBackend(AttentionBackend):
         kern = self._kernel("selector_tc", "ls_page_scores_tc", "none", self.gq)
         launch(kern, (-(-npmax // ppb) if only != "topk" else 0, nd * self.nqs, R), (128,),
                (ptr(q), i64(q.stride(0)), ptr(stats.kmax), ptr(stats.kmin), i32(nd), i32(self.g_log),
-                i32(self.g_log.bit_length() - 1), ptr(st.meta), i32(st.nb), ptr(st.sel_rows), ptr(st.pages),
+                i32(self.g_log.bit_length() - 1), ptr(bv.meta), i32(st.nb), ptr(bv.sel_rows), ptr(st.pages),
                 i32(st.pages.shape[1]), ptr(scores), i32(npmax), i32(self.group), i32(self.nqs),
                 i32(int(self.qmode)), i32(ppb)), shared_mem=smem, pdl=self.pdl)
 
@@ -521,7 +527,8 @@ class CupyBackend(AttentionBackend):
         t0 = time.perf_counter()
         nd = self.cache.n_dense[layer]
         stats = self.cache.stats[layer]
-        R, npmax = st.n_sel_rows, st.max_np_sel
+        bv = st.budget(self.budget_kind[layer])
+        R, npmax = bv.n_sel_rows, st.max_np_sel
         rows_per_seq = nd * (self.group if self.qmode else self.nqs)
         scores = torch.empty((R, rows_per_seq, npmax), dtype=torch.float32, device=self.device)
         if only == "topk":
@@ -529,15 +536,15 @@ class CupyBackend(AttentionBackend):
         elif only is None:
             self._scores_buf = scores
         if self.score_impl == "tc":
-            self._scores_tc(q, st, stats, nd, npmax, scores, only)
+            self._scores_tc(q, st, bv, stats, nd, npmax, scores, only)
         else:
-            self._scores_cuda(q, st, stats, nd, npmax, scores, only)
+            self._scores_cuda(q, st, bv, stats, nd, npmax, scores, only)
         smem = 2 * 4 * max(npmax - 1, 1)  # keys (then the candidates' physical pages) and bits
         if smem > 227 * 1024:
             raise KernelError(f"page selection over {npmax} pages exceeds the top-k kernel's shared memory")
         kern = self._kernel("selector", "ls_page_topk", "none", self.gq)
         launch(kern, (R if only != "scores" else 0, nd), (TOPK_THREADS,),
-               (ptr(scores), i32(npmax), ptr(st.meta), i32(st.nb), ptr(st.sel_rows), i32(nd), i32(self.group),
+               (ptr(scores), i32(npmax), ptr(bv.meta), i32(st.nb), ptr(bv.sel_rows), i32(nd), i32(self.group),
                 i32(self.nqs), i32(int(self.qmode)),
                 ptr(self._sel_idx[layer]), ptr(self._sel_mask[layer] if self.qmode else self._sel_mask),
                 ptr(self._sel_cnt[layer]), i32(self._sel_idx.shape[2] * self._cap_u), i32(self._cap_u),
@@ -546,7 +553,7 @@ class CupyBackend(AttentionBackend):
         stats = getattr(self, "selector_stats", None)
         if stats is not None:  # launch time only: nothing here synchronizes
             stats.runs += R
-            stats.pages += st.sel_pages * nd * (self.group if self.qmode else 1)
+            stats.pages += bv.sel_pages * nd * (self.group if self.qmode else 1)
             stats.seconds += time.perf_counter() - t0
 
     def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: CupyStep, merge: bool = True) -> None:
@@ -560,7 +567,9 @@ class CupyBackend(AttentionBackend):
         nd, hs = self.cache.n_dense[layer], self.cache.n_stream[layer]
         N = self.cache.page_size
         selects = self.layer_selects(layer)
-        un = st.units[(nd, selects, self.decode_impl)]
+        kind = self.budget_kind[layer]
+        bv = st.budget(kind)
+        un = st.units[(nd, selects, kind, self.decode_impl)]
         dp, sp_ = self.cache.dense[layer], self.cache.stream[layer]
         sel_idx = self._sel_idx[layer]
         sel_mask = self._sel_mask[layer] if self.qmode else self._sel_mask
@@ -573,7 +582,7 @@ class CupyBackend(AttentionBackend):
             self.decode_impl,
             q=q, q_tok_stride=q.stride(0), out=out, out_tok_stride=out.stride(0),
             part_o=un.part_o, part_lse=un.part_lse, units=un.units, chunk=un.chunk, direct=int(un.direct),
-            meta=st.meta, nb=st.nb, pages=st.pages, pages_stride=st.pages.shape[1],
+            meta=bv.meta, nb=st.nb, pages=st.pages, pages_stride=st.pages.shape[1],
             ring_pages=st.ring_pages, ring_pos=st.ring_pos, ring_stride=st.ring_pages.shape[1],
             sel_idx=sel_idx, sel_mask=sel_mask, sel_cnt=self._sel_cnt[layer],
             **({"sel_page": self._sel_page[layer]} if tc else {}),
@@ -587,7 +596,7 @@ class CupyBackend(AttentionBackend):
             **({"page_shift": N.bit_length() - 1 if N & (N - 1) == 0 else -1} if tc else {}),
             # No top-k ran for this layer in this step: the kernel may read the stored selection
             # before its PDL wait (common.cuh says why that is safe).
-            sel_ready=int(not (st.n_dynamic and selects and st.n_sel_rows)))
+            sel_ready=int(not (bv.n_dynamic and selects and bv.n_sel_rows)))
         launch(kern, (un.n_units,), (128,), args, shared_mem=smem, pdl=self.pdl)
         if not un.direct and merge:
             kern = self._kernel("merge", "ls_decode_merge", "none", self.gq)

@@ -24,6 +24,7 @@ import torch
 
 from lserve.attention.chunked import streaming_prefix
 from lserve.kernels.decode_args import META_FIELDS  # meta rows, read from kernels/decode_meta.cuh
+from lserve.sparsity.adaptive_budget import layer_pages
 
 if TYPE_CHECKING:
     from lserve.cache.kv_cache import StreamRing
@@ -46,8 +47,10 @@ class PlanGeometry:
     local_tokens: int
     reuse_interval: int  # decode steps between selector runs
     ring: StreamRing | None  # the streaming heads' ring; None: the model has no streaming heads
-    layer_kinds: tuple[tuple[int, bool], ...]  # (dense KV heads, layer selects) per layer
+    layer_kinds: tuple[tuple[int, bool, int], ...]  # (dense KV heads, layer selects, budget kind) per layer
     fast_prefill: bool = True  # prefill through the kernels (False: fp32 caches, the torch reference)
+    # budget ratio of kinds 1, 2, ... (kind 0: the sequence's mean budget), from adaptive budgets
+    budget_ratios: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, backend, gq: int, fast_prefill: bool) -> PlanGeometry:
@@ -63,10 +66,15 @@ class PlanGeometry:
             Prefill runs through the kernels (16-bit caches).
         """
         c, sp = backend.cache, backend.sp
-        kinds = tuple((c.n_dense[i], backend.layer_selects(i)) for i in range(backend.model.num_layers))
+        L = backend.model.num_layers
+        selects = [backend.layer_selects(i) for i in range(L)]
+        ratios = backend.layer_ratios or (None,) * L
+        distinct = tuple(sorted({r for r, on in zip(ratios, selects) if on and r is not None}))
+        kinds = tuple((c.n_dense[i], selects[i], distinct.index(ratios[i]) + 1 if selects[i] and ratios[i] is not None
+                       else 0) for i in range(L))
         return cls(c.page_size, backend.model.num_kv_heads, backend.group, backend.group // gq,
                    sp.select_mode == "query", sp.sink_tokens, sp.local_tokens, sp.reuse_interval,
-                   c.ring if c.has_streaming else None, kinds, fast_prefill)
+                   c.ring if c.has_streaming else None, kinds, fast_prefill, distinct)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,35 @@ class DecodeUnits:
 
 
 @dataclass
+class BudgetView:
+    """What the selector and decode kernels of layers of one budget kind read.
+
+    Kind 0 is the sequences' own (mean) budget; kind j >= 1 keeps ``layer_pages(ratio_j, K)``
+    pages, and a sequence whose pages at its last selection are not more than that reads every
+    page in those layers (``dyn`` cleared in its meta rows), as the torch backend does.
+    """
+
+    meta: torch.Tensor  # int32 [8 * nb]: the step's meta rows with this kind's ``kk`` / ``dyn``
+    sel_rows: torch.Tensor  # int32 [>= n_sel_rows]: decode indices that select now in these layers
+    n_sel_rows: int
+    n_dynamic: int  # decode sequences whose dense heads read a selection in these layers
+    sel_pages: int  # sum of K over the selecting rows
+
+
+@dataclass
+class KindHost:
+    """Host side of one budget kind >= 1 of a step (see :class:`BudgetView`)."""
+
+    kk: np.ndarray  # int32 [nb]
+    dyn: np.ndarray  # int32 [nb]
+    sel_rows: list[int]
+
+    def fields(self, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``base`` meta fields with this kind's ``kk`` and ``dyn``."""
+        return {**base, "kk": self.kk, "dyn": self.dyn}
+
+
+@dataclass
 class CupyStep:
     """Everything the kernels of one step read, shared by all layers.
 
@@ -116,9 +153,10 @@ class CupyStep:
     nb: int  # decode sequences
     dec: list[SeqPlan]  # the decode sequences, in step order
     fields: dict[str, np.ndarray]  # meta fields (META_FIELDS) [nb] as numpy (for unit planning)
+    kinds: list[KindHost] = field(default_factory=list)  # budget kinds 1, 2, ... (adaptive budgets)
     # int32 tables in upload order, named as the device fields below
     arrays: list[tuple[str, np.ndarray]] = field(default_factory=list)
-    unit_tables: dict = field(default_factory=dict)  # (n_dense, selects, impl) -> UnitTable
+    unit_tables: dict = field(default_factory=dict)  # (n_dense, selects, budget kind, impl) -> UnitTable
     need_slots: int = 0  # selection-state slots the step needs (all slots handed out, plus one)
     need_entries: int = 1  # selection entries per (slot, head) the step needs
     n_sel_rows: int = 0
@@ -132,7 +170,7 @@ class CupyStep:
     n_tiles: int = 0
     # CUDA-graph steps: entry-count upper bounds the split-K units are planned for (so every
     # step with the same key shares one unit table), else None (planned for this step exactly)
-    bounds: tuple[np.ndarray, np.ndarray, int] | None = None  # (dense dynamic [nb], dense all [nb], ring)
+    bounds: tuple[list[np.ndarray], np.ndarray, int] | None = None  # ([dense dynamic [nb] per kind], dense all [nb], ring)
     key: tuple | None = None  # CUDA-graph steps: what fixes the launch shapes
     # -- device fields (bind) -----------------------------------------------------------------
     meta: torch.Tensor | None = None  # int32 [8 * nb]
@@ -140,6 +178,8 @@ class CupyStep:
     ring_pages: torch.Tensor | None = None  # int32 [nb, ring_stride]
     ring_pos: torch.Tensor | None = None
     sel_rows: torch.Tensor | None = None  # int32 [R]: decode indices that select now
+    kind_meta: torch.Tensor | None = None  # int32 [n_kinds - 1, 8 * nb]: meta rows of budget kinds 1, ...
+    kind_sel_rows: torch.Tensor | None = None  # int32 [n_kinds - 1, R_max]
     # Streaming heads of the ``cont`` chunks as one virtual batch (see CupyPlanner.cont_tables)
     c_loc: torch.Tensor | None = None  # [2, R] (stream page, offset) of each past token they see
     c_kmap: torch.Tensor | None = None  # [V] virtual row -> row of cat(past tokens [R], step tokens [T])
@@ -153,7 +193,19 @@ class CupyStep:
     c_pages_long: torch.Tensor | None = None  # c_pages as long (built by the first layer)
     tiles: torch.Tensor | None = None  # int32 [n_tiles, 2]
     seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
-    units: dict = field(default_factory=dict)  # (n_dense, selects, impl) -> DecodeUnits
+    units: dict = field(default_factory=dict)  # (n_dense, selects, budget kind, impl) -> DecodeUnits
+
+    def kind_fields(self, kind: int) -> dict[str, np.ndarray]:
+        """Host meta fields the layers of budget kind ``kind`` read."""
+        return self.fields if kind == 0 else self.kinds[kind - 1].fields(self.fields)
+
+    def budget(self, kind: int) -> BudgetView:
+        """The device tables and counts of budget kind ``kind`` (after :meth:`bind`)."""
+        if kind == 0:
+            return BudgetView(self.meta, self.sel_rows, self.n_sel_rows, self.n_dynamic, self.sel_pages)
+        h = self.kinds[kind - 1]
+        return BudgetView(self.kind_meta[kind - 1], self.kind_sel_rows[kind - 1], len(h.sel_rows),
+                          int(h.dyn.sum()), int(sum(h.kk[b] for b in h.sel_rows)))
 
     def host_table(self, name: str) -> np.ndarray:
         """The host copy of the int32 table ``name`` (e.g. ``"pages"``); KeyError if the step has none."""
@@ -338,6 +390,10 @@ class CupyPlanner:
                         sel_rows.append(b)
                     host["nsel"][b] = self.nsel[sid]
                     u_needed = max(u_needed, (s.budget_pages - 1) * (g.group if g.qmode else 1))
+            st.kinds = self._budget_kinds(host, sel_rows)
+            for h in st.kinds:
+                if h.dyn.any():
+                    u_needed = max(u_needed, int(h.kk[h.dyn != 0].max() - 1) * (g.group if g.qmode else 1))
             st.need_slots, st.need_entries = len(self.slots) + len(self.free_slots) + 1, u_needed
             if static:
                 pstride = self._static_bounds(st, npages)
@@ -349,6 +405,13 @@ class CupyPlanner:
             meta = np.stack([host[f] for f in META_FIELDS]).reshape(-1)
             chunks += [("meta", meta), ("pages", pages), ("ring_pages", ring_pages), ("ring_pos", ring_pos),
                        ("sel_rows", np.asarray(sel_rows or [0], dtype=np.int32))]
+            if st.kinds:
+                r_max = max(1, max(len(h.sel_rows) for h in st.kinds))
+                kind_rows = np.zeros((len(st.kinds), r_max), dtype=np.int32)
+                for j, h in enumerate(st.kinds):
+                    kind_rows[j, : len(h.sel_rows)] = h.sel_rows
+                kind_meta = np.stack([np.stack([h.fields(host)[f] for f in META_FIELDS]).reshape(-1) for h in st.kinds])
+                chunks += [("kind_meta", kind_meta), ("kind_sel_rows", kind_rows)]
             st.n_sel_rows = len(sel_rows)
             st.n_dynamic = int(host["dyn"].sum())
             st.sel_pages = int(sum(host["kk"][b] for b in sel_rows))
@@ -356,7 +419,7 @@ class CupyPlanner:
             if static:
                 st.max_np_sel = pstride if sel_rows else 0
                 st.key = (nb, pstride, rstride, tuple(host["dyn"].tolist()), tuple(host["kk"].tolist()),
-                          tuple(sel_rows))
+                          tuple(sel_rows), tuple(tuple(h.dyn.tolist()) for h in st.kinds))
             if split is not None:
                 st.unit_tables = self.plan_units(st, split)
         fast_ok = g.fast_prefill
@@ -377,6 +440,21 @@ class CupyPlanner:
             chunks += [("seqs", seqs), ("tiles", tiles)]
         return st
 
+    def _budget_kinds(self, host: dict[str, np.ndarray], sel_rows: list[int]) -> list[KindHost]:
+        """Meta ``kk``/``dyn`` and selecting rows of each budget kind >= 1 (adaptive budgets).
+
+        A dynamic sequence keeps ``layer_pages(ratio, K)`` pages in those layers, and reads every
+        page there while that covers its pages at the last selection (``nsel``): the decision
+        changes only when the selection does, so a reused selection always exists."""
+        g = self.geometry
+        out = []
+        for ratio in g.budget_ratios:
+            kk = np.array([layer_pages(ratio, int(k), g.page_size) for k in host["kk"]], dtype=np.int32)
+            dyn = ((host["dyn"] != 0) & (kk < host["nsel"])).astype(np.int32)
+            kk = np.where(dyn != 0, kk, host["kk"]).astype(np.int32)
+            out.append(KindHost(kk, dyn, [b for b in sel_rows if dyn[b]]))
+        return out
+
     def _static_bounds(self, st: CupyStep, npages: list[int]) -> int | None:
         """Set ``st.bounds``; returns the padded page-table stride, or None if a bound fails."""
         g = self.geometry
@@ -387,15 +465,19 @@ class CupyPlanner:
         # entries that are not there (empty units), and a new capture every ~3% of growth
         step = max(1, 1 << max(0, longest.bit_length() - 6))
         pstride = -(-longest // step) * step
-        n_sel = (h["kk"] - 1) * (g.group if g.qmode else 1)
         # pages appended since the last selection: at most ceil((C - 1) / N) + 1
         fresh = -(-(g.reuse_interval - 1) // N) + 1
-        dyn_ub = np.minimum(n_sel + fresh + 1, pstride)
-        actual = n_sel + h["npages"] - h["nsel"] + 1
-        if np.any((h["dyn"] != 0) & (actual > dyn_ub)):
-            return None
+        dyn_ub = []
+        for kind in range(len(st.kinds) + 1):
+            f = st.kind_fields(kind)
+            n_sel = (f["kk"] - 1) * (g.group if g.qmode else 1)
+            ub = np.minimum(n_sel + fresh + 1, pstride)
+            actual = n_sel + h["npages"] - h["nsel"] + 1
+            if np.any((f["dyn"] != 0) & (actual > ub)):
+                return None
+            dyn_ub.append(ub.astype(np.int64))
         ring = g.ring.num_slots if g.ring is not None else 0
-        st.bounds = (dyn_ub.astype(np.int64), np.full(st.nb, pstride, dtype=np.int64), ring)
+        st.bounds = (dyn_ub, np.full(st.nb, pstride, dtype=np.int64), ring)
         return pstride
 
     def cont_tables(self, cont: list[SeqPlan]) -> list[tuple[str, np.ndarray]]:
@@ -436,20 +518,20 @@ class CupyPlanner:
     # -- split-K units --------------------------------------------------------------------------
     def plan_units(self, st: CupyStep, split: SplitK) -> dict:
         """The unit table of every layer kind of the model for the decode sequences of ``st``:
-        ``{(n_dense, selects, split.impl): UnitTable}`` in order of the kinds' first layers."""
+        ``{(n_dense, selects, budget kind, split.impl): UnitTable}`` in order of the kinds' first layers."""
         out = {}
-        for nd, selects in self.geometry.layer_kinds:
-            key = (nd, selects, split.impl)
+        for nd, selects, kind in self.geometry.layer_kinds:
+            key = (nd, selects, kind, split.impl)
             if key not in out:
-                out[key] = split_units(self.decode_entries(st, nd, selects), split.ctas, split.min_chunk)
+                out[key] = split_units(self.decode_entries(st, nd, selects, kind), split.ctas, split.min_chunk)
         return out
 
-    def decode_entries(self, st: CupyStep, nd: int, selects: bool) -> np.ndarray:
+    def decode_entries(self, st: CupyStep, nd: int, selects: bool, kind: int = 0) -> np.ndarray:
         """Table entries (pages, or ring pages) of each decode work item of a layer with ``nd``
         dense KV heads: int64 [nb * H_kv * nqs] in (sequence, KV head, query slice) order, each at
         least 1; upper bounds (selection plus fresh pages), or ``st.bounds`` on CUDA-graph steps."""
         g = self.geometry
-        h = st.fields
+        h = st.kind_fields(kind)
         hkv, nqs = g.num_kv_heads, g.nqs
         dyn = (h["dyn"] != 0) & selects
         if st.bounds is None:
@@ -457,7 +539,7 @@ class CupyPlanner:
             e_dense = np.where(dyn, n_sel + h["npages"] - h["nsel"] + 1, h["npages"])  # [nb] upper bounds
             e_ring = h["nring"]
         else:  # a CUDA-graph step: bounds shared by every step of its key
-            e_dense = np.where(dyn, st.bounds[0], st.bounds[1])
+            e_dense = np.where(dyn, st.bounds[0][kind], st.bounds[1])
             e_ring = np.full(st.nb, st.bounds[2])
         e = np.empty((st.nb, hkv, nqs), dtype=np.int64)
         e[:, :nd, :] = e_dense[:, None, None]

@@ -129,7 +129,7 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         if nd:
             kp = self.layer_budget_pages(layer, sp.budget_pages)  # K of this layer
-            if sp.dynamic and self.layer_selects(layer) and kp < sp.n_pages:
+            if sp.dynamic and self.layer_selects(layer) and kp < sp.pages_at_select:
                 table = self._page_table(layer, sp, q[: nd * G], kp)  # [H_sel, C] indices into sp.pages
                 rows = table.shape[0]
                 heads = torch.arange(rows, device=q.device)[:, None] // (rows // nd)

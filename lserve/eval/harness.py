@@ -52,7 +52,7 @@ class RunConfig:
         ``0;5;7`` or a calibration JSON).
     adaptive_budgets : str
         Per-layer budgets around the mean ``budget`` (``SparsityConfig.adaptive_budgets``:
-        ``""`` off, ``auto`` or a calibration JSON); torch backend only.
+        ``""`` off, ``auto`` or a calibration JSON).
     """
 
     name: str

@@ -7,6 +7,9 @@ launch and must come back finite everywhere.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +18,7 @@ from lserve.attention.cupy_backend import CupyBackend
 from lserve.attention.torch_backend import TorchBackend
 from lserve.cache.kv_cache import KVCache
 from lserve.config import CacheConfig, ModelConfig, SparsityConfig
+from lserve.sparsity.adaptive_budget import ADAPTIVE_KIND
 from lserve.sparsity.plan import SeqStep
 from lserve.sparsity.selector import page_scores
 
@@ -92,12 +96,18 @@ class Pair:
     def __init__(self, *, dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(1, 2), page_size=16, logical=4,
                  kv_quant="none", sink=32, local=64, budget=128, reuse=3, select_mode="kv", num_pages=2048,
                  max_seqs=8, dense_layers=0, select_layers="all", split="auto", seed=0, device="cuda",
-                 backend_cls=CupyBackend) -> None:
+                 backend_cls=CupyBackend, ratios=None) -> None:
         self.dtype, self.D, self.hkv, self.G = dtype, D, hkv, G
         self.mc = model_config(D, hkv, G, len(n_dense))
+        adaptive = ""
+        if ratios is not None:  # per-layer budgets around the mean (a calibration file, as shipped)
+            fd, adaptive = tempfile.mkstemp(suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"kind": ADAPTIVE_KIND, "ratios": list(ratios)}, f)
         self.sp = SparsityConfig(pattern="random" if any(n < hkv for n in n_dense) else None, sink_tokens=sink,
                                  local_tokens=local, token_budget=budget, reuse_interval=reuse,
-                                 select_mode=select_mode, dense_layers=dense_layers, select_layers=select_layers)
+                                 select_mode=select_mode, dense_layers=dense_layers, select_layers=select_layers,
+                                 adaptive_budgets=adaptive)
         self.cc = CacheConfig(page_size=page_size, logical_page_size=logical, num_pages=num_pages, kv_quant=kv_quant)
         self.device = device
         self.gen = torch.Generator(device=device).manual_seed(seed)
@@ -160,7 +170,9 @@ class Pair:
                 # per head too: one wrong head must not hide in the average
                 per_head = ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)).max().item()
                 assert per_head < 5 * tol, f"layer {layer} seq {sp.step.seq_id} {kind}: head rel err {per_head:.3g}"
-                if sp.step.decode and sp.dynamic and self.ref.layer_selects(layer) and sp.select:
+                kp = self.ref.layer_budget_pages(layer, sp.budget_pages)  # adaptive budgets: the layer's K
+                if (sp.step.decode and sp.dynamic and self.ref.layer_selects(layer) and sp.select
+                        and kp < sp.pages_at_select):
                     self.check_selection(layer, sp, q[sp.t0])
         for s, n, _ in work:
             s.computed += n

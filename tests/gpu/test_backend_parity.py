@@ -65,6 +65,12 @@ SCENARIOS = {
                                 sink=64, local=128, budget=512),
     "fp16-d64-g8-p128-tc": dict(dtype=torch.float16, D=64, hkv=2, G=8, n_dense=(1, 2), page_size=128, logical=32,
                                 sink=128, local=256, budget=1024),
+    # Adaptive per-layer budgets (mean 128 tokens = 8 pages): layer 0 keeps 4 pages, layer 1 16
+    # (reads every page of the shorter sequences), layer 2 the mean; query mode, and INT8.
+    "bf16-d128-g4-adaptive": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(1, 2, 2),
+                                  ratios=(0.5, 2.0, None)),
+    "fp16-d64-g4-adaptive-query-int8": dict(dtype=torch.float16, D=64, hkv=2, G=4, n_dense=(2, 1, 2),
+                                            select_mode="query", kv_quant="int8", ratios=(0.25, 4.0, 1.0)),
     # Every kernel launched the plain way (no programmatic dependent launch, the default on sm_90+).
     "bf16-d128-g4-query-nopdl": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(2, 1), select_mode="query",
                                      pdl=False),

@@ -21,11 +21,13 @@ from lserve.models.fused import FusedOps
 from lserve.models.loader import load_model
 
 
-def _engine(loaded, graphs: bool, kv_quant: str = "none", dtype: str = "float32", fused: bool = False) -> LLMEngine:
-    cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype=dtype, cuda_graphs=graphs, fused_ops=fused,
+def _engine(loaded, graphs: bool, kv_quant: str = "none", dtype: str = "float32", fused: bool = False,
+            adaptive: str = "", backend: str = "cupy") -> LLMEngine:
+    cfg = EngineConfig(model="tiny", device="cuda", backend=backend, dtype=dtype, cuda_graphs=graphs, fused_ops=fused,
                        sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
                                                local_tokens=64, token_budget=64, reuse_interval=4,
-                                               dynamic_threshold=0),
+                                               dynamic_threshold=0, adaptive_budgets=adaptive,
+                                               select_layers="all" if adaptive else "auto"),
                        cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=16384, kv_quant=kv_quant),
                        max_num_seqs=4, max_batched_tokens=2048)
     return LLMEngine(cfg, loaded=loaded)
@@ -52,6 +54,30 @@ def test_graph_decode_matches_eager(kv_quant, seed):
     assert g.disabled is None and g.captures >= 2 and g.replays > 0.5 * eng.steps, (g.disabled, g.captures, g.replays)
     assert got == ref
     assert got_stats == ref_stats  # replays count the selector runs and reuses they perform
+
+
+def test_adaptive_budgets_graphs_eager_and_torch_agree(seed, tmp_path):
+    """Per-layer budgets (layer 3 reads everything once its budget covers the context): graph
+    replays and eager cupy steps give the same tokens and selector counts, and the tokens of
+    the torch oracle (fp32; fewer tokens than above, where near-ties between backends are rare)."""
+    import json
+
+    from lserve.sparsity.adaptive_budget import ADAPTIVE_KIND
+
+    p = tmp_path / "ratios.json"
+    p.write_text(json.dumps({"kind": ADAPTIVE_KIND, "ratios": [0.5, 1.0, 2.0, 20.0]}))
+    loaded = load_model("tiny", dtype=torch.float32, device="cuda", seed=seed % 1000)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (300, 517, 45, 1029)]
+    max_tokens = [40, 30, 45, 35]
+    ref, _ = _run(_engine(loaded, False, adaptive=str(p), backend="torch"), prompts, max_tokens)
+    eager, eager_stats = _run(_engine(loaded, False, adaptive=str(p)), prompts, max_tokens)
+    eng = _engine(loaded, True, adaptive=str(p))
+    got, got_stats = _run(eng, prompts, max_tokens)
+    assert eng.graphs.disabled is None and eng.graphs.replays > 0.5 * eng.steps
+    assert eager == ref and got == ref
+    assert got_stats == eager_stats and eager_stats[0] > 0 and eager_stats[1] > 0
+    assert eng.stats().kv_read.read < eng.stats().kv_read.dense  # the meter follows the layers' budgets
 
 
 def _staggered(engine: LLMEngine, prompts, max_tokens, arrive_at):
