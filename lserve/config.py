@@ -13,6 +13,7 @@ from typing import Any
 
 KV_QUANT_CHOICES = ("none", "int8", "int4")
 SELECT_MODES = ("kv", "query")
+PREFILL_ESTIMATORS = ("antidiagonal", "bound")
 BACKENDS = ("torch", "cupy")
 
 
@@ -130,6 +131,16 @@ class SparsityConfig:
         ``""`` (off: every selecting layer keeps ``token_budget``), ``"auto"`` (the calibration
         shipped beside the model's pattern) or a JSON written by ``lserve calibrate-budgets``;
         ``token_budget`` is then the dense-head-weighted mean budget.
+    prefill_sparsity : float
+        Dynamic block-sparse prefill of dense heads (:mod:`lserve.sparsity.prefill_blocks`): the
+        estimated attention mass each (KV head, query block) keeps, in [0, 1]; 0 is off, 1 keeps
+        every causal block.
+    prefill_sparsity_min_len : int
+        Context (cached + chunk tokens) from which a prefill chunk is block-sparse.
+    prefill_block : int
+        Tokens per prefill block (a multiple of 8, the antidiagonal stride).
+    prefill_estimator : str
+        ``"antidiagonal"`` or ``"bound"``: how a block's attention mass is estimated.
     """
 
     pattern: str | None = None
@@ -144,6 +155,10 @@ class SparsityConfig:
     pattern_seed: int = 0
     select_layers: str | tuple[int, ...] = "auto"
     adaptive_budgets: str = ""
+    prefill_sparsity: float = 0.0
+    prefill_sparsity_min_len: int = 4096
+    prefill_block: int = 64
+    prefill_estimator: str = "antidiagonal"
 
     def __post_init__(self) -> None:
         self.select_layers = _layer_spec(self.select_layers)
@@ -156,6 +171,14 @@ class SparsityConfig:
         _check(self.dynamic_threshold >= -1,
                f"dynamic_threshold must be >= 0 (or -1: auto), got {self.dynamic_threshold}")
         _check(self.dense_layers >= 0, f"dense_layers must be >= 0, got {self.dense_layers}")
+        _check(0.0 <= self.prefill_sparsity <= 1.0,
+               f"prefill_sparsity must be in [0, 1] (0: off), got {self.prefill_sparsity}")
+        _check(self.prefill_sparsity_min_len >= 0,
+               f"prefill_sparsity_min_len must be >= 0, got {self.prefill_sparsity_min_len}")
+        _check(self.prefill_block >= 8 and self.prefill_block % 8 == 0,
+               f"prefill_block must be a positive multiple of 8, got {self.prefill_block}")
+        _check(self.prefill_estimator in PREFILL_ESTIMATORS,
+               f"prefill_estimator must be one of {PREFILL_ESTIMATORS}, got {self.prefill_estimator!r}")
         _check(self.select_mode in SELECT_MODES,
                f"select_mode must be one of {SELECT_MODES}, got {self.select_mode!r}")
 
@@ -291,7 +314,10 @@ class EngineConfig:
                 "logical_page_size": cc.logical_page_size, "kv_quant": cc.kv_quant, "pattern": sp.pattern,
                 "static_sparsity": sp.static_sparsity if sp.streaming_enabled() else 0.0,
                 "sink": sp.sink_tokens, "local": sp.local_tokens, "dense_layers": sp.dense_layers,
-                "pattern_seed": sp.pattern_seed}
+                "pattern_seed": sp.pattern_seed,
+                # block-sparse prefill changes later layers' K/V (only named when on: old hashes stay)
+                **({"prefill": [sp.prefill_sparsity, sp.prefill_sparsity_min_len, sp.prefill_block,
+                                sp.prefill_estimator]} if sp.prefill_sparsity > 0 else {})}
 
     def torch_dtype(self):
         """The activation/cache dtype: fp32 on CPU, bf16 on CUDA unless set."""

@@ -82,3 +82,42 @@ def test_oracle_at_same_counts_recalls_at_least_as_much():
     best = oracle_at_counts(combine_group(exact_q, g), est)
     assert best.indices.numel() == est.indices.numel()
     assert float(recalled_mass(exact_q, best, g).mean()) >= float(recalled_mass(exact_q, est, g).mean()) - 1e-6
+
+
+def _prefill_engine(model, loaded, tau, **sp):
+    from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+    from lserve.engine import LLMEngine
+
+    cfg = EngineConfig(model=model, cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=4096),
+                       max_batched_tokens=96,  # chunked: later chunks attend to cached blocks (start > 0)
+                       sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=16, local_tokens=16,
+                                               token_budget=0, prefill_sparsity=tau, prefill_sparsity_min_len=128,
+                                               prefill_block=16, **sp))
+    return LLMEngine(cfg, loaded) if loaded is not None else LLMEngine(cfg)
+
+
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_engine_prefill_sparsity(model, request):
+    from lserve.engine import SamplingParams
+
+    loaded = request.getfixturevalue("smol") if model == "default" else None
+    prompt = " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    off = _prefill_engine(model, loaded, 0.0).generate([prompt], params)[0].token_ids
+    full = _prefill_engine(model, loaded, 1.0)
+    assert full.generate([prompt], params)[0].token_ids == off
+    assert full.backend.prefill_tiles[0] == full.backend.prefill_tiles[1] > 0  # tau 1: every causal tile
+    for est in ("antidiagonal", "bound"):
+        sparse = _prefill_engine(model, loaded, 0.9, prefill_estimator=est)
+        assert len(sparse.generate([prompt], params)[0].token_ids) == 6
+        kept, causal = sparse.backend.prefill_tiles
+        assert 0 < kept < causal
+
+
+def test_prefill_sparsity_config_checked_once():
+    from lserve.config import ConfigError, SparsityConfig
+
+    for bad in ({"prefill_sparsity": 1.5}, {"prefill_sparsity": -0.1}, {"prefill_block": 12},
+                {"prefill_estimator": "magic"}, {"prefill_sparsity_min_len": -1}):
+        with pytest.raises(ConfigError):
+            SparsityConfig(**bad)

@@ -49,6 +49,8 @@ class AttentionBackend(ABC):
     name = "base"
     #: Runs per-layer budgets (``SparsityConfig.adaptive_budgets``).
     supports_adaptive_budgets = False
+    #: Runs dynamic block-sparse prefill (``SparsityConfig.prefill_sparsity``).
+    supports_prefill_sparsity = False
 
     def __init__(self, model: ModelConfig, sparsity: SparsityConfig, cache: KVCache) -> None:
         self.model, self.sp, self.cache = model, sparsity, cache
@@ -66,6 +68,8 @@ class AttentionBackend(ABC):
         self.layer_ratios = resolve_ratios(sparsity.adaptive_budgets, model.name, model.num_layers)
         if self.layer_ratios is not None and not self.supports_adaptive_budgets:
             raise ConfigError(f"adaptive_budgets runs on the torch and cupy backends only, not {self.name!r}")
+        if sparsity.prefill_sparsity > 0 and not self.supports_prefill_sparsity:
+            raise ConfigError(f"prefill_sparsity runs on the torch backend only, not {self.name!r}")
         # Decode KV reads as a fraction of dense attention's (lserve.sparsity.kv_read), per step.
         self.kv_read = KVReadMeter()
 

@@ -35,6 +35,7 @@ class SeqStep:
     dense_pages: list[int]
     stream_pages: list[int] = field(default_factory=list)
     token_budget: int | None = None  # per-request override of SparsityConfig.token_budget
+    prefill_sparsity: float | None = None  # per-request override of SparsityConfig.prefill_sparsity
 
 
 @dataclass
