@@ -121,3 +121,26 @@ def test_prefill_sparsity_config_checked_once():
                 {"prefill_estimator": "magic"}, {"prefill_sparsity_min_len": -1}):
         with pytest.raises(ConfigError):
             SparsityConfig(**bad)
+
+
+def test_per_request_prefill_sparsity(smol):
+    from lserve.engine import SamplingParams
+
+    eng = _prefill_engine("default", smol, 0.0)
+    prompt = " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))
+    eng.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert eng.backend.prefill_tiles == [0, 0]  # engine default: off
+    eng.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prefill_sparsity=0.9))
+    kept, causal = eng.backend.prefill_tiles
+    assert 0 < kept < causal
+    with pytest.raises(ValueError):
+        SamplingParams(prefill_sparsity=2.0)
+
+
+def test_lserve_extension_accepts_prefill_sparsity():
+    pydantic = pytest.importorskip("pydantic")
+    from lserve.serve.protocol import LServeOptions
+
+    assert LServeOptions(prefill_sparsity=0.9).prefill_sparsity == 0.9
+    with pytest.raises(pydantic.ValidationError):
+        LServeOptions(prefill_sparsity=1.5)

@@ -202,6 +202,8 @@ class LLMEngine:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
                                f"request asks for {total} ({len(prompt_ids)} in the prompt + {params.max_tokens} "
                                f"to generate)", code=CONTEXT_LENGTH_EXCEEDED)
+        if params.prefill_sparsity and not self.backend.supports_prefill_sparsity:
+            raise RequestError(f"prefill_sparsity runs on the torch backend only, not {self.backend.name!r}")
         tb, page = params.token_budget, self.cache.page_size
         if tb is not None and 0 < tb < 2 * page:
             raise RequestError(f"token_budget must be 0 (off) or at least two pages ({2 * page} tokens), got {tb}")
@@ -216,6 +218,9 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, chat)
         self.check_request(ids, params)
+        if params.prefill_sparsity not in (None, self.config.sparsity.prefill_sparsity):
+            # its pages hold K/V of another prefill than the engine's: neither reuse nor share them
+            params = replace(params, prefix_cache=False)
         seq_id = next(self._ids)
         rid = request_id or f"req-{seq_id}"
         if rid in self._seqs:
@@ -373,7 +378,7 @@ class LLMEngine:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
             steps.append(SeqStep(seq.seq_id, start, n, item.decode, seq.dense_pages, seq.stream_pages,
-                                 seq.params.token_budget))
+                                 seq.params.token_budget, seq.params.prefill_sparsity))
             if prev is None:
                 ids.extend(seq.tokens(start, start + n))
             pos.extend(range(start, start + n))

@@ -42,6 +42,9 @@ class SamplingParams:
         Strings that end generation; they are not included in the output text.
     token_budget : int or None
         Per-request override of the dense heads' decode token budget (0 disables selection).
+    prefill_sparsity : float or None
+        Per-request override of ``SparsityConfig.prefill_sparsity`` (block-sparse prefill's kept
+        estimated mass, in [0, 1]; 0 off).
     min_tokens : int
         EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled, and stop strings do
         not end the request, before this many tokens were generated.
@@ -71,6 +74,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     token_budget: int | None = None
+    prefill_sparsity: float | None = None
     min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -99,6 +103,8 @@ class SamplingParams:
             (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (self.token_budget is None or self.token_budget >= 0, f"token_budget must be >= 0, got {self.token_budget}"),
+            (self.prefill_sparsity is None or 0.0 <= self.prefill_sparsity <= 1.0,
+             f"prefill_sparsity must be in [0, 1], got {self.prefill_sparsity}"),
             (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= max(self.max_tokens, 0),
              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"),
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),

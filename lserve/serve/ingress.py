@@ -281,6 +281,8 @@ class OpenAIServer:
             token_budget = req.lserve.token_budget
             if req.lserve.prefix_cache is False:
                 extra["prefix_cache"] = False
+            if req.lserve.prefill_sparsity is not None:
+                extra["prefill_sparsity"] = req.lserve.prefill_sparsity
             if token_budget is not None:
                 page = self.settings.page_size
                 if 0 < token_budget < 2 * page:

@@ -70,6 +70,10 @@ class LServeOptions(BaseModel):
         None, ge=0, le=MAX_TOKENS_LIMIT,
         description="Dense heads' decode token budget for this request: 0 turns page selection off, otherwise at "
                     "least two KV pages and at most the model's context length.")
+    prefill_sparsity: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="Block-sparse prefill of dense heads for this request: the estimated attention mass each query "
+                    "block keeps (0 off, 1 every causal block); torch backend only.")
     streaming: bool | None = Field(
         None, description="Streaming heads on/off. Only true (or absent) is accepted: this deployment cannot switch "
                           "streaming heads off per request.")
