@@ -139,6 +139,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
                                                decode_steps=a.decode_tokens or 8, budgets=tuple(a.budgets),
                                                depths=tuple(a.depths)),
                            a.out, name=a.name or "selection_mass_cpu")
+    elif a.what == "prefill-sparsity":
+        from lserve.bench.prefill_sparsity import run_prefill_sparsity
+
+        run_prefill_sparsity(a.out, contexts=tuple(a.contexts or (2048, 4096, 8192)), model=a.model or "default",
+                             name=a.name or "prefill_sparsity_cpu")
     elif a.what == "kernels":
         from lserve.bench.kernels import run_kernel_bench
 
@@ -184,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON + PNG under benchmarks/")
-    b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold", "serve", "selection-mass"])
+    b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold", "serve", "selection-mass",
+                                      "prefill-sparsity"])
     b.add_argument("--out", default="benchmarks")
     b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096], help="cpu: prompt lengths")
     b.add_argument("--decode-tokens", type=int, default=None,
