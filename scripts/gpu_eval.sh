@@ -11,21 +11,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/eval_out}"
 mkdir -p "$OUT"
 PY="${PY:-python3}"
-export PYTHONUNBUFFERED=1
-if ! "$PY" -c "import gguf" 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-if ! "$PY" -c "import lserve.kernels.loader" 2>/dev/null; then
-    ln -sfn ../kernels lserve/kernels
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-M=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
-parts=()
-for p in gg.aa gg.ab; do
-    for d in .m1 .m2 /tmp/model; do [ -f "$d/$p" ] && { parts+=("$d/$p"); break; }; done
-done
-[ "${#parts[@]}" -eq 2 ] || { echo "model parts missing: ${parts[*]}"; exit 1; }
-mkdir -p /tmp/model && cat "${parts[@]}" > "$M" || exit 1
+# shellcheck source=scripts/gpu_model_env.sh
+source scripts/gpu_model_env.sh  # PYTHONPATH, and the model joined into $M
 # shellcheck disable=SC2086
 timeout "${EVAL_TIMEOUT:-300}" "$PY" -m lserve eval --model "$M" --device cuda --dtype float32 \
     ${EVAL_ARGS:?set EVAL_ARGS} --out "$OUT/${EVAL_NAME:-accuracy}" 2>&1 | tail -n 40

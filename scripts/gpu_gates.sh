@@ -17,22 +17,8 @@ OUT="${OUT:-$PWD/gates_out}"
 W="$OUT/work"
 mkdir -p "$W"
 PY="${PY:-python3}"
-export PYTHONUNBUFFERED=1
-if ! "$PY" -c "import gguf" 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-if ! "$PY" -c "import lserve.kernels.loader" 2>/dev/null; then
-    ln -sfn ../kernels lserve/kernels
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-M=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
-mkdir -p /tmp/model
-parts=()
-for p in gg.aa gg.ab; do
-    for d in .m1 .m2 /tmp/model; do [ -f "$d/$p" ] && { parts+=("$d/$p"); break; }; done
-done
-[ "${#parts[@]}" -eq 2 ] || { echo "model parts missing: ${parts[*]}"; exit 1; }
-cat "${parts[@]}" > "$M" || exit 1
+# shellcheck source=scripts/gpu_model_env.sh
+source scripts/gpu_model_env.sh  # PYTHONPATH, and the model joined into $M
 ls -l "$M" | tee "$OUT/gates.log"
 # Dequantize once (the loader caches it) before the trainers start side by side.
 "$PY" -c "from lserve.models.loader import load_model; load_model('$M')" 2>&1 | tail -n 2 | tee -a "$OUT/gates.log"
