@@ -136,6 +136,7 @@ def test_adaptive_budget_kinds(tmp_path):
     k1, k2 = st.kind_fields(1), st.kind_fields(2)
     assert k1["kk"].tolist() == [2, 2] and k1["dyn"].tolist() == [1, 1] and st.kinds[0].sel_rows == [0, 1]
     assert k2["kk"].tolist() == [4, 8] and k2["dyn"].tolist() == [0, 1] and st.kinds[1].sel_rows == [1]
+    assert (st.kinds[0].n_dynamic, st.kinds[0].sel_pages, st.kinds[1].n_dynamic, st.kinds[1].sel_pages) == (2, 4, 1, 8)
     assert st.need_entries == 7  # the largest kind's K - 1
     km = st.host_table("kind_meta")
     assert km.shape == (2, 8 * 2) and km[1].tolist() == sum((k2[f].tolist() for f in META_FIELDS), [])

@@ -136,6 +136,8 @@ class KindHost:
     kk: np.ndarray  # int32 [nb]
     dyn: np.ndarray  # int32 [nb]
     sel_rows: list[int]
+    n_dynamic: int = 0  # rows with dyn set
+    sel_pages: int = 0  # sum of kk over sel_rows
 
     def fields(self, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``base`` meta fields with this kind's ``kk`` and ``dyn``."""
@@ -204,8 +206,8 @@ class CupyStep:
         if kind == 0:
             return BudgetView(self.meta, self.sel_rows, self.n_sel_rows, self.n_dynamic, self.sel_pages)
         h = self.kinds[kind - 1]
-        return BudgetView(self.kind_meta[kind - 1], self.kind_sel_rows[kind - 1], len(h.sel_rows),
-                          int(h.dyn.sum()), int(sum(h.kk[b] for b in h.sel_rows)))
+        return BudgetView(self.kind_meta[kind - 1], self.kind_sel_rows[kind - 1], len(h.sel_rows), h.n_dynamic,
+                          h.sel_pages)
 
     def host_table(self, name: str) -> np.ndarray:
         """The host copy of the int32 table ``name`` (e.g. ``"pages"``); KeyError if the step has none."""
@@ -452,7 +454,8 @@ class CupyPlanner:
             kk = np.array([layer_pages(ratio, int(k), g.page_size) for k in host["kk"]], dtype=np.int32)
             dyn = ((host["dyn"] != 0) & (kk < host["nsel"])).astype(np.int32)
             kk = np.where(dyn != 0, kk, host["kk"]).astype(np.int32)
-            out.append(KindHost(kk, dyn, [b for b in sel_rows if dyn[b]]))
+            rows = [b for b in sel_rows if dyn[b]]
+            out.append(KindHost(kk, dyn, rows, int(dyn.sum()), int(sum(kk[b] for b in rows))))
         return out
 
     def _static_bounds(self, st: CupyStep, npages: list[int]) -> int | None:
