@@ -138,7 +138,10 @@ class SparsityConfig:
     prefill_sparsity_min_len : int
         Context (cached + chunk tokens) from which a prefill chunk is block-sparse.
     prefill_block : int
-        Tokens per prefill block (a multiple of 8, the antidiagonal stride).
+        Tokens per KV block of the block list (a multiple of 8, the antidiagonal stride).
+    prefill_q_block : int
+        Query positions sharing one block list (a multiple of ``prefill_block``): large rows let
+        the kept keys of a row gather into one dense attention call on a GPU.
     prefill_estimator : str
         ``"antidiagonal"`` or ``"bound"``: how a block's attention mass is estimated.
     """
@@ -158,6 +161,7 @@ class SparsityConfig:
     prefill_sparsity: float = 0.0
     prefill_sparsity_min_len: int = 4096
     prefill_block: int = 64
+    prefill_q_block: int = 2048
     prefill_estimator: str = "antidiagonal"
 
     def __post_init__(self) -> None:
@@ -177,6 +181,9 @@ class SparsityConfig:
                f"prefill_sparsity_min_len must be >= 0, got {self.prefill_sparsity_min_len}")
         _check(self.prefill_block >= 8 and self.prefill_block % 8 == 0,
                f"prefill_block must be a positive multiple of 8, got {self.prefill_block}")
+        _check(self.prefill_q_block >= self.prefill_block and self.prefill_q_block % self.prefill_block == 0,
+               f"prefill_q_block must be a multiple of prefill_block ({self.prefill_block}), "
+               f"got {self.prefill_q_block}")
         _check(self.prefill_estimator in PREFILL_ESTIMATORS,
                f"prefill_estimator must be one of {PREFILL_ESTIMATORS}, got {self.prefill_estimator!r}")
         _check(self.select_mode in SELECT_MODES,
@@ -317,7 +324,7 @@ class EngineConfig:
                 "pattern_seed": sp.pattern_seed,
                 # block-sparse prefill changes later layers' K/V (only named when on: old hashes stay)
                 **({"prefill": [sp.prefill_sparsity, sp.prefill_sparsity_min_len, sp.prefill_block,
-                                sp.prefill_estimator]} if sp.prefill_sparsity > 0 else {})}
+                                sp.prefill_q_block, sp.prefill_estimator]} if sp.prefill_sparsity > 0 else {})}
 
     def torch_dtype(self):
         """The activation/cache dtype: fp32 on CPU, bf16 on CUDA unless set."""
