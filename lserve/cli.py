@@ -8,6 +8,7 @@ import os
 import sys
 
 from lserve.config import (  # noqa: F401 - engine_config_from_args: the CLI's flags -> EngineConfig
+    PREFILL_ESTIMATORS,
     ConfigError,
     engine_config_from_args,
     engine_flag_defaults,
@@ -62,6 +63,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--adaptive-budgets", default=D["adaptive_budgets"],
                    help="per-layer decode budgets around the mean --token-budget: 'auto' (the model's shipped "
                         "calibration, see lserve calibrate-budgets), a calibration .json, or '' (off)")
+    s.add_argument("--prefill-sparsity", type=float, default=D["prefill_sparsity"],
+                   help="dynamic block-sparse prefill of dense heads: estimated attention mass each query "
+                        "block keeps, in [0, 1] (0: off; torch backend)")
+    s.add_argument("--prefill-sparsity-min-len", type=int, default=D["prefill_sparsity_min_len"],
+                   help="context (cached + chunk tokens) from which a prefill chunk is block-sparse")
+    s.add_argument("--prefill-block", type=int, default=D["prefill_block"],
+                   help="block-sparse prefill: tokens per key block")
+    s.add_argument("--prefill-q-block", type=int, default=D["prefill_q_block"],
+                   help="block-sparse prefill: query positions sharing one block list (a multiple of --prefill-block)")
+    s.add_argument("--prefill-estimator", default=D["prefill_estimator"], choices=list(PREFILL_ESTIMATORS),
+                   help="block-sparse prefill: how a block's attention mass is estimated")
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=D["page_size"], help="physical page N_P")
     c.add_argument("--logical-page-size", type=int, default=D["logical_page_size"], help="logical page N_L")

@@ -138,12 +138,14 @@ class SparsityConfig:
     prefill_sparsity_min_len : int
         Context (cached + chunk tokens) from which a prefill chunk is block-sparse.
     prefill_block : int
-        Tokens per KV block of the block list (a multiple of 8, the antidiagonal stride).
+        Tokens per KV block of the block list (a multiple of ``prefill_stride``).
     prefill_q_block : int
         Query positions sharing one block list (a multiple of ``prefill_block``): large rows let
         the kept keys of a row gather into one dense attention call on a GPU.
     prefill_estimator : str
         ``"antidiagonal"`` or ``"bound"``: how a block's attention mass is estimated.
+    prefill_stride : int
+        Antidiagonal stride S: the estimate costs about 1/S of the attention's score products.
     """
 
     pattern: str | None = None
@@ -163,6 +165,7 @@ class SparsityConfig:
     prefill_block: int = 64
     prefill_q_block: int = 2048
     prefill_estimator: str = "antidiagonal"
+    prefill_stride: int = 16
 
     def __post_init__(self) -> None:
         self.select_layers = _layer_spec(self.select_layers)
@@ -179,8 +182,10 @@ class SparsityConfig:
                f"prefill_sparsity must be in [0, 1] (0: off), got {self.prefill_sparsity}")
         _check(self.prefill_sparsity_min_len >= 0,
                f"prefill_sparsity_min_len must be >= 0, got {self.prefill_sparsity_min_len}")
-        _check(self.prefill_block >= 8 and self.prefill_block % 8 == 0,
-               f"prefill_block must be a positive multiple of 8, got {self.prefill_block}")
+        _check(self.prefill_stride >= 1, f"prefill_stride must be >= 1, got {self.prefill_stride}")
+        _check(self.prefill_block >= 8 and self.prefill_block % self.prefill_stride == 0,
+               f"prefill_block must be a multiple of prefill_stride ({self.prefill_stride}) and >= 8, "
+               f"got {self.prefill_block}")
         _check(self.prefill_q_block >= self.prefill_block and self.prefill_q_block % self.prefill_block == 0,
                f"prefill_q_block must be a multiple of prefill_block ({self.prefill_block}), "
                f"got {self.prefill_q_block}")
@@ -324,7 +329,7 @@ class EngineConfig:
                 "pattern_seed": sp.pattern_seed,
                 # block-sparse prefill changes later layers' K/V (only named when on: old hashes stay)
                 **({"prefill": [sp.prefill_sparsity, sp.prefill_sparsity_min_len, sp.prefill_block,
-                                sp.prefill_q_block, sp.prefill_estimator]} if sp.prefill_sparsity > 0 else {})}
+                                sp.prefill_q_block, sp.prefill_estimator, sp.prefill_stride]} if sp.prefill_sparsity > 0 else {})}
 
     def torch_dtype(self):
         """The activation/cache dtype: fp32 on CPU, bf16 on CUDA unless set."""
@@ -338,11 +343,17 @@ class EngineConfig:
 def engine_config_from_args(a) -> EngineConfig:
     """Build (and validate) an :class:`EngineConfig` from parsed ``lserve`` engine flags (an
     ``argparse.Namespace``, or anything with the same attributes: the serve settings pass theirs)."""
+    sd = SparsityConfig  # the class's field defaults, for namespaces without the newer flags
     sp = SparsityConfig(pattern=a.pattern, static_sparsity=a.static_sparsity, sink_tokens=a.sink,
                         local_tokens=a.local, token_budget=a.token_budget, reuse_interval=a.reuse_interval,
                         dynamic_threshold=a.dynamic_threshold, dense_layers=a.dense_layers,
                         select_mode=a.select_mode, select_layers=a.select_layers,
-                        adaptive_budgets=getattr(a, "adaptive_budgets", ""))
+                        adaptive_budgets=getattr(a, "adaptive_budgets", ""),
+                        prefill_sparsity=getattr(a, "prefill_sparsity", sd.prefill_sparsity),
+                        prefill_sparsity_min_len=getattr(a, "prefill_sparsity_min_len", sd.prefill_sparsity_min_len),
+                        prefill_block=getattr(a, "prefill_block", sd.prefill_block),
+                        prefill_q_block=getattr(a, "prefill_q_block", sd.prefill_q_block),
+                        prefill_estimator=getattr(a, "prefill_estimator", sd.prefill_estimator))
     cc = CacheConfig(page_size=a.page_size, logical_page_size=a.logical_page_size, kv_quant=a.kv_quant,
                      max_tokens=a.max_cache_tokens)
     return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
@@ -372,7 +383,8 @@ def engine_flag_defaults() -> dict[str, Any]:
              "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache")
     out = {f: getattr(objs["engine"], f) for f in flags}
     for f in ("pattern", "static_sparsity", "token_budget", "reuse_interval", "dynamic_threshold", "dense_layers",
-              "select_mode", "select_layers", "adaptive_budgets"):
+              "select_mode", "select_layers", "adaptive_budgets", "prefill_sparsity", "prefill_sparsity_min_len",
+              "prefill_block", "prefill_q_block", "prefill_estimator"):
         out[f] = getattr(objs["sparsity"], f)
     for f in ("page_size", "logical_page_size", "kv_quant"):
         out[f] = getattr(objs["cache"], f)

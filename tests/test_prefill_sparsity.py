@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lserve.attention.block_sparse_prefill import blocked_prefill
+from lserve.attention.block_sparse_prefill import blocked_prefill, sparse_prefill
 from lserve.sparsity.prefill_blocks import (
     combine_group,
     estimate_masses,
@@ -62,6 +62,39 @@ def test_blocked_attention_matches_masked_reference(g, d, start, lq):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("start,lq,qb", [(0, 300, 64), (96, 177, 32), (45, 200, 64), (130, 9, 32)])
+def test_sparse_prefill_matches_blocked_reference(g, d, start, lq, qb):
+    """The fast path (gathered past + causal own span, merged by log-sum-exp) computes the same
+    attention as the masked reference, rows larger than KV blocks, chunks starting mid-row."""
+    h, B = 2, 16
+    q, k, v = _inputs(h, g, start, lq, d, seed=g * d + start, peaked=True)
+    blocks = prefill_blocks(q, k, start, B, d ** -0.5, 0.6, "antidiagonal", stride=8, q_block=qb)
+    assert blocks.kept_fraction() < 1.0 or start + lq <= 2 * qb
+    out = sparse_prefill(q, k, v, blocks, d ** -0.5)
+    ref = blocked_prefill(q, k, v, blocks, d ** -0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("estimator", ["antidiagonal", "bound"])
+def test_rows_keep_one_quantized_count_per_row(estimator):
+    """Every KV head of a row keeps the same count, a multiple of q_block // block (or every
+    causal tile), own-span blocks included; the extra tiles only add mass."""
+    h, g, d, B, qb = 4, 2, 32, 16, 64
+    q, k, _ = _inputs(h, g, 0, 640, d, seed=11, peaked=True)
+    blocks = prefill_blocks(q, k, 0, B, d ** -0.5, 0.5, estimator, stride=8, q_block=qb)
+    must, causal = mandatory_tiles(0, 640, B, qb)
+    counts = blocks.indptr[:, 1:] - blocks.indptr[:, :-1]  # [H, R]
+    assert bool((counts == counts[:1]).all())
+    n_causal = causal.sum(-1)
+    assert bool(((counts[0] % (qb // B) == 0) | (counts[0] == n_causal)).all())
+    assert bool((blocks.block_mask() | ~must[None]).all())
+    assert blocks.kept_fraction() < 0.9
+    ests = estimate_masses(q, k, 0, B, d ** -0.5, estimator, stride=8, q_block=qb)
+    torch.testing.assert_close(ests.sum(-1), torch.ones(h * g, blocks.n_rows))
+
+
 def test_full_blocks_equal_causal_attention():
     h, g, d, start, lq = 2, 4, 64, 40, 90
     q, k, v = _inputs(h, g, start, lq, d, seed=3)
@@ -92,7 +125,7 @@ def _prefill_engine(model, loaded, tau, **sp):
                        max_batched_tokens=96,  # chunked: later chunks attend to cached blocks (start > 0)
                        sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=16, local_tokens=16,
                                                token_budget=0, prefill_sparsity=tau, prefill_sparsity_min_len=128,
-                                               prefill_block=16, **sp))
+                                               prefill_block=16, prefill_q_block=32, **sp))
     return LLMEngine(cfg, loaded) if loaded is not None else LLMEngine(cfg)
 
 

@@ -17,7 +17,8 @@ from lserve.config import ConfigError, ModelConfig, SparsityConfig
 from lserve.sparsity.adaptive_budget import layer_pages, resolve_ratios
 from lserve.sparsity.kv_read import KVReadMeter, ring_tokens, selected_tokens, step_read
 from lserve.sparsity.layer_select import resolve_select_layers
-from lserve.sparsity.plan import SeqStep, StepPlan, StepPlanner
+from lserve.sparsity.plan import SeqPlan, SeqStep, StepPlan, StepPlanner
+from lserve.sparsity.prefill_blocks import PrefillBlocks, prefill_blocks
 
 
 @dataclass
@@ -69,7 +70,9 @@ class AttentionBackend(ABC):
         if self.layer_ratios is not None and not self.supports_adaptive_budgets:
             raise ConfigError(f"adaptive_budgets runs on the torch and cupy backends only, not {self.name!r}")
         if sparsity.prefill_sparsity > 0 and not self.supports_prefill_sparsity:
-            raise ConfigError(f"prefill_sparsity runs on the torch backend only, not {self.name!r}")
+            raise ConfigError(f"prefill_sparsity runs on the torch and cupy backends only, not {self.name!r}")
+        #: Block-sparse prefill tiles: [kept, causal] over every dense KV head so far.
+        self.prefill_tiles = [0, 0]
         # Decode KV reads as a fraction of dense attention's (lserve.sparsity.kv_read), per step.
         self.kv_read = KVReadMeter()
 
@@ -106,6 +109,24 @@ class AttentionBackend(ABC):
         if self.layer_ratios is None:
             return budget_pages
         return layer_pages(self.layer_ratios[layer], budget_pages, self.cache.page_size)
+
+    def prefill_tau(self, sp: SeqPlan) -> float:
+        """The estimated mass a prefill chunk's dense heads keep (0: the chunk runs dense): the
+        request's override, else the config, from ``prefill_sparsity_min_len`` tokens of context on."""
+        tau = self.sp.prefill_sparsity if sp.step.prefill_sparsity is None else sp.step.prefill_sparsity
+        return tau if sp.step.start + sp.step.num_new >= self.sp.prefill_sparsity_min_len else 0.0
+
+    def sparse_prefill_blocks(self, sp: SeqPlan, qd: torch.Tensor, kd: torch.Tensor) -> PrefillBlocks | None:
+        """The dense heads' block list of a prefill chunk, or None where it runs dense
+        (:meth:`prefill_tau`). qd: [Hd*G, n, D] the chunk's queries; kd: [Hd, start + n, D]."""
+        tau = self.prefill_tau(sp)
+        if not tau:
+            return None
+        blocks = prefill_blocks(qd, kd, sp.step.start, self.sp.prefill_block, self.scale, tau,
+                                self.sp.prefill_estimator, self.sp.prefill_stride, self.sp.prefill_q_block)
+        self.prefill_tiles[0] += blocks.indices.numel()
+        self.prefill_tiles[1] += blocks.causal_tiles() * kd.shape[0]
+        return blocks
 
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state (selection reuse) of a finished/aborted/preempted sequence."""

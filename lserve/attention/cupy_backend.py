@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
+from lserve.attention.block_sparse_prefill import sparse_prefill
 from lserve.attention.chunked import causal_attention, causal_impl, dense_chunk
 from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.cupy_tuning import CupyTuning
@@ -123,6 +124,7 @@ class CupyBackend(AttentionBackend):
 
     name = "cupy"
     supports_adaptive_budgets = True
+    supports_prefill_sparsity = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -615,7 +617,10 @@ class CupyBackend(AttentionBackend):
                 qd = q[sl, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
                 kd = k[sl, :nd].transpose(0, 1)  # [Hd, n, D]
                 vd = v[sl, :nd].transpose(0, 1)
-                if self.flash is not None and sp.step.num_new < CUDNN_MIN_TOKENS:
+                blocks = self.sparse_prefill_blocks(sp, qd, kd)
+                if blocks is not None:
+                    o = sparse_prefill(qd, kd, vd, blocks, self.scale)
+                elif self.flash is not None and sp.step.num_new < CUDNN_MIN_TOKENS:
                     o = causal_attention(qd, kd, vd, self.scale)
                 else:
                     o = F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True, scale=self.scale,
@@ -640,6 +645,16 @@ class CupyBackend(AttentionBackend):
                 sl, start = slice(sp.t0, sp.t1), sp.step.start
                 pages = st.c_pages_long[off: off + npg]
                 qd = q[sl, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
+                if self.prefill_tau(sp):
+                    if self.one_call:  # the chunk's keys are in the pool already (attend)
+                        kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new)
+                    else:
+                        kp, vp = self.cache.dense[layer].sequence_kv(pages, start)  # [Hd, start, D]
+                        kd = torch.cat((kp, k[sl, :nd].transpose(0, 1)), 1)  # [Hd, start + n, D]
+                        vd = torch.cat((vp, v[sl, :nd].transpose(0, 1)), 1)
+                    blocks = self.sparse_prefill_blocks(sp, qd, kd)
+                    out[sl, : nd * G] = sparse_prefill(qd, kd, vd, blocks, self.scale).transpose(0, 1)
+                    continue
                 if self.one_call:  # the chunk's keys are in the pool already (attend)
                     kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new)  # [Hd, start + n, D]
                     o = causal_attention(qd, kd, vd, self.scale)

@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
-from lserve.attention.block_sparse_prefill import blocked_prefill
+from lserve.attention.block_sparse_prefill import sparse_prefill
 from lserve.sparsity.plan import SeqPlan, StepPlan
-from lserve.sparsity.prefill_blocks import prefill_blocks
 from lserve.sparsity.selector import page_scores, top_pages
 
 
@@ -71,8 +70,6 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # Block-sparse prefill totals: [kept tiles, causal tiles] over dense KV heads and chunks.
-        self.prefill_tiles = [0, 0]
         # layer -> seq_id -> (page indices [H_sel, K-1] excluding the last, pages at selection)
         self.selection: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(self.model.num_layers)]
 
@@ -195,13 +192,9 @@ class TorchBackend(AttentionBackend):
                 kp, vp = self._dense_kv(layer, sp.pages[: -(-start // self.cache.page_size)], start)
                 kc, vc = torch.cat((kp, kc), 1), torch.cat((vp, vc), 1)
             qd = q[:, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
-            tau = self.sp.prefill_sparsity if sp.step.prefill_sparsity is None else sp.step.prefill_sparsity
-            if tau > 0 and start + n >= self.sp.prefill_sparsity_min_len:
-                blocks = prefill_blocks(qd, kc, start, self.sp.prefill_block, self.scale, tau,
-                                        self.sp.prefill_estimator)
-                self.prefill_tiles[0] += blocks.indices.numel()
-                self.prefill_tiles[1] += blocks.causal_tiles() * nd
-                out[:, : nd * G] = blocked_prefill(qd, kc, vc, blocks, self.scale).transpose(0, 1)
+            blocks = self.sparse_prefill_blocks(sp, qd, kc)
+            if blocks is not None:
+                out[:, : nd * G] = sparse_prefill(qd, kc, vc, blocks, self.scale).transpose(0, 1)
             else:
                 mask = None if start == 0 else (torch.arange(start + n, device=dev)[None, :] <= qpos[:, None])
                 o = F.scaled_dot_product_attention(

@@ -203,7 +203,7 @@ class LLMEngine:
                                f"request asks for {total} ({len(prompt_ids)} in the prompt + {params.max_tokens} "
                                f"to generate)", code=CONTEXT_LENGTH_EXCEEDED)
         if params.prefill_sparsity and not self.backend.supports_prefill_sparsity:
-            raise RequestError(f"prefill_sparsity runs on the torch backend only, not {self.backend.name!r}")
+            raise RequestError(f"prefill_sparsity is not supported by the {self.backend.name!r} backend")
         tb, page = params.token_budget, self.cache.page_size
         if tb is not None and 0 < tb < 2 * page:
             raise RequestError(f"token_budget must be 0 (off) or at least two pages ({2 * page} tokens), got {tb}")

@@ -53,6 +53,14 @@ class RunConfig:
     adaptive_budgets : str
         Per-layer budgets around the mean ``budget`` (``SparsityConfig.adaptive_budgets``:
         ``""`` off, ``auto`` or a calibration JSON).
+    prefill_sparsity : float
+        Dynamic block-sparse prefill of dense heads (``SparsityConfig.prefill_sparsity``): the
+        estimated attention mass each query block keeps, 0 off.
+    prefill_sparsity_min_len : int
+        Context from which a prefill chunk is block-sparse (``SparsityConfig.prefill_sparsity_min_len``).
+    prefill_q_block : int
+        Query positions sharing one block list (``SparsityConfig.prefill_q_block``, a multiple of
+        the 64-token prefill block).
     """
 
     name: str
@@ -68,6 +76,9 @@ class RunConfig:
     logical_page_size: int = 16
     select_layers: str = "auto"
     adaptive_budgets: str = ""
+    prefill_sparsity: float = 0.0
+    prefill_sparsity_min_len: int = 4096
+    prefill_q_block: int = 2048
 
     def budget_for(self, context: int, page_size: int = 64) -> int:
         """Token budget at ``context`` tokens: 0 = off, else at least two pages and ``min_budget``."""
@@ -86,7 +97,8 @@ class RunConfig:
         random_seed = self.pattern_seed if self.pattern == "random" else None
         return (self.pattern, self.static_sparsity if self.pattern else 0.0, random_seed,
                 self.reuse_interval if with_reuse else None, self.select_mode, self.dense_layers, self.kv_quant,
-                self.logical_page_size, self.select_layers, self.adaptive_budgets)
+                self.logical_page_size, self.select_layers, self.adaptive_budgets,
+                self.prefill_sparsity, self.prefill_sparsity_min_len, self.prefill_q_block)
 
     def sparsity(self, model_name: str) -> SparsityConfig:
         """The engine's :class:`SparsityConfig` (budgets are set per request)."""
@@ -97,6 +109,9 @@ class RunConfig:
                               token_budget=0, reuse_interval=self.reuse_interval, select_mode=self.select_mode,
                               dense_layers=self.dense_layers, pattern_seed=self.pattern_seed,
                               select_layers=self.select_layers, adaptive_budgets=self.adaptive_budgets,
+                              prefill_sparsity=self.prefill_sparsity,
+                              prefill_sparsity_min_len=self.prefill_sparsity_min_len,
+                              prefill_q_block=self.prefill_q_block,
                               dynamic_threshold=0)  # accuracy of selection itself, at every context
 
 
@@ -117,6 +132,10 @@ PRESET_CONFIGS: dict[str, RunConfig] = {
     "lserve-random-pattern": RunConfig("lserve-random-pattern", pattern="random", budget="1/8", min_budget=512),
     "lserve-query-select": RunConfig("lserve-query-select", pattern="learned", budget="1/8", min_budget=512,
                                      select_mode="query"),
+    # Dynamic block-sparse prefill on top of ``lserve``: every prefill chunk, rows of 256 queries
+    # (the default model's 2k-8k prompts would fit in one 2048-query row and skip little).
+    "lserve-prefill-sparse": RunConfig("lserve-prefill-sparse", pattern="learned", budget="1/8", min_budget=512,
+                                       prefill_sparsity=0.9, prefill_sparsity_min_len=0, prefill_q_block=256),
 }
 
 

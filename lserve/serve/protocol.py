@@ -73,7 +73,7 @@ class LServeOptions(BaseModel):
     prefill_sparsity: float | None = Field(
         None, ge=0.0, le=1.0,
         description="Block-sparse prefill of dense heads for this request: the estimated attention mass each query "
-                    "block keeps (0 off, 1 every causal block); torch backend only.")
+                    "block keeps (0 off, 1 every causal block); torch and cupy backends.")
     streaming: bool | None = Field(
         None, description="Streaming heads on/off. Only true (or absent) is accepted: this deployment cannot switch "
                           "streaming heads off per request.")

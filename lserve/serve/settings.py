@@ -18,7 +18,8 @@ from lserve.config import ConfigError, EngineConfig, engine_config_from_args, en
 ENGINE_FIELDS = (
     "model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
     "pattern", "static_sparsity", "sink", "local", "token_budget", "reuse_interval", "dynamic_threshold",
-    "dense_layers", "select_mode", "select_layers", "adaptive_budgets", "page_size", "logical_page_size", "kv_quant",
+    "dense_layers", "select_mode", "select_layers", "adaptive_budgets", "prefill_sparsity", "prefill_sparsity_min_len",
+    "prefill_block", "prefill_q_block", "prefill_estimator", "page_size", "logical_page_size", "kv_quant",
     "max_cache_tokens",
     "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache",
 )
@@ -129,6 +130,11 @@ class ServeSettings:
     select_mode: str = _D["select_mode"]
     select_layers: str = _D["select_layers"]
     adaptive_budgets: str = _D["adaptive_budgets"]
+    prefill_sparsity: float = _D["prefill_sparsity"]
+    prefill_sparsity_min_len: int = _D["prefill_sparsity_min_len"]
+    prefill_block: int = _D["prefill_block"]
+    prefill_q_block: int = _D["prefill_q_block"]
+    prefill_estimator: str = _D["prefill_estimator"]
     page_size: int = _D["page_size"]
     logical_page_size: int = _D["logical_page_size"]
     kv_quant: str = _D["kv_quant"]

@@ -1,19 +1,25 @@
 """Kept KV blocks of a prefill chunk for the dense heads (dynamic block-sparse prefill, issue 20).
 
 A chunk holds query positions ``start .. start + Lq - 1`` and attends to keys ``0 .. L - 1``
-(``L = start + Lq``: the cached past plus itself). Positions are cut into blocks of ``block``
-tokens aligned to absolute positions; row ``r`` of the result is query block ``start // block + r``.
-Per (KV head, query block) the kept KV blocks are: the sink block 0, the diagonal block and the one
-before it, then the others in descending estimated attention mass until the row's cumulative
-estimate (mandatory blocks included) reaches ``tau``. ``tau >= 1`` keeps every causal block.
+(``L = start + Lq``: the cached past plus itself). Keys are cut into blocks of ``block`` tokens and
+queries into rows of ``q_block`` tokens (a multiple of ``block``), both aligned to absolute
+positions; row ``r`` of the result is query row ``start // q_block + r``. Per (KV head, row) the
+kept KV blocks are: the sink block 0, the blocks the row's own span touches (its diagonal) and the
+block before it, then the others in descending estimated attention mass until the row's
+cumulative estimate (mandatory blocks included) reaches ``tau``. ``tau >= 1`` keeps every causal
+block. Every KV head of a row then keeps the same number of blocks (the most any of them needs,
+rounded up to a multiple of ``q_block // block`` and capped by the causal count, the extra ones
+again by estimate), so that a row's kept keys gather into one dense batch of few distinct lengths
+(:func:`lserve.attention.block_sparse_prefill.sparse_prefill`).
 
 Estimators of a tile's mass (each a distribution over the row's causal blocks, per query head;
 the GQA group is combined by a max and renormalised so that one list serves the KV head):
 
 * ``"antidiagonal"`` (XAttention-style): strided antidiagonal sums of ``Q K^T`` inside each tile
-  (stride ``S``), a softmax over those sums, summed per tile and averaged over the block's queries.
+  (stride ``S``), a softmax over those sums, summed per tile and averaged over the row's query
+  groups; one row at a time, so memory stays O(q_block L / S^2).
 * ``"bound"``: the decode selector's min/max upper bound (:mod:`lserve.sparsity.selector`) of the
-  query block's mean query against each key block's per-channel min/max of keys, softmaxed.
+  row's mean query against each key block's per-channel min/max of keys, softmaxed.
 * ``"oracle"``: exact block masses from full scores (measurement only: O(Lq L D)).
 """
 
@@ -31,7 +37,8 @@ class PrefillBlocks:
     """A BSR block list: row ``(h, r)`` keeps ``indices[indptr[h, r]:indptr[h, r + 1]]``.
 
     ``indptr``: int32 [H_kv, R + 1], offsets into the flat ``indices`` (row-major over heads);
-    ``indices``: int32 [nnz], ascending KV block ids within each row.
+    ``indices``: int32 [nnz], ascending KV block ids within each row. Rows are ``q_block`` query
+    positions, KV blocks ``block`` keys (``q_block == block``: square tiles).
     """
 
     indptr: torch.Tensor
@@ -39,16 +46,26 @@ class PrefillBlocks:
     block: int
     start: int
     length: int
+    q_block: int = 0  # 0: same as block
+
+    def __post_init__(self) -> None:
+        if not self.q_block:
+            self.q_block = self.block
 
     @property
     def n_rows(self) -> int:
-        """R, query blocks the chunk touches."""
+        """R, query rows the chunk touches."""
         return self.indptr.shape[1] - 1
 
     @property
     def first_row_block(self) -> int:
-        """Absolute id of the query block of row 0."""
-        return self.start // self.block
+        """Absolute id of the query row of row 0."""
+        return self.start // self.q_block
+
+    def row_span(self, r: int) -> tuple[int, int]:
+        """Positions [begin, end) of row ``r`` (its end capped at ``length``)."""
+        a = (self.first_row_block + r) * self.q_block
+        return a, min(self.length, a + self.q_block)
 
     def row(self, h: int, r: int) -> torch.Tensor:
         """Kept KV block ids of head ``h``, row ``r`` (int32, ascending)."""
@@ -65,9 +82,8 @@ class PrefillBlocks:
         return m.view(h, r, nkb)
 
     def causal_tiles(self) -> int:
-        """Causal (query block, KV block) tiles of one head: the denominator of :meth:`kept_fraction`."""
-        b0 = self.first_row_block
-        return sum(b0 + r + 1 for r in range(self.n_rows))
+        """Causal (query row, KV block) tiles of one head: the denominator of :meth:`kept_fraction`."""
+        return sum((self.row_span(r)[1] - 1) // self.block + 1 for r in range(self.n_rows))
 
     def kept_fraction(self) -> float:
         """Kept tiles over causal tiles, over every head."""
@@ -80,7 +96,7 @@ class PrefillBlocks:
         qpos = torch.arange(self.start, self.length, device=self.indices.device)
         kpos = torch.arange(self.length, device=self.indices.device)
         bm = self.block_mask()  # [H, R, nkb]
-        rows = qpos // B - self.first_row_block
+        rows = qpos // self.q_block - self.first_row_block
         m = bm[:, rows][:, :, kpos // B]  # [H, Lq, L]
         return m & (kpos[None, :] <= qpos[:, None])[None].expand(bm.shape[0], lq, -1)
 
@@ -100,82 +116,94 @@ def _pad_positions(x: torch.Tensor, lo: int, hi: int, first: int) -> torch.Tenso
     return out
 
 
-def _oracle(q, k, start, B, scale, rows=512):
+def _rows(start: int, length: int, q_block: int) -> tuple[int, int]:
+    """(absolute id of the first query row, rows R) of a chunk."""
+    b0 = start // q_block
+    return b0, (length - 1) // q_block - b0 + 1
+
+
+def _oracle(q, k, start, B, QB, scale, chunk=512):
     """Exact masses [Hq, R, nkb]: softmax over causal keys, summed per key block, mean over the
-    block's queries. q: [Hq, Lq, D]; k: [Hq, L, D] (expanded to the query heads)."""
+    row's queries. q: [Hq, Lq, D]; k: [Hq, L, D] (expanded to the query heads)."""
     hq, lq, _ = q.shape
     L = k.shape[1]
     nkb = -(-L // B)
-    b0 = start // B
-    R = (L - 1) // B - b0 + 1
+    b0, R = _rows(start, L, QB)
     acc = torch.zeros(hq, R, nkb, dtype=torch.float32, device=q.device)
     cnt = torch.zeros(R, dtype=torch.float32, device=q.device)
     kpos = torch.arange(L, device=q.device)
-    for a in range(0, lq, rows):
-        b = min(lq, a + rows)
+    for a in range(0, lq, chunk):
+        b = min(lq, a + chunk)
         qpos = torch.arange(start + a, start + b, device=q.device)
         s = torch.bmm(q[:, a:b].float(), k.float().transpose(1, 2)).mul_(scale)  # [Hq, n, L]
         s.masked_fill_(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
         p = torch.softmax(s, dim=-1)
         p = torch.nn.functional.pad(p, (0, nkb * B - L))
         pb = _block_sum(p, B, 2)  # [Hq, n, nkb]
-        r = qpos // B - b0
+        r = qpos // QB - b0
         acc.index_add_(1, r, pb)
         cnt.index_add_(0, r, torch.ones_like(r, dtype=torch.float32))
     return acc / cnt[None, :, None]
 
 
-def _antidiagonal(q, k, start, B, scale, stride):
-    """Antidiagonal estimate [Hq, R, nkb]. q: [Hq, Lq, D]; k: [Hq, L, D]."""
+def _antidiagonal(q, k, start, B, QB, scale, S):
+    """Antidiagonal estimate [Hq, R, nkb], one query row at a time. q: [Hq, Lq, D]; k: [Hkv, L, D].
+
+    Query group ``a`` (positions aS .. aS + S - 1) is the concatenation of its queries, key group
+    ``c`` that of its keys in reverse order: their dot product is the sum of one antidiagonal of
+    the S x S score tile. Products run in q's dtype on a GPU (fp32 on the CPU), softmax in fp32.
+    """
     hq, lq, d = q.shape
-    L = k.shape[1]
-    S = stride
+    h, L, _ = k.shape
+    g = hq // h
     nkb = -(-L // B)
-    b0 = start // B
-    R = (L - 1) // B - b0 + 1
-    qp = _pad_positions(q.float(), b0 * B, (b0 + R) * B, start)  # [Hq, R*B, D]
-    kp = _pad_positions(k.float(), 0, nkb * B, 0)  # [Hq, nkb*B, D]
-    # group a's vector: concat_i q[aS + i]; key group c's: concat_i k[cS + S - 1 - i]
-    qg = qp.reshape(hq, -1, S * d)  # [Hq, R*B/S, S*D]
-    kg = kp.reshape(hq, -1, S, d).flip(2).reshape(hq, -1, S * d)  # [Hq, nkb*B/S, S*D]
-    s = torch.bmm(qg, kg.transpose(1, 2)).mul_(scale / S)  # [Hq, nqg, nkg]: mean score per antidiagonal
-    qgi = torch.arange(qg.shape[1], device=q.device) + b0 * B // S  # absolute query group ids
-    kgi = torch.arange(kg.shape[1], device=q.device)
-    hide = (kgi[None, :] > qgi[:, None]) | (kgi[None, :] * S >= L)
-    s.masked_fill_(hide[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    # query groups holding no query of the chunk do not count
-    gpos = qgi * S
-    valid = ((gpos + S > start) & (gpos < L)).float()  # [nqg]
-    p = p * valid[None, :, None]
-    pb = _block_sum(_block_sum(p, B // S, 2), B // S, 1)  # [Hq, R, nkb]
-    n = _block_sum(valid[None, :, None], B // S, 1)  # [1, R, 1]
-    return pb / n
+    b0, R = _rows(start, L, QB)
+    dt = q.dtype if q.is_cuda else torch.float32
+    kg = _pad_positions(k.to(dt), 0, nkb * B, 0).reshape(h, -1, S, d).flip(2).reshape(h, -1, S * d)  # [Hkv, nkb*B/S, S*D]
+    out = torch.zeros(hq, R, nkb, dtype=torch.float32, device=q.device)
+    for r in range(R):
+        rs = (b0 + r) * QB
+        re = min(L, rs + QB)
+        a = max(start, rs)
+        ng = -(-(re - rs) // S)  # query groups of the row
+        nb = (re - 1) // B + 1  # causal key blocks of the row
+        qg = _pad_positions(q[:, a - start: re - start].to(dt), rs, rs + ng * S, a).reshape(h, g * ng, S * d)
+        s = torch.bmm(qg, kg[:, : nb * B // S].transpose(1, 2)).float().mul_(scale / S)  # [Hkv, G*ng, nb*B/S]
+        qgi = torch.arange(ng, device=q.device) + rs // S  # absolute query group ids
+        kgi = torch.arange(nb * B // S, device=q.device)
+        hide = (kgi[None, :] > qgi[:, None]) | (kgi[None, :] * S >= L)  # [ng, nkg]
+        s = s.view(h, g, ng, -1).masked_fill_(hide, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        gpos = qgi * S
+        valid = ((gpos + S > start) & (gpos < L)).float()  # groups holding a query of the chunk
+        pb = _block_sum(p, B // S, 3)  # [Hkv, G, ng, nb]
+        out[:, r, :nb] = (pb * valid[:, None]).sum(2).reshape(hq, nb) / valid.sum()
+    return out
 
 
-def _bound(q, k, start, B, scale):
-    """Min/max bound estimate [Hq, R, nkb]. q: [Hq, Lq, D]; k: [Hq, L, D]."""
+def _bound(q, k, start, B, QB, scale):
+    """Min/max bound estimate [Hq, R, nkb]. q: [Hq, Lq, D]; k: [Hkv, L, D]."""
     hq, lq, d = q.shape
-    L = k.shape[1]
+    h, L, _ = k.shape
     nkb = -(-L // B)
-    b0 = start // B
-    R = (L - 1) // B - b0 + 1
+    b0, R = _rows(start, L, QB)
     qf = q.float()
-    r = torch.arange(start, L, device=q.device) // B - b0
+    r = torch.arange(start, L, device=q.device) // QB - b0
     qsum = torch.zeros(hq, R, d, device=q.device).index_add_(1, r, qf)
-    qmean = qsum / torch.bincount(r, minlength=R).float()[None, :, None]  # [Hq, R, D]
+    qmean = (qsum / torch.bincount(r, minlength=R).float()[None, :, None]).view(h, -1, d)  # [Hkv, G*R, D]
     kf = k.float()
     pad = nkb * B - L
-    kmax = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("-inf")).reshape(hq, nkb, B, d).amax(2)
-    kmin = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("inf")).reshape(hq, nkb, B, d).amin(2)
+    kmax = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("-inf")).reshape(h, nkb, B, d).amax(2)
+    kmin = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("inf")).reshape(h, nkb, B, d).amin(2)
     s = (qmean.clamp(min=0) @ kmax.transpose(1, 2) + qmean.clamp(max=0) @ kmin.transpose(1, 2)).mul_(scale)
-    rb = torch.arange(R, device=q.device) + b0
-    s.masked_fill_((torch.arange(nkb, device=q.device)[None, :] > rb[:, None])[None], float("-inf"))
+    last = (torch.clamp((torch.arange(R, device=q.device) + b0 + 1) * QB, max=L) - 1) // B  # row's last causal block
+    s = s.view(hq, R, nkb).masked_fill_((torch.arange(nkb, device=q.device)[None, :] > last[:, None])[None],
+                                        float("-inf"))
     return torch.softmax(s, dim=-1)  # [Hq, R, nkb]
 
 
 def estimate_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int, scale: float, estimator: str,
-                    stride: int = 8) -> torch.Tensor:
+                    stride: int = 8, q_block: int | None = None) -> torch.Tensor:
     """Per query head, the estimated share of attention mass of each causal tile.
 
     Parameters
@@ -187,28 +215,32 @@ def estimate_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int, sc
     start : int
         Position of the chunk's first query.
     block : int
-        Tokens per block (a multiple of ``stride`` for ``"antidiagonal"``).
+        Keys per KV block (a multiple of ``stride`` for ``"antidiagonal"``).
     scale : float
     estimator : str
         One of :data:`ESTIMATORS`.
     stride : int
         Antidiagonal stride S.
+    q_block : int, optional
+        Query positions per row (a multiple of ``block``; default ``block``).
 
     Returns
     -------
     torch.Tensor
         float32 [H_kv * G, R, n_kv_blocks]; each row sums to 1 over its causal tiles.
     """
-    g = q.shape[0] // k.shape[0]
-    ke = k.repeat_interleave(g, 0) if g > 1 else k
+    qb = q_block or block
+    if qb % block:
+        raise ValueError(f"q_block {qb} must be a multiple of the block {block}")
     if estimator == "oracle":
-        return _oracle(q, ke, start, block, scale)
+        g = q.shape[0] // k.shape[0]
+        return _oracle(q, k.repeat_interleave(g, 0) if g > 1 else k, start, block, qb, scale)
     if estimator == "antidiagonal":
         if block % stride:
             raise ValueError(f"block {block} must be a multiple of the stride {stride}")
-        return _antidiagonal(q, ke, start, block, scale, stride)
+        return _antidiagonal(q, k, start, block, qb, scale, stride)
     if estimator == "bound":
-        return _bound(q, ke, start, block, scale)
+        return _bound(q, k, start, block, qb, scale)
     raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
 
 
@@ -219,18 +251,42 @@ def combine_group(mass: torch.Tensor, group: int) -> torch.Tensor:
     return m / m.sum(-1, keepdim=True).clamp(min=1e-30)
 
 
-def mandatory_tiles(start: int, length: int, block: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(always kept [R, nkb], causal [R, nkb]) bool: sink block 0, the diagonal and the block before it."""
-    b0 = start // block
-    R = (length - 1) // block - b0 + 1
+def mandatory_tiles(start: int, length: int, block: int, q_block: int | None = None,
+                    device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(always kept [R, nkb], causal [R, nkb]) bool: sink block 0, the blocks of the row's own span
+    and the block before it."""
+    qb = q_block or block
+    b0, R = _rows(start, length, qb)
     nkb = -(-length // block)
-    rb = (torch.arange(R, device=device) + b0)[:, None]
+    rs = (torch.arange(R, device=device) + b0) * qb
+    first = (rs // block)[:, None]  # the row's first own block
+    last = ((rs + qb).clamp(max=length) - 1)[:, None] // block
     kb = torch.arange(nkb, device=device)[None, :]
-    causal = kb <= rb
-    return causal & ((kb == 0) | (kb >= rb - 1)), causal
+    causal = kb <= last
+    return causal & ((kb == 0) | (kb >= first - 1)), causal
 
 
-def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block: int) -> PrefillBlocks:
+def _to_list(keep: torch.Tensor, block: int, start: int, length: int, q_block: int) -> PrefillBlocks:
+    """bool [H, R, nkb] kept tiles -> :class:`PrefillBlocks`."""
+    h, R, _ = keep.shape
+    flat = keep.reshape(h * R, -1)
+    indptr = torch.zeros(h * R + 1, dtype=torch.int64, device=keep.device)
+    indptr[1:] = flat.sum(-1).cumsum(0)
+    ip = torch.cat((indptr[:-1].view(h, R), indptr[1:].view(h, R)[:, -1:]), dim=1)
+    indices = flat.nonzero()[:, 1]  # row-major: ascending within each row
+    return PrefillBlocks(ip.to(torch.int32), indices.to(torch.int32), block, start, length, q_block)
+
+
+def _keep_top(prio: torch.Tensor, counts: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """bool [H, R, nkb]: the ``counts`` [H, R] (or [R]) tiles of highest ``prio`` per row."""
+    order = prio.argsort(dim=-1, descending=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=prio.device)
+                                            .expand_as(order).contiguous())
+    return (rank < counts[..., None]) & causal[None]
+
+
+def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block: int,
+                  q_block: int | None = None) -> PrefillBlocks:
     """The block list of a chunk from per-KV-head masses.
 
     Parameters
@@ -240,57 +296,47 @@ def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block
     tau : float
         Cumulative estimated mass to reach per row, in [0, 1]; ``>= 1`` keeps every causal tile.
     start, length, block : int
-        Chunk's first position, tokens in cache after it, block size.
+        Chunk's first position, tokens in cache after it, keys per KV block.
+    q_block : int, optional
+        Query positions per row (default ``block``).
 
     Returns
     -------
     PrefillBlocks
     """
-    must, causal = mandatory_tiles(start, length, block, mass.device)
+    qb = q_block or block
+    must, causal = mandatory_tiles(start, length, block, qb, mass.device)
     h = mass.shape[0]
     if tau >= 1.0:
-        keep = causal[None].expand(h, -1, -1)
-    else:
-        prio = mass.masked_fill(~causal[None], -1.0).masked_fill(must[None], 2.0)  # mandatory first
-        order = prio.argsort(dim=-1, descending=True)
-        m_sorted = mass.masked_fill(~causal[None], 0.0).gather(-1, order)
-        before = m_sorted.cumsum(-1) - m_sorted  # mass held before each tile is added
-        keep_sorted = (before < tau) | must[None].expand(h, -1, -1).gather(-1, order)
-        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted) & causal[None]
-    counts = keep.sum(-1).reshape(-1)  # [H*R]
-    indptr = torch.zeros(h * keep.shape[1] + 1, dtype=torch.int64, device=mass.device)
-    indptr[1:] = counts.cumsum(0)
-    indices = keep.reshape(h * keep.shape[1], -1).nonzero()[:, 1]  # row-major: ascending within each row
-    R = keep.shape[1]
-    ip = torch.cat((indptr[:-1].view(h, R), indptr[1:].view(h, R)[:, -1:]), dim=1)
-    return PrefillBlocks(ip.to(torch.int32), indices.to(torch.int32), block, start, length)
+        return _to_list(causal[None].expand(h, -1, -1), block, start, length, qb)
+    prio = mass.masked_fill(~causal[None], -1.0).masked_fill(must[None], 2.0)  # mandatory first
+    m_sorted = mass.masked_fill(~causal[None], 0.0).gather(-1, prio.argsort(dim=-1, descending=True))
+    before = m_sorted.cumsum(-1) - m_sorted  # mass held before each tile is added
+    need = ((before < tau).sum(-1)).clamp(min=must.sum(-1)[None])  # [H, R]: tiles to reach tau
+    quantum = qb // block
+    n = (-(-need.amax(0) // quantum) * quantum).clamp(max=causal.sum(-1))  # [R]: one count per row
+    return _to_list(_keep_top(prio, n, causal), block, start, length, qb)
 
 
 def prefill_blocks(q: torch.Tensor, k: torch.Tensor, start: int, block: int, scale: float, tau: float,
-                   estimator: str = "antidiagonal", stride: int = 8) -> PrefillBlocks:
+                   estimator: str = "antidiagonal", stride: int = 8, q_block: int | None = None) -> PrefillBlocks:
     """Estimate and cut in one call: q [H_kv * G, Lq, D], k [H_kv, L, D] -> :class:`PrefillBlocks`."""
     g = q.shape[0] // k.shape[0]
-    mass = combine_group(estimate_masses(q, k, start, block, scale, estimator, stride), g)
-    return select_blocks(mass, tau, start, k.shape[1], block)
+    if tau >= 1.0:  # every causal tile: nothing to estimate
+        return select_blocks(torch.zeros(k.shape[0], *_rows(start, k.shape[1], q_block or block)[1:],
+                                         -(-k.shape[1] // block), device=q.device), tau, start, k.shape[1], block,
+                             q_block)
+    mass = combine_group(estimate_masses(q, k, start, block, scale, estimator, stride, q_block), g)
+    return select_blocks(mass, tau, start, k.shape[1], block, q_block)
 
 
 def oracle_at_counts(exact: torch.Tensor, blocks: PrefillBlocks) -> PrefillBlocks:
     """The best list with the same number of kept tiles per row as ``blocks``: mandatory tiles plus
     the largest exact (group-combined) masses. exact: [H_kv, R, nkb]."""
-    must, causal = mandatory_tiles(blocks.start, blocks.length, blocks.block, exact.device)
+    must, causal = mandatory_tiles(blocks.start, blocks.length, blocks.block, blocks.q_block, exact.device)
     counts = (blocks.indptr[:, 1:] - blocks.indptr[:, :-1]).long()  # [H, R]
     prio = exact.masked_fill(~causal[None], -1.0).masked_fill(must[None], 2.0)
-    order = prio.argsort(dim=-1, descending=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=exact.device)
-                                            .expand_as(order).contiguous())
-    keep = (rank < counts[..., None]) & causal[None]
-    h, R, _ = keep.shape
-    flat = keep.reshape(h * R, -1)
-    indptr = torch.zeros(h * R + 1, dtype=torch.int64, device=exact.device)
-    indptr[1:] = flat.sum(-1).cumsum(0)
-    ip = torch.cat((indptr[:-1].view(h, R), indptr[1:].view(h, R)[:, -1:]), dim=1)
-    return PrefillBlocks(ip.to(torch.int32), flat.nonzero()[:, 1].to(torch.int32), blocks.block, blocks.start,
-                         blocks.length)
+    return _to_list(_keep_top(prio, counts, causal), blocks.block, blocks.start, blocks.length, blocks.q_block)
 
 
 def recalled_mass(exact_q: torch.Tensor, blocks: PrefillBlocks, group: int) -> torch.Tensor:
