@@ -125,7 +125,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
                       contexts=a.contexts or [8192, 32768, 65536, 131072, 262144],
                       decode_steps=a.decode_tokens or 64, hf=not a.no_hf, name=a.name or "e2e_h200",
                       batched=_batched(a.batched), side_max_context=a.side_max_context, deadline_s=a.deadline,
-                      async_decode=a.async_decode)
+                      async_decode=a.async_decode, prefill_sparsity=tuple(a.prefill_sparsity or ()))
+    elif a.what == "sparse-prefill":
+        from lserve.bench.sparse_prefill import CONTEXTS, TAUS, run
+
+        run(a.out, contexts=a.contexts or CONTEXTS, taus=a.prefill_sparsity or TAUS, name=a.name or "sparse_prefill_h200")
     elif a.what == "profile-threshold":
         import torch
 
@@ -202,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that write JSON + PNG under benchmarks/")
     b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold", "serve", "selection-mass",
-                                      "prefill-sparsity"])
+                                      "prefill-sparsity", "sparse-prefill"])
     b.add_argument("--out", default="benchmarks")
     b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096], help="cpu: prompt lengths")
     b.add_argument("--decode-tokens", type=int, default=None,
@@ -216,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", type=int, nargs="+", default=None,
                    help="e2e (default 8k..256k) / profile-threshold (default multiples of the budget)")
     b.add_argument("--no-hf", action="store_true", help="e2e: skip the transformers peer")
+    b.add_argument("--prefill-sparsity", type=float, nargs="+", default=None, metavar="TAU",
+                   help="e2e: also LServe with block-sparse prefill at each tau; sparse-prefill: the taus "
+                        "(default 0.75 0.5 0.25 0.1)")
     b.add_argument("--batched", default="8x32768", help="e2e: the batched decode point, SEQSxCONTEXT or none")
     b.add_argument("--side-max-context", type=int, default=None,
                    help="e2e: longest context for the static-only and dynamic-only configurations")

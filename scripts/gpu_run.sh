@@ -8,6 +8,8 @@
 #   threshold  threshold_h200.{json,png}, threshold.log (lserve bench profile-threshold; the
 #              profile it saves is what the e2e engines then use)
 #   e2e        e2e_h200.{json,png}, e2e.log (lserve bench e2e; E2E_ARGS adds flags)
+#   sparse     sparse_prefill_h200.{json,png}, sparse_prefill.log (python -m lserve.bench.sparse_prefill:
+#              block-sparse prefill attention vs SDPA; SPARSE_ARGS adds flags)
 #   probe      probe_*.json, probe.log (scripts/probe_$PROBE.py: PROBE=decode (default), selector, launch or timeline;
 #              PROBE_ARGS adds flags)
 #   profile    profile_*.json, profile.log (kernels of the prefill and eager decode steps by GPU time;
@@ -49,6 +51,11 @@ if has e2e; then
     timeout "${E2E_TIMEOUT:-570}" "$PY" -m lserve bench e2e --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
     rc=$((rc | (PIPESTATUS[0] != 0)))
 fi
+if has sparse; then
+    # shellcheck disable=SC2086
+    timeout "${SPARSE_TIMEOUT:-420}" "$PY" -m lserve.bench.sparse_prefill "$OUT" ${SPARSE_ARGS:-} 2>&1 | tee "$OUT/sparse_prefill.log"
+    rc=$((rc | (PIPESTATUS[0] != 0)))
+fi
 
 if has probe; then
     # shellcheck disable=SC2086
@@ -69,6 +76,7 @@ fi
 has kernels && { echo "== kernel benchmark"; sed -n '/^copy bandwidth/,$p' "$OUT/kernels_bench.log"; }
 has threshold && { echo "== threshold"; tail -n 1 "$OUT/threshold.log"; }
 has e2e && { echo "== e2e"; sed -n '/^weight floor/,$p' "$OUT/e2e.log"; }
+has sparse && { echo "== sparse prefill"; grep -E '^ *[0-9]+ tau' "$OUT/sparse_prefill.log"; }
 has profile && { echo "== profile"; sed -n '/of kernels per step/,$p' "$OUT/profile.log"; }
 # The device returns at most 8 files from $OUT: past that, the logs travel as one archive.
 if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then

@@ -27,7 +27,7 @@ def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, B: int) -> torch.Tensor:
 
 
 def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: PrefillBlocks,
-                   scale: float) -> torch.Tensor:
+                   scale: float, impl: str | None = None) -> torch.Tensor:
     """Block-sparse causal attention of a chunk, computing only kept tiles.
 
     Parameters
@@ -39,6 +39,9 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Pr
     blocks : PrefillBlocks
         Every KV head keeps the same number of tiles per row.
     scale : float
+    impl : str, optional
+        Fused kernel to force on CUDA (``"flash"`` / ``"cudnn"``, benchmarks); default: the
+        chunked-prefill choice.
 
     Returns
     -------
@@ -70,9 +73,9 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Pr
         kn, vn = k[:, a:re], v[:, a:re]
         if kp:
             o = dense_chunk(qr, torch.cat(kp, 1) if len(kp) > 1 else kp[0],
-                            torch.cat(vp, 1) if len(vp) > 1 else vp[0], kn, vn, g, scale)
+                            torch.cat(vp, 1) if len(vp) > 1 else vp[0], kn, vn, g, scale, impl)
         else:
-            o, _ = attention_lse(qr, kn.repeat_interleave(g, 0), vn.repeat_interleave(g, 0), True, scale)
+            o, _ = attention_lse(qr, kn.repeat_interleave(g, 0), vn.repeat_interleave(g, 0), True, scale, impl)
         out[:, a - start: re - start] = o
     return out
 

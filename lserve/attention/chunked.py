@@ -80,7 +80,8 @@ def _pick_impl(device: torch.device, dtype: torch.dtype, d: int) -> str:
     return "math"
 
 
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  impl: str | None = None):
     """Attention with its log-sum-exp.
 
     Parameters
@@ -92,6 +93,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     causal : bool
         Query i sees key j iff j <= i + Lk - Lq (aligned to the lower right; only used with Lq == Lk).
     scale : float
+    impl : str, optional
+        ``"flash"`` or ``"cudnn"`` to force a fused kernel on CUDA (benchmarks); default: the
+        one picked for this device.
 
     Returns
     -------
@@ -100,6 +104,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     """
     if q.device.type != "cuda" or q.dtype == torch.float32:
         return _math_lse(q, k, v, causal, scale)
+    if impl is not None:
+        return _fused_lse(impl, q, k, v, causal, scale)
     key = f"{q.device}:{q.dtype}:{q.shape[-1]}"
     impl = _IMPL.get(key)
     if impl is None:
@@ -188,7 +194,7 @@ def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torc
 
 
 def dense_chunk(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_new: torch.Tensor,
-                v_new: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+                v_new: torch.Tensor, group: int, scale: float, impl: str | None = None) -> torch.Tensor:
     """Dense heads of one chunk: causal attention to the past and to itself.
 
     Parameters
@@ -202,6 +208,8 @@ def dense_chunk(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_n
     group : int
         G, query heads per KV head.
     scale : float
+    impl : str, optional
+        Fused kernel to force (:func:`attention_lse`).
 
     Returns
     -------
@@ -211,9 +219,9 @@ def dense_chunk(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_n
     hq, n, d = q.shape
     hd = hq // group
     # Past: no mask, so the group's query rows stack into one query axis per KV head.
-    o1, l1 = attention_lse(q.reshape(hd, group * n, d), k_past, v_past, False, scale)
+    o1, l1 = attention_lse(q.reshape(hd, group * n, d), k_past, v_past, False, scale, impl)
     o1, l1 = o1.reshape(hq, n, d), l1.reshape(hq, n)
-    o2, l2 = attention_lse(q, k_new.repeat_interleave(group, 0), v_new.repeat_interleave(group, 0), True, scale)
+    o2, l2 = attention_lse(q, k_new.repeat_interleave(group, 0), v_new.repeat_interleave(group, 0), True, scale, impl)
     return merge_lse(o1, l1, o2, l2)
 
 

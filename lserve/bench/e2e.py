@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -193,12 +194,19 @@ def max_context(loaded: LoadedModel, model: str, device: str, free_bytes: int,
     return tokens, per_token
 
 
-def _jobs(contexts, hf: bool, hf_max_context: int, side_max_context: int | None, batched) -> list[tuple]:
+def prefill_sparse_configs(taus) -> dict[str, SparsityConfig]:
+    """LServe plus block-sparse prefill of the dense heads at each tau (``lserve-prefill-sparse@TAU``)."""
+    return {f"lserve-prefill-sparse@{t:g}": replace(CONFIGS["lserve"], prefill_sparsity=t) for t in taus}
+
+
+def _jobs(contexts, hf: bool, hf_max_context: int, side_max_context: int | None, batched,
+          extra: tuple[str, ...] = ()) -> list[tuple]:
     """Runs in the order that answers the targets first (a deadline may cut the tail):
-    dense and LServe at the shortest and longest contexts, transformers at 128k, the rest."""
+    dense and LServe (and the ``extra`` configurations) at the shortest and longest contexts,
+    transformers at 128k, the rest."""
     cs = sorted(contexts)
     main_order = [cs[0]] + sorted(cs[1:], reverse=True)
-    jobs = [(c, ctx) for ctx in main_order for c in ("dense", "lserve")]
+    jobs = [(c, ctx) for ctx in main_order for c in ("dense", "lserve", *extra)]
     hf_ctx = sorted((c for c in cs if c <= hf_max_context), key=lambda c: (c != 131072, -c)) if hf else []
     jobs += [("transformers", ctx) for ctx in hf_ctx[:1]] + [("max-context", None)]
     jobs += [("transformers", ctx) for ctx in hf_ctx[1:]]
@@ -214,12 +222,14 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                   hf: bool = True, hf_max_context: int = 131072, name: str = "e2e_h200",
                   batched: tuple[int, int] | None = (8, 32768), reserve_gib: float = 8.0,
                   side_max_context: int | None = None, deadline_s: float | None = None,
-                  async_decode: bool = True) -> dict:
+                  async_decode: bool = True, prefill_sparsity=()) -> dict:
     """Measure the configurations; write ``{name}.json`` (after every run) and ``{name}.png``.
 
     ``side_max_context`` caps the contexts of the static-only and dynamic-only configurations;
     ``deadline_s`` skips the runs that would start after that many seconds (listed in the report);
-    ``async_decode`` False measures the engine with host and GPU work one after the other.
+    ``async_decode`` False measures the engine with host and GPU work one after the other;
+    ``prefill_sparsity``: taus of extra ``lserve-prefill-sparse@TAU`` configurations (their rows
+    carry the kept fraction of the dense heads' causal prefill tiles).
     """
     from lserve.sparsity.threshold import lookup_ratio, profile_key
 
@@ -250,7 +260,9 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                      "ttft_s": None if ttft is None else round(ttft, 4),
                      "decode_ms_per_token": None if per_token is None else round(per_token * 1e3, 3), **extra})
 
-    jobs = _jobs(contexts, hf, hf_max_context, side_max_context, batched)
+    configs = {**CONFIGS, **prefill_sparse_configs(prefill_sparsity)}
+    jobs = _jobs(contexts, hf, hf_max_context, side_max_context, batched,
+                 tuple(c for c in configs if c not in CONFIGS))
     for cname, ctx in tqdm(jobs, desc="e2e", unit="run"):
         if cname == "max-context" and not gpu:
             continue
@@ -267,14 +279,16 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                 report["kv_bytes_per_token"] = {k: round(v, 1) for k, v in per.items()}
             else:
                 config, nb, c = (ctx, batched[0], batched[1]) if cname == "batched" else (cname, 1, ctx)
-                eng = _engine(loaded, model, CONFIGS[config], c, device, backend, decode_steps, num_seqs=nb,
+                eng = _engine(loaded, model, configs[config], c, device, backend, decode_steps, num_seqs=nb,
                               async_decode=async_decode)
                 measure_engine(eng, 256, 4)  # warm-up: kernels compiled, allocator primed
                 if eng.graphs is not None:
                     eng.graphs.events = []  # GPU time of each replay (without async decode the rest is host work)
                 if nb == 1:
+                    tiles0 = list(eng.backend.prefill_tiles)
                     ttft, dec = measure_engine(eng, c, decode_steps)
-                    row(config, 1, c, ttft, dec)
+                    kept, causal = (a - b for a, b in zip(eng.backend.prefill_tiles, tiles0))
+                    row(config, 1, c, ttft, dec, **({"prefill_kept_fraction": round(kept / causal, 4)} if causal else {}))
                 else:
                     ttft, step = measure_batch(eng, nb, c, decode_steps)
                     row(config, nb, c, ttft, step, decode_tok_s=round(nb / step, 1))
@@ -286,7 +300,7 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                         "fused_ops": eng.model.fused is not None, "fused_problem": eng.fused_problem}
                 del eng
         except torch.OutOfMemoryError:
-            if cname in CONFIGS or cname == "transformers":
+            if cname in configs or cname == "transformers":
                 row(cname, 1, ctx, None, None, error="out of memory")
         release()
         write_json(out / f"{name}.json", report)
@@ -301,9 +315,9 @@ def summary(report: dict) -> str:
     by = {(r["config"], r["batch"], r["context"]): r for r in report["rows"]}
     lines = [f"weight floor {report['weight_floor_ms']} ms (copy {report['copy_bandwidth_TBps']} TB/s), "
              f"async decode {'on' if report.get('async_decode', True) else 'off'}",
-             f"{'config':>13} {'batch':>5} {'context':>8} {'TTFT s':>9} {'ms/token':>9} {'graph GPU ms':>12}"]
+             f"{'config':>25} {'batch':>5} {'context':>8} {'TTFT s':>9} {'ms/token':>9} {'graph GPU ms':>12}"]
     for r in report["rows"]:
-        lines.append(f"{r['config']:>13} {r['batch']:>5} {r['context']:>8} {r['ttft_s']!s:>9} "
+        lines.append(f"{r['config']:>25} {r['batch']:>5} {r['context']:>8} {r['ttft_s']!s:>9} "
                      f"{r['decode_ms_per_token']!s:>9} {r.get('replay_gpu_ms')!s:>12}")
     if report.get("skipped"):
         lines.append(f"skipped (deadline): {', '.join(report['skipped'])}")
@@ -329,6 +343,11 @@ def summary(report: dict) -> str:
         f"max context lserve+int4 / dense: {round(mx['lserve+int4'] / mx['dense'], 2) if mx.get('dense') else None}"
         " (target >= 4)",
     ]
+    for c in sorted({r["config"] for r in report["rows"]} - set(CONFIGS) - {"transformers"}):
+        kept = {r["context"]: r.get("prefill_kept_fraction") for r in report["rows"] if r["config"] == c}
+        lines.append(f"{c}: TTFT 128k transformers/it {ratio((c, 1, 131072), ('transformers', 1, 131072), 'ttft_s')} "
+                     f"(target >= 2.5), TTFT 256k dense/it {ratio((c, 1, 262144), ('dense', 1, 262144), 'ttft_s')} "
+                     f"(target >= 3), kept fraction {kept}")
     return "\n".join(lines)
 
 

@@ -60,7 +60,7 @@ def _model_config():
                        num_kv_heads=8, head_dim=128, name="llama3-8b-layer")
 
 
-def _median_events(fn, iters: int, warmup: int = 2) -> float:
+def median_events(fn, iters: int, warmup: int = 2) -> float:
     """Median milliseconds of ``fn()`` timed with CUDA events."""
     for _ in range(warmup):
         fn()
@@ -105,14 +105,14 @@ def graph_time(step, n_inner: int, replays: int = 15) -> float:
         torch.cuda.synchronize()
         TIMING_NOTES.append(f"graph capture failed ({str(e).splitlines()[0][:200]}); eager loop timed")
         run = loop
-    return _median_events(run, replays) / n_inner
+    return median_events(run, replays) / n_inner
 
 
 def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     b = torch.empty_like(a)
-    ms = _median_events(lambda: b.copy_(a), 10)
+    ms = median_events(lambda: b.copy_(a), 10)
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
@@ -291,7 +291,7 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
     return row
 
 
-def _prefill_backend(n_dense: int, local: int):
+def prefill_backend(n_dense: int, local: int):
     from lserve.attention.cupy_backend import CupyBackend
     from lserve.cache.kv_cache import KVCache
     from lserve.config import CacheConfig, SparsityConfig
@@ -316,7 +316,7 @@ def _sdpa_backends(qt, kt, vt, iters: int) -> dict:
                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         try:
             with sdpa_kernel(b):
-                res[name] = _median_events(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), iters)
+                res[name] = median_events(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), iters)
         except RuntimeError as e:
             res[name] = f"not run: {str(e).splitlines()[0][:160]}"
     qkv.clear()
@@ -340,31 +340,31 @@ def _prefill_row(context: int) -> dict:
     def sdpa():
         F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
 
-    row["sdpa_ms"] = _median_events(sdpa, iters)
+    row["sdpa_ms"] = median_events(sdpa, iters)
     flops = 4 * H * D * context * (context + 1) / 2
     row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
     row["sdpa_backend_ms"] = _sdpa_backends(qt, kt, vt, iters)
     step = SeqStep(0, 0, context, False, [], [])
     for local, key in ((LOCAL, "lserve_ms"), (LOCAL_PREFILL_LONG, "lserve_local8192_ms")):
-        be = _prefill_backend(4, local)
-        st = be.tables(be.plan([_with_pages(be, step, context)]))
-        row[key] = _median_events(lambda be=be, st=st: be.prefill(0, q, k, v, out, st), iters)
+        be = prefill_backend(4, local)
+        st = be.tables(be.plan([with_pages(be, step, context)]))
+        row[key] = median_events(lambda be=be, st=st: be.prefill(0, q, k, v, out, st), iters)
         if local == LOCAL:
-            row["lserve_streaming_part_ms"] = _median_events(
+            row["lserve_streaming_part_ms"] = median_events(
                 lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, 16, 16, True), iters)
             row["lserve_dense_part_ms"] = row["lserve_ms"] - row["lserve_streaming_part_ms"]
         else:
-            row["lserve_local8192_streaming_part_ms"] = _median_events(
+            row["lserve_local8192_streaming_part_ms"] = median_events(
                 lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, 16, 16, True), iters)
     if context <= DENSE_KERNEL_PREFILL_MAX:
-        be = _prefill_backend(8, LOCAL)
-        st = be.tables(be.plan([_with_pages(be, step, context)]))
-        row["kernel_dense_ms"] = _median_events(lambda: be.prefill_kernel(q, k, v, out, st, 0, H, False), iters)
+        be = prefill_backend(8, LOCAL)
+        st = be.tables(be.plan([with_pages(be, step, context)]))
+        row["kernel_dense_ms"] = median_events(lambda: be.prefill_kernel(q, k, v, out, st, 0, H, False), iters)
         row["kernel_dense_tflops"] = flops / (row["kernel_dense_ms"] * 1e-3) / 1e12
     return row
 
 
-def _with_pages(be, step, context: int):
+def with_pages(be, step, context: int):
     """The prefill step with enough (fake) page ids to pass the planner's size check."""
     from lserve.sparsity.plan import SeqStep
 
