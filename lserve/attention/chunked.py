@@ -30,6 +30,12 @@ import torch
 log = logging.getLogger("lserve")
 
 _IMPL: dict[str, str] = {}  # device type -> chosen fused kernel ("cudnn", "flash" or "math")
+_OK: dict[str, bool] = {}  # device:dtype:D:impl -> the fused kernel runs and is exact here
+# Sequences at least this long run their dense heads through cuDNN (SDPA on the H200); shorter
+# ones (the served path's chunks) through flash: cuDNN builds an execution plan per new shape
+# (~8 ms of host time per layer shape, `scripts/probe_mixed.py`: a first 256-token chunk next to
+# decodes took 265 ms), which only a long prompt's attention pays back.
+CUDNN_MIN_TOKENS = 16384
 
 
 def _math_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
@@ -56,28 +62,51 @@ def _fused_lse(impl: str, q, k, v, causal: bool, scale: float):
     return o[0], lse.reshape(q.shape[0], q.shape[1]).float()
 
 
-def _pick_impl(device: torch.device, dtype: torch.dtype, d: int) -> str:
-    """The first fused kernel that runs and matches the plain computation on random inputs."""
+def _check_impl(impl: str, device: torch.device, dtype: torch.dtype, d: int) -> None:
+    """Raise RuntimeError unless ``impl`` runs and matches the plain computation on random inputs."""
     gen = torch.Generator(device=device).manual_seed(0)
     shapes = ((4, 192, 320, False), (4, 192, 192, True))  # (heads, Lq, Lk, causal)
+    for h, lq, lk, causal in shapes:
+        q = torch.randn(h, lq, d, generator=gen, device=device, dtype=dtype)
+        # keys as the engine passes them: the first Lk rows of a longer gathered buffer
+        k, v = (torch.randn(h, lk + 16, d, generator=gen, device=device, dtype=dtype)[:, :lk] for _ in "kv")
+        o, lse = _fused_lse(impl, q, k, v, causal, d ** -0.5)
+        ro, rl = _math_lse(q, k, v, causal, d ** -0.5)
+        err = (o.float() - ro.float()).norm() / ro.float().norm()
+        if not (err < 2e-2 and torch.allclose(lse, rl, atol=2e-2, rtol=1e-3)):
+            raise RuntimeError(f"mismatch (relative error {float(err):.3g})")
+
+
+def impl_ok(impl: str, device: torch.device, dtype: torch.dtype, d: int) -> bool:
+    """Whether fused kernel ``impl`` ("flash" / "cudnn") runs exactly here (checked once per process)."""
+    key = f"{device}:{dtype}:{d}:{impl}"
+    if key not in _OK:
+        try:
+            _check_impl(impl, device, dtype, d)
+            _OK[key] = True
+        except RuntimeError as e:  # not built for this GPU/dtype, or wrong
+            log.info("chunked prefill: %s attention unusable here (%s)", impl, str(e).splitlines()[0][:200])
+            _OK[key] = False
+    return _OK[key]
+
+
+def _pick_impl(device: torch.device, dtype: torch.dtype, d: int) -> str:
+    """The first fused kernel that runs and matches the plain computation on random inputs."""
     # flash first: cuDNN builds an execution plan per new shape, and every chunk of a prefill has
     # new (chunk, past) lengths: on the H200 ~6 ms of host time per call, two calls per layer, so a
     # served 2k prompt took 20 s (the time-targeted budget then shrank the chunks, making more shapes).
     for impl in ("flash", "cudnn"):
-        try:
-            for h, lq, lk, causal in shapes:
-                q = torch.randn(h, lq, d, generator=gen, device=device, dtype=dtype)
-                # keys as the engine passes them: the first Lk rows of a longer gathered buffer
-                k, v = (torch.randn(h, lk + 16, d, generator=gen, device=device, dtype=dtype)[:, :lk] for _ in "kv")
-                o, lse = _fused_lse(impl, q, k, v, causal, d ** -0.5)
-                ro, rl = _math_lse(q, k, v, causal, d ** -0.5)
-                err = (o.float() - ro.float()).norm() / ro.float().norm()
-                if not (err < 2e-2 and torch.allclose(lse, rl, atol=2e-2, rtol=1e-3)):
-                    raise RuntimeError(f"mismatch (relative error {float(err):.3g})")
+        if impl_ok(impl, device, dtype, d):
             return impl
-        except RuntimeError as e:  # not built for this GPU/dtype, or wrong: try the next
-            log.info("chunked prefill: %s attention unusable here (%s)", impl, str(e).splitlines()[0][:200])
     return "math"
+
+
+def long_impl(device: torch.device, dtype: torch.dtype, d: int, length: int) -> str | None:
+    """The fused kernel for attention over ``length`` keys: cuDNN from :data:`CUDNN_MIN_TOKENS` on
+    where it is exact (its per-shape plans pay back there), else None (:func:`attention_lse`'s choice)."""
+    if device.type != "cuda" or dtype == torch.float32 or length < CUDNN_MIN_TOKENS:
+        return None
+    return "cudnn" if impl_ok("cudnn", device, dtype, d) else None
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
 from lserve.attention.block_sparse_prefill import sparse_prefill
-from lserve.attention.chunked import causal_attention, causal_impl, dense_chunk
+from lserve.attention.chunked import CUDNN_MIN_TOKENS, causal_attention, causal_impl, dense_chunk
 from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.cupy_tuning import CupyTuning
 from lserve.attention.torch_backend import TorchBackend
@@ -65,11 +65,6 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 LOG2E = 1.4426950408889634
 TOPK_THREADS = 512
 SCORE_PAGES_MAX = 128  # PPB_MAX in kernels/selector.cu
-# Fresh prompts at least this long run their dense heads through SDPA (cuDNN on the H200); shorter
-# ones (the served path's chunks) through flash: cuDNN builds an execution plan per new shape
-# (~8 ms of host time per layer shape, `scripts/probe_mixed.py`: a first 256-token chunk next to
-# decodes took 265 ms), which only a long prompt's attention pays back.
-CUDNN_MIN_TOKENS = 16384
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
