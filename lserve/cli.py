@@ -65,7 +65,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "calibration, see lserve calibrate-budgets), a calibration .json, or '' (off)")
     s.add_argument("--prefill-sparsity", type=float, default=D["prefill_sparsity"],
                    help="dynamic block-sparse prefill of dense heads: estimated attention mass each query "
-                        "block keeps, in [0, 1] (0: off; torch backend)")
+                        "block keeps, in [0, 1] (0: off; torch and cupy backends)")
     s.add_argument("--prefill-sparsity-min-len", type=int, default=D["prefill_sparsity_min_len"],
                    help="context (cached + chunk tokens) from which a prefill chunk is block-sparse")
     s.add_argument("--prefill-block", type=int, default=D["prefill_block"],

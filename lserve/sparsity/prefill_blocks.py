@@ -196,9 +196,8 @@ def _bound(q, k, start, B, QB, scale):
     kmax = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("-inf")).reshape(h, nkb, B, d).amax(2)
     kmin = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("inf")).reshape(h, nkb, B, d).amin(2)
     s = (qmean.clamp(min=0) @ kmax.transpose(1, 2) + qmean.clamp(max=0) @ kmin.transpose(1, 2)).mul_(scale)
-    last = (torch.clamp((torch.arange(R, device=q.device) + b0 + 1) * QB, max=L) - 1) // B  # row's last causal block
-    s = s.view(hq, R, nkb).masked_fill_((torch.arange(nkb, device=q.device)[None, :] > last[:, None])[None],
-                                        float("-inf"))
+    _, causal = mandatory_tiles(start, L, B, QB, q.device)
+    s = s.view(hq, R, nkb).masked_fill_(~causal[None], float("-inf"))
     return torch.softmax(s, dim=-1)  # [Hq, R, nkb]
 
 
@@ -277,10 +276,10 @@ def _to_list(keep: torch.Tensor, block: int, start: int, length: int, q_block: i
     return PrefillBlocks(ip.to(torch.int32), indices.to(torch.int32), block, start, length, q_block)
 
 
-def _keep_top(prio: torch.Tensor, counts: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
-    """bool [H, R, nkb]: the ``counts`` [H, R] (or [R]) tiles of highest ``prio`` per row."""
-    order = prio.argsort(dim=-1, descending=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=prio.device)
+def _keep_top(order: torch.Tensor, counts: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """bool [H, R, nkb]: per row, the first ``counts`` [H, R] (or [R]) tiles of ``order`` (tile ids
+    by descending priority)."""
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
                                             .expand_as(order).contiguous())
     return (rank < counts[..., None]) & causal[None]
 
@@ -310,12 +309,13 @@ def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block
     if tau >= 1.0:
         return _to_list(causal[None].expand(h, -1, -1), block, start, length, qb)
     prio = mass.masked_fill(~causal[None], -1.0).masked_fill(must[None], 2.0)  # mandatory first
-    m_sorted = mass.masked_fill(~causal[None], 0.0).gather(-1, prio.argsort(dim=-1, descending=True))
+    order = prio.argsort(dim=-1, descending=True)
+    m_sorted = mass.masked_fill(~causal[None], 0.0).gather(-1, order)
     before = m_sorted.cumsum(-1) - m_sorted  # mass held before each tile is added
     need = ((before < tau).sum(-1)).clamp(min=must.sum(-1)[None])  # [H, R]: tiles to reach tau
     quantum = qb // block
     n = (-(-need.amax(0) // quantum) * quantum).clamp(max=causal.sum(-1))  # [R]: one count per row
-    return _to_list(_keep_top(prio, n, causal), block, start, length, qb)
+    return _to_list(_keep_top(order, n, causal), block, start, length, qb)
 
 
 def prefill_blocks(q: torch.Tensor, k: torch.Tensor, start: int, block: int, scale: float, tau: float,
@@ -323,9 +323,8 @@ def prefill_blocks(q: torch.Tensor, k: torch.Tensor, start: int, block: int, sca
     """Estimate and cut in one call: q [H_kv * G, Lq, D], k [H_kv, L, D] -> :class:`PrefillBlocks`."""
     g = q.shape[0] // k.shape[0]
     if tau >= 1.0:  # every causal tile: nothing to estimate
-        return select_blocks(torch.zeros(k.shape[0], *_rows(start, k.shape[1], q_block or block)[1:],
-                                         -(-k.shape[1] // block), device=q.device), tau, start, k.shape[1], block,
-                             q_block)
+        _, causal = mandatory_tiles(start, k.shape[1], block, q_block, q.device)
+        return _to_list(causal[None].expand(k.shape[0], -1, -1), block, start, k.shape[1], q_block or block)
     mass = combine_group(estimate_masses(q, k, start, block, scale, estimator, stride, q_block), g)
     return select_blocks(mass, tau, start, k.shape[1], block, q_block)
 
@@ -335,8 +334,8 @@ def oracle_at_counts(exact: torch.Tensor, blocks: PrefillBlocks) -> PrefillBlock
     the largest exact (group-combined) masses. exact: [H_kv, R, nkb]."""
     must, causal = mandatory_tiles(blocks.start, blocks.length, blocks.block, blocks.q_block, exact.device)
     counts = (blocks.indptr[:, 1:] - blocks.indptr[:, :-1]).long()  # [H, R]
-    prio = exact.masked_fill(~causal[None], -1.0).masked_fill(must[None], 2.0)
-    return _to_list(_keep_top(prio, counts, causal), blocks.block, blocks.start, blocks.length, blocks.q_block)
+    order = exact.masked_fill(~causal[None], -1.0).masked_fill(must[None], 2.0).argsort(dim=-1, descending=True)
+    return _to_list(_keep_top(order, counts, causal), blocks.block, blocks.start, blocks.length, blocks.q_block)
 
 
 def recalled_mass(exact_q: torch.Tensor, blocks: PrefillBlocks, group: int) -> torch.Tensor:
