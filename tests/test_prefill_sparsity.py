@@ -147,6 +147,46 @@ def test_engine_prefill_sparsity(model, request):
         assert 0 < kept < causal
 
 
+def test_prompt_tail_rows_keep_every_causal_tile():
+    h, g, d, B, qb = 2, 4, 32, 16, 64
+    start, lq = 70, 300
+    q, k, _ = _inputs(h, g, start, lq, d, peaked=True)
+    L = start + lq
+    _, causal = mandatory_tiles(start, L, B, qb)
+    plain = prefill_blocks(q, k, start, B, d ** -0.5, 0.5, "antidiagonal", stride=4, q_block=qb)
+    tail = prefill_blocks(q, k, start, B, d ** -0.5, 0.5, "antidiagonal", stride=4, q_block=qb, dense_from=L - qb)
+    pm, tm = plain.block_mask(), tail.block_mask()
+    ends = [tail.row_span(r)[1] for r in range(tail.n_rows)]
+    dense_rows = [r for r, e in enumerate(ends) if e > L - qb]
+    assert dense_rows == [tail.n_rows - 2, tail.n_rows - 1]  # the last qb positions span two rows here
+    for r in range(tail.n_rows):
+        if r in dense_rows:
+            assert torch.equal(tm[:, r], causal[None, r].expand(h, -1))
+        else:
+            assert torch.equal(tm[:, r], pm[:, r])
+    assert not torch.equal(pm[:, dense_rows], tm[:, dense_rows])  # the cut did drop tiles there
+    whole = prefill_blocks(q, k, start, B, d ** -0.5, 0.5, "antidiagonal", stride=4, q_block=qb, dense_from=start)
+    assert whole.kept_fraction() == 1.0
+
+
+def test_engine_prefill_sparsity_keeps_the_passkey(smol):
+    """A user's retrieval prompt with prefill sparsity on still finds its key: the cut must not
+    reach the prompt's last rows, whose outputs are the first token (it did, and answered noise)."""
+    from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+    from lserve.engine import LLMEngine, SamplingParams
+    from lserve.eval.tasks import make_passkey_case
+
+    case = make_passkey_case(smol.tokenizer, 2048, 0.5, seed=0)
+    sp = SparsityConfig(pattern=None, token_budget=0, prefill_sparsity=0.9, prefill_sparsity_min_len=0,
+                        prefill_q_block=256)
+    eng = LLMEngine(EngineConfig(model="default", sparsity=sp, cache=CacheConfig(max_tokens=2400),
+                                 max_model_len=2400, max_batched_tokens=4096), smol)
+    out = eng.generate([case.prompt_ids], SamplingParams(max_tokens=8, temperature=0))[0]
+    kept, causal = eng.backend.prefill_tiles
+    assert kept < 0.95 * causal  # the rest of the prompt did run sparse
+    assert case.answers[0] in out.text, out.text
+
+
 def test_prefill_sparsity_config_checked_once():
     from lserve.config import ConfigError, SparsityConfig
 

@@ -118,12 +118,15 @@ class AttentionBackend(ABC):
 
     def sparse_prefill_blocks(self, sp: SeqPlan, qd: torch.Tensor, kd: torch.Tensor) -> PrefillBlocks | None:
         """The dense heads' block list of a prefill chunk, or None where it runs dense
-        (:meth:`prefill_tau`). qd: [Hd*G, n, D] the chunk's queries; kd: [Hd, start + n, D]."""
+        (:meth:`prefill_tau`); rows holding the prompt's last ``prefill_q_block`` positions keep
+        every causal tile. qd: [Hd*G, n, D] the chunk's queries; kd: [Hd, start + n, D]."""
         tau = self.prefill_tau(sp)
         if not tau:
             return None
+        end = sp.step.prefill_end
         blocks = prefill_blocks(qd, kd, sp.step.start, self.sp.prefill_block, self.scale, tau,
-                                self.sp.prefill_estimator, self.sp.prefill_stride, self.sp.prefill_q_block)
+                                self.sp.prefill_estimator, self.sp.prefill_stride, self.sp.prefill_q_block,
+                                dense_from=end - self.sp.prefill_q_block if end else None)
         self.prefill_tiles[0] += blocks.indices.numel()
         self.prefill_tiles[1] += blocks.causal_tiles() * kd.shape[0]
         return blocks

@@ -378,7 +378,7 @@ class LLMEngine:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
             steps.append(SeqStep(seq.seq_id, start, n, item.decode, seq.dense_pages, seq.stream_pages,
-                                 seq.params.token_budget, seq.params.prefill_sparsity))
+                                 seq.params.token_budget, seq.params.prefill_sparsity, seq.num_tokens))
             if prev is None:
                 ids.extend(seq.tokens(start, start + n))
             pos.extend(range(start, start + n))

@@ -36,6 +36,7 @@ class SeqStep:
     stream_pages: list[int] = field(default_factory=list)
     token_budget: int | None = None  # per-request override of SparsityConfig.token_budget
     prefill_sparsity: float | None = None  # per-request override of SparsityConfig.prefill_sparsity
+    prefill_end: int = 0  # tokens cached when this prefill reaches its first sample (0: unknown)
 
 
 @dataclass

@@ -7,7 +7,10 @@ positions; row ``r`` of the result is query row ``start // q_block + r``. Per (K
 kept KV blocks are: the sink block 0, the blocks the row's own span touches (its diagonal) and the
 block before it, then the others in descending estimated attention mass until the row's
 cumulative estimate (mandatory blocks included) reaches ``tau``. ``tau >= 1`` keeps every causal
-block. Every KV head of a row then keeps the same number of blocks (the most any of them needs,
+block, and so do the rows holding a prompt's last ``q_block`` positions (``dense_from``): their
+outputs feed the first sampled token directly, so they read the whole context as decode does
+(on the default model, estimated-mass cuts there turned retrieval answers into noise). Every KV
+head of a row then keeps the same number of blocks (the most any of them needs,
 rounded up to a multiple of ``q_block // block`` and capped by the causal count, the extra ones
 again by estimate), so that a row's kept keys gather into one dense batch of few distinct lengths
 (:func:`lserve.attention.block_sparse_prefill.sparse_prefill`).
@@ -285,7 +288,7 @@ def _keep_top(order: torch.Tensor, counts: torch.Tensor, causal: torch.Tensor) -
 
 
 def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block: int,
-                  q_block: int | None = None) -> PrefillBlocks:
+                  q_block: int | None = None, dense_from: int | None = None) -> PrefillBlocks:
     """The block list of a chunk from per-KV-head masses.
 
     Parameters
@@ -298,6 +301,8 @@ def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block
         Chunk's first position, tokens in cache after it, keys per KV block.
     q_block : int, optional
         Query positions per row (default ``block``).
+    dense_from : int, optional
+        Rows ending after this position keep every causal tile (the prompt's tail).
 
     Returns
     -------
@@ -315,18 +320,26 @@ def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block
     need = ((before < tau).sum(-1)).clamp(min=must.sum(-1)[None])  # [H, R]: tiles to reach tau
     quantum = qb // block
     n = (-(-need.amax(0) // quantum) * quantum).clamp(max=causal.sum(-1))  # [R]: one count per row
+    if dense_from is not None:
+        b0, R = _rows(start, length, qb)
+        row_end = ((torch.arange(R, device=n.device) + b0 + 1) * qb).clamp(max=length)
+        n = torch.where(row_end > dense_from, causal.sum(-1), n)
     return _to_list(_keep_top(order, n, causal), block, start, length, qb)
 
 
 def prefill_blocks(q: torch.Tensor, k: torch.Tensor, start: int, block: int, scale: float, tau: float,
-                   estimator: str = "antidiagonal", stride: int = 8, q_block: int | None = None) -> PrefillBlocks:
-    """Estimate and cut in one call: q [H_kv * G, Lq, D], k [H_kv, L, D] -> :class:`PrefillBlocks`."""
+                   estimator: str = "antidiagonal", stride: int = 8, q_block: int | None = None,
+                   dense_from: int | None = None) -> PrefillBlocks:
+    """Estimate and cut in one call: q [H_kv * G, Lq, D], k [H_kv, L, D] -> :class:`PrefillBlocks`
+    (``dense_from``: see :func:`select_blocks`)."""
     g = q.shape[0] // k.shape[0]
-    if tau >= 1.0:  # every causal tile: nothing to estimate
-        _, causal = mandatory_tiles(start, k.shape[1], block, q_block, q.device)
-        return _to_list(causal[None].expand(k.shape[0], -1, -1), block, start, k.shape[1], q_block or block)
+    qb = q_block or block
+    first_row_end = min(k.shape[1], (start // qb + 1) * qb)
+    if tau >= 1.0 or (dense_from is not None and first_row_end > dense_from):  # every causal tile
+        _, causal = mandatory_tiles(start, k.shape[1], block, qb, q.device)
+        return _to_list(causal[None].expand(k.shape[0], -1, -1), block, start, k.shape[1], qb)
     mass = combine_group(estimate_masses(q, k, start, block, scale, estimator, stride, q_block), g)
-    return select_blocks(mass, tau, start, k.shape[1], block, q_block)
+    return select_blocks(mass, tau, start, k.shape[1], block, q_block, dense_from)
 
 
 def oracle_at_counts(exact: torch.Tensor, blocks: PrefillBlocks) -> PrefillBlocks:
