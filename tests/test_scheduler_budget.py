@@ -37,6 +37,18 @@ def test_chunk_cost_grows_with_the_past():
     assert abs(b.cost(b.tokens_within(5000, 60000, 10**6), 60000) - 5000) < 10
 
 
+def test_a_prompt_of_max_batched_tokens_is_one_step():
+    """max_batched_tokens keeps vLLM's meaning for a fresh prompt (the benchmarks time one-step
+    prefill with it); only chunks with a past are shrunk by their attention cost."""
+    b = StepBudget(8192, alpha=3.3e-4)  # the default model: attention is a third of a 2k prompt's FLOPs
+    assert b.tokens_within(b.prefill_budget(0), 0, 10**6) == 8192
+    assert b.tokens_within(b.prefill_budget(0), 8192, 10**6) < 8192
+    llm = LLM("tiny", max_batched_tokens=1500)
+    llm.add_request([10 + i % 200 for i in range(1500)], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    outs = llm.step()
+    assert llm.last_step_info["prefill_tokens"] == 1500 and outs and outs[0].finished
+
+
 def simulate(budget: StepBudget, steps: int, overhead_mixed: float, decode_s: float, rate: float) -> list[float]:
     """Steps of a device whose step takes (decode-only) ``decode_s``, or ``overhead_mixed`` +
     cost / ``rate`` when it prefills next to decodes (an eager step): the budgets it was given."""

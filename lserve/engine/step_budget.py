@@ -11,7 +11,9 @@ long prompt is prefilled in chunks whose *cost* is bounded, not only their token
   constant window and are left out). A chunk near the end of a 128k prompt of Llama-3-8B with
   half the heads streaming costs ~3.4x one at its start.
 * Without a time target (``step_time_target = 0``, the engine's default) a step carries at most
-  ``max_batched_tokens`` token-equivalents, decodes included, deterministically.
+  ``max_batched_tokens`` tokens and at most the cost of prefilling that many from an empty cache
+  (decodes included, deterministically): a prompt of ``max_batched_tokens`` tokens is one step,
+  as in vLLM, and chunks deeper into a longer prompt carry fewer tokens for the same cost.
 * With one (``lserve serve``'s default), the budget follows measured speed. A step is modelled
   as ``overhead + cost / rate``: ``rate`` (token-equivalents per second) is learnt from steps
   that only prefill, times the target gives their budget. A step that also decodes runs eagerly
@@ -56,7 +58,8 @@ class StepBudget:
     Parameters
     ----------
     max_tokens : int
-        Token-equivalents per step at most (``max_batched_tokens``).
+        Tokens per step at most (``max_batched_tokens``); a step's cost is capped at
+        :attr:`cap`, that of prefilling ``max_tokens`` tokens from an empty cache.
     alpha : float
         :func:`attention_alpha` of the model.
     target_s : float
@@ -76,6 +79,11 @@ class StepBudget:
     decode_s: float | None = None  # seconds of a decode-only step
     mixed_s: float | None = None  # fixed seconds of a step that decodes and prefills (beyond cost / rate)
 
+    @property
+    def cap(self) -> float:
+        """Token-equivalents a step may carry: a fresh prompt of ``max_tokens`` tokens."""
+        return self.cost(self.max_tokens, 0)
+
     def cost(self, n: int, start: int) -> float:
         """Token-equivalents of prefilling ``n`` tokens after ``start`` cached ones."""
         return n * (1.0 + self.alpha * (start + n / 2))
@@ -93,7 +101,7 @@ class StepBudget:
 
     def prefill_budget(self, n_decode: int) -> float:
         """Token-equivalents of prefill the next step may carry next to ``n_decode`` decodes."""
-        cap = float(self.max_tokens - n_decode)
+        cap = self.cap - n_decode
         if self.target_s <= 0:
             return cap
         if self.rate is None:  # nothing measured yet: a small first step to learn from
