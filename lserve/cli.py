@@ -156,10 +156,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
                                                depths=tuple(a.depths)),
                            a.out, name=a.name or "selection_mass_cpu")
     elif a.what == "prefill-sparsity":
-        from lserve.bench.prefill_sparsity import run_prefill_sparsity
+        from lserve.bench.prefill_sparsity import CONTEXTS, Q_BLOCK, STRIDE, run_prefill_sparsity
 
-        run_prefill_sparsity(a.out, contexts=tuple(a.contexts or (2048, 4096, 8192)), model=a.model or "default",
-                             name=a.name or "prefill_sparsity_cpu")
+        run_prefill_sparsity(a.out, contexts=tuple(a.contexts or CONTEXTS), model=a.model or "default",
+                             name=a.name or "prefill_sparsity_cpu", q_block=a.q_block or Q_BLOCK,
+                             stride=a.stride or STRIDE)
     elif a.what == "kernels":
         from lserve.bench.kernels import run_kernel_bench
 
@@ -246,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="selection-mass: token budgets of the table and plot")
     b.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.75],
                    help="selection-mass: needle depths of the prompts")
+    b.add_argument("--q-block", type=int, default=None,
+                   help="prefill-sparsity: query positions per row (default: the lserve-prefill-sparse preset's)")
+    b.add_argument("--stride", type=int, default=None,
+                   help="prefill-sparsity: antidiagonal stride (default: SparsityConfig.prefill_stride)")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)")

@@ -1,25 +1,68 @@
-"""``lserve bench prefill-sparsity``: kept block fraction and true attention mass recalled by the
+"""``lserve bench prefill-sparsity``: kept tile fraction and true attention mass recalled by the
 block-sparse prefill estimators (:mod:`lserve.sparsity.prefill_blocks`), per layer and KV head.
 
-The default model prefills generated passkey prompts in one chunk with every head dense; each
-layer's RoPE'd Q/K are scored exactly (oracle) and by both estimators at each tau. For each
-estimator the report gives the kept fraction, the exact mass its tiles hold, and the exact best
-list with the same number of tiles per row (oracle at the same kept fraction).
+The model prefills a generated passkey prompt per context in one chunk with every head dense;
+each layer's RoPE'd Q/K are scored exactly (oracle) and by each estimator, then cut at each tau
+with the engine's rule (:func:`~lserve.sparsity.prefill_blocks.select_blocks`: rows of ``q_block``
+queries, one kept count per row for every KV head). For each (layer, estimator, tau) the report
+gives per KV head the kept fraction, the fraction that head alone would keep, the exact mass its
+tiles hold and the exact best list with the same tiles per row (oracle at the same kept fraction).
+The engine also keeps the prompt's last ``q_block`` positions dense (``dense_from``); the bench
+measures the cut alone and does not apply that rule.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
+from lserve.config import SparsityConfig
+from lserve.eval.harness import PRESET_CONFIGS
 
-def run_prefill_sparsity(out_dir: str, contexts=(2048, 4096), taus=(0.9, 0.95), block: int = 64,
-                         name: str = "prefill_sparsity_cpu", model: str = "default") -> dict:
-    """Measure and write ``<out_dir>/<name>.json``; returns the report."""
+# Defaults: the eval preset with prefill sparsity on (tau, rows of queries) and the engine's
+# block and antidiagonal stride.
+_PRESET = PRESET_CONFIGS["lserve-prefill-sparse"]
+TAUS = (_PRESET.prefill_sparsity, 0.95)
+Q_BLOCK = _PRESET.prefill_q_block
+BLOCK = SparsityConfig.prefill_block
+STRIDE = SparsityConfig.prefill_stride
+CONTEXTS = (2048, 4096, 8192)
+ESTIMATORS = ("antidiagonal", "bound", "oracle")
+PASSKEY_DEPTH = 0.5
+
+
+def run_prefill_sparsity(out_dir: str, contexts=CONTEXTS, taus=TAUS, block: int = BLOCK, q_block: int = Q_BLOCK,
+                         stride: int = STRIDE, name: str = "prefill_sparsity_cpu", model: str = "default",
+                         progress: bool = True) -> dict:
+    """Measure; write ``<out_dir>/<name>.json``, then ``<name>.png`` and ``<name>_layers.png``.
+
+    Parameters
+    ----------
+    out_dir : str
+        Output directory.
+    contexts : sequence of int
+        Prompt lengths (one passkey prompt each, depth :data:`PASSKEY_DEPTH`, seed 0).
+    taus : sequence of float
+        Estimated mass each row keeps (``prefill_sparsity``).
+    block, q_block, stride : int
+        Keys per KV block, queries per row (a multiple of ``block``), antidiagonal stride.
+    name : str
+        Output file stem.
+    model : str
+        Model spec for :func:`lserve.models.loader.load_model` (``"tiny"`` for tests).
+    progress : bool
+        Print a line per layer as it is measured.
+
+    Returns
+    -------
+    dict
+        The report: :func:`lserve.bench.report.header` fields, settings, ``summary`` (means per
+        context, tau and estimator) and ``rows`` (per context, layer, tau, estimator; lists per KV head).
+    """
     import torch
 
-    from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+    from lserve.bench.report import header, write_json
+    from lserve.config import CacheConfig, EngineConfig
     from lserve.engine import LLMEngine, SamplingParams
     from lserve.eval.tasks import make_passkey_case
     from lserve.models.loader import load_model
@@ -27,17 +70,20 @@ def run_prefill_sparsity(out_dir: str, contexts=(2048, 4096), taus=(0.9, 0.95), 
         combine_group,
         estimate_masses,
         oracle_at_counts,
-        prefill_blocks,
         recalled_mass,
+        select_blocks,
     )
 
+    if q_block % block or block % stride:
+        raise ValueError(f"need q_block % block == 0 and block % stride == 0, got {q_block}, {block}, {stride}")
     t0 = time.perf_counter()
     loaded = load_model(model, dtype=torch.float32, device="cpu")
     mc = loaded.config
     g, scale = mc.group_size, mc.head_dim ** -0.5
-    rows = []
+    rows, seconds = [], {}
     for ctx in contexts:
-        case = make_passkey_case(loaded.tokenizer, ctx, 0.5, seed=0)
+        tc = time.perf_counter()
+        case = make_passkey_case(loaded.tokenizer, ctx, PASSKEY_DEPTH, seed=0)
         max_len = ctx + 256
         eng = LLMEngine(EngineConfig(model=model, sparsity=SparsityConfig(pattern=None, token_budget=0),
                                      cache=CacheConfig(max_tokens=max_len), max_num_seqs=1,
@@ -46,46 +92,86 @@ def run_prefill_sparsity(out_dir: str, contexts=(2048, 4096), taus=(0.9, 0.95), 
         orig = eng.backend.run
 
         def run(layer, q, k, v, plan, _orig=orig, _cap=captured):
-            if q.shape[0] > 1:
-                _cap[layer] = (q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous())  # [H, L, D]
+            if q.shape[0] > 1:  # the prefill
+                _cap.setdefault(layer, []).append((q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous()))
             return _orig(layer, q, k, v, plan)
 
         eng.backend.run = run
         eng.generate([case.prompt_ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        del eng
+        n = len(case.prompt_ids)
+        # The masses assume the whole prompt in one chunk from position 0 (a chunked prefill would
+        # leave only a chunk's queries here).
+        if sorted(captured) != list(range(mc.num_layers)) or any(
+                len(c) != 1 or c[0][0].shape[1] != n or c[0][1].shape[1] != n for c in captured.values()):
+            raise RuntimeError(f"context {ctx}: the {n}-token prompt was not prefilled in one chunk")
         for layer in sorted(captured):
-            q, k = captured[layer]
-            exact_q = estimate_masses(q, k, 0, block, scale, "oracle")  # [Hq, R, nkb]
-            exact = combine_group(exact_q, g)
-            for tau in taus:
-                for est in ("antidiagonal", "bound", "oracle"):
-                    blocks = prefill_blocks(q, k, 0, block, scale, tau, est)
+            tl = time.perf_counter()
+            q, k = captured.pop(layer)[0]  # [Hq, L, D], [Hkv, L, D]
+            L, hkv = k.shape[1], k.shape[0]
+            exact_q = estimate_masses(q, k, 0, block, scale, "oracle", stride, q_block)  # [Hq, R, nkb]
+            exact = combine_group(exact_q, g)  # [Hkv, R, nkb]
+            for est in ESTIMATORS:
+                # One estimate per estimator, cut at every tau (prefill_blocks without dense_from).
+                mass = exact if est == "oracle" else combine_group(
+                    estimate_masses(q, k, 0, block, scale, est, stride, q_block), g)
+                for tau in taus:
+                    blocks = select_blocks(mass, tau, 0, L, block, q_block)
                     best = oracle_at_counts(exact, blocks)
+                    causal = blocks.causal_tiles()
                     bm = blocks.block_mask()
-                    kept = [float(bm[h].sum()) / blocks.causal_tiles() for h in range(k.shape[0])]
-                    rec = recalled_mass(exact_q, blocks, g).view(-1, g).mean(1).tolist()
-                    rec_best = recalled_mass(exact_q, best, g).view(-1, g).mean(1).tolist()
+                    # What each head alone would keep: the shared count is the most any head needs.
+                    alone = [select_blocks(mass[h: h + 1], tau, 0, L, block, q_block).kept_fraction()
+                             for h in range(hkv)]
                     rows.append({"context": ctx, "layer": layer, "tau": tau, "estimator": est,
-                                 "kept_fraction": kept, "mass": rec, "oracle_same_kept_mass": rec_best})
-    report = {"command": f"lserve bench prefill-sparsity --contexts {' '.join(map(str, contexts))}",
-              "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "model": mc.name,
-              "block": block, "taus": list(taus), "seconds": round(time.perf_counter() - t0, 1),
+                                 "kept_fraction": [round(float(bm[h].sum()) / causal, 5) for h in range(hkv)],
+                                 "head_alone_kept_fraction": [round(x, 5) for x in alone],
+                                 "mass": _per_kv(recalled_mass(exact_q, blocks, g), g),
+                                 "oracle_same_kept_mass": _per_kv(recalled_mass(exact_q, best, g), g)})
+            if progress:
+                r = next(x for x in rows[::-1] if x["layer"] == layer and x["estimator"] == "antidiagonal"
+                         and x["tau"] == taus[0])
+                print(f"prefill-sparsity: context {ctx} layer {layer + 1}/{mc.num_layers}: antidiagonal tau "
+                      f"{taus[0]} kept {_mean(r['kept_fraction']):.3f} mass {_mean(r['mass']):.4f} "
+                      f"({time.perf_counter() - tl:.1f} s)", flush=True)
+        seconds[ctx] = round(time.perf_counter() - tc, 1)
+        if progress:
+            print(f"prefill-sparsity: context {ctx} done in {seconds[ctx]} s", flush=True)
+    report = {**header(), "model": mc.name, "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
+              "group_size": g, "contexts": list(contexts), "taus": list(taus), "estimators": list(ESTIMATORS),
+              "block": block, "q_block": q_block, "stride": stride, "dense_from": None,
+              "passkey": {"depth": PASSKEY_DEPTH, "seed": 0},
+              "seconds": round(time.perf_counter() - t0, 1), "seconds_by_context": seconds,
               "summary": _summary(rows), "rows": rows}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    Path(out_dir, f"{name}.json").write_text(json.dumps(report, indent=1))
+    out = Path(out_dir)
+    write_json(out / f"{name}.json", report)
+    from lserve.bench.prefill_sparsity_plot import plot_kept_by_layer, plot_kept_heatmaps
+
+    plot_kept_heatmaps(report, out / f"{name}.png")
+    plot_kept_by_layer(report, out / f"{name}_layers.png")
+    if progress:
+        for s in report["summary"]:
+            print(f"{s['context']:>6} tau {s['tau']:<5} {s['estimator']:<13} kept {s['kept_fraction']:.3f} "
+                  f"mass {s['mass']:.4f} oracle at same kept {s['oracle_same_kept_mass']:.4f}")
+        print(f"wrote {out / name}.json ({report['seconds']} s)")
     return report
 
 
+def _per_kv(per_q, g: int) -> list[float]:
+    """[Hq] tensor -> mean over each KV head's query group, rounded."""
+    return [round(x, 5) for x in per_q.view(-1, g).mean(1).tolist()]
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
 def _summary(rows: list[dict]) -> list[dict]:
-    """Means over layers and heads per (context, tau, estimator)."""
+    """Means over layers and KV heads per (context, tau, estimator)."""
     out: dict[tuple, list] = {}
     for r in rows:
         out.setdefault((r["context"], r["tau"], r["estimator"]), []).append(r)
-    res = []
-    for (ctx, tau, est), rs in sorted(out.items()):
-        def mean(key, rs=rs):
-            vals = [x for r in rs for x in r[key]]
-            return round(sum(vals) / len(vals), 4)
-
-        res.append({"context": ctx, "tau": tau, "estimator": est, "kept_fraction": mean("kept_fraction"),
-                    "mass": mean("mass"), "oracle_same_kept_mass": mean("oracle_same_kept_mass")})
-    return res
+    keys = ("kept_fraction", "head_alone_kept_fraction", "mass", "oracle_same_kept_mass")
+    return [{"context": ctx, "tau": tau, "estimator": est,
+             **{key: round(_mean([x for r in rs for x in r[key]]), 4) for key in keys}}
+            for (ctx, tau, est), rs in sorted(out.items())]
