@@ -109,9 +109,10 @@ def test_eval_preset_and_overrides():
 def test_eval_preset_runs_on_tiny_model(tmp_path):
     from lserve.models.loader import load_model
 
-    rc = parse_config("lserve-prefill-sparse:pattern=random")  # the tiny preset ships no learned pattern
-    plan = EvalPlan(tasks=["passkey"], contexts=[512], depths=[0.5], samples=1)
+    rc = parse_config("lserve-prefill-sparse:pattern=random,prefill_sparsity=0.5")  # tiny: no learned pattern, flat attention
+    plan = EvalPlan(tasks=["passkey"], contexts=[2048], depths=[0.5], samples=1)
     s = Harness(model="tiny", out=str(tmp_path / "acc"), batch_size=1, progress=False,
                 loaded=load_model("tiny", seed=0)).run([rc], plan)
     assert s["status"] == "complete"
     assert [r["config"] for r in s["rows"]] == [rc.name]
+    assert 0 < s["rows"][0]["prefill_kept_fraction"] < 1  # accuracy beside what the prefill computed
