@@ -110,9 +110,9 @@ def long_impl(device: torch.device, dtype: torch.dtype, d: int, length: int) -> 
 
 
 def cudnn_first():
-    """A context in which SDPA tries cuDNN first (long fresh prompts: one shape per prompt, and
-    cuDNN ran causal attention at 128k 1.7x faster than flash on the H200, ``kernels_h200.json``;
-    torch's own order picked flash for the engine's GQA call)."""
+    """A context in which SDPA tries cuDNN first (cuDNN ran causal attention at 128k 1.7x faster
+    than flash on the H200, ``kernels_h200.json``). Measured by ``scripts/probe_sdpa.py`` against
+    torch's own order for the engine's fresh-prompt GQA call; not used by the engine until that ran."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,

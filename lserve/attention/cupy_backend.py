@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
 from lserve.attention.block_sparse_prefill import sparse_prefill
-from lserve.attention.chunked import CUDNN_MIN_TOKENS, causal_attention, causal_impl, cudnn_first, dense_chunk
+from lserve.attention.chunked import CUDNN_MIN_TOKENS, causal_attention, causal_impl, dense_chunk
 from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.cupy_tuning import CupyTuning
 from lserve.attention.torch_backend import TorchBackend
@@ -618,9 +618,8 @@ class CupyBackend(AttentionBackend):
                 elif self.flash is not None and sp.step.num_new < CUDNN_MIN_TOKENS:
                     o = causal_attention(qd, kd, vd, self.scale)
                 else:
-                    with cudnn_first():
-                        o = F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True,
-                                                           scale=self.scale, enable_gqa=True)[0]
+                    o = F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True, scale=self.scale,
+                                                       enable_gqa=True)[0]
                 out[sl, : nd * G] = o.transpose(0, 1)
         elif nd:
             self.prefill_kernel(q, k, v, out, st, head0=0, n_heads=nd * G, streaming=False)
