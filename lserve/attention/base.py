@@ -131,6 +131,12 @@ class AttentionBackend(ABC):
         self.prefill_tiles[1] += blocks.causal_tiles() * kd.shape[0]
         return blocks
 
+    def prefill_kept_since(self, before: list[int]) -> float | None:
+        """Kept share of causal prefill tiles since ``before`` (a copy of :attr:`prefill_tiles`);
+        None when no block-sparse prefill ran in between."""
+        kept, causal = (a - b for a, b in zip(self.prefill_tiles, before))
+        return round(kept / causal, 4) if causal else None
+
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state (selection reuse) of a finished/aborted/preempted sequence."""
         self.planner.release(seq_id)

@@ -109,16 +109,6 @@ def long_impl(device: torch.device, dtype: torch.dtype, d: int, length: int) -> 
     return "cudnn" if impl_ok("cudnn", device, dtype, d) else None
 
 
-def cudnn_first():
-    """A context in which SDPA tries cuDNN first (cuDNN ran causal attention at 128k 1.7x faster
-    than flash on the H200, ``kernels_h200.json``). Measured by ``scripts/probe_sdpa.py`` against
-    torch's own order for the engine's fresh-prompt GQA call; not used by the engine until that ran."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                        SDPBackend.MATH], set_priority=True)
-
-
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   impl: str | None = None):
     """Attention with its log-sum-exp.

@@ -289,9 +289,9 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                 if nb == 1:
                     tiles0 = list(eng.backend.prefill_tiles)
                     ttft, dec = measure_engine(eng, c, decode_steps)
-                    kept, causal = (a - b for a, b in zip(eng.backend.prefill_tiles, tiles0))
-                    extra = {"prefill_kept_fraction": round(kept / causal, 4)} if causal else {}
-                    if causal:  # kept counts shape the gathered rows: a served process has built their plans
+                    kept = eng.backend.prefill_kept_since(tiles0)
+                    extra = {} if kept is None else {"prefill_kept_fraction": kept}
+                    if kept is not None:  # kept counts shape the gathered rows: a served process has built their plans
                         extra["ttft_first_s"] = round(ttft, 4)
                         ttft, dec = measure_engine(eng, c, decode_steps, seed=1)  # another prompt: no prefix hit
                     row(config, 1, c, ttft, dec, **extra)

@@ -319,8 +319,7 @@ class Harness:
                         it = iter(flat)
                         outs = [[next(it)[0] for _ in v] for _, v in batch]
                     dt = time.perf_counter() - t0
-                    kept, causal = (a - b for a, b in zip(eng.backend.prefill_tiles, tiles0))
-                    kept_frac = round(kept / causal, 4) if causal else None  # the batch's block-sparse prefill
+                    kept_frac = eng.backend.prefill_kept_since(tiles0)  # the batch's block-sparse prefill
                     n_out = sum(len(v) for _, v in batch)
                     for (c, v), os_, ps in zip(batch, outs, params):
                         for rc, o, p in zip(v, os_, ps):

@@ -125,6 +125,14 @@ def _rows(start: int, length: int, q_block: int) -> tuple[int, int]:
     return b0, (length - 1) // q_block - b0 + 1
 
 
+def _tail_rows(start: int, length: int, q_block: int, dense_from: int | None, device=None) -> torch.Tensor:
+    """bool [R]: rows of a chunk that end after ``dense_from`` (the prompt's tail: every causal tile kept)."""
+    b0, R = _rows(start, length, q_block)
+    if dense_from is None:
+        return torch.zeros(R, dtype=torch.bool, device=device)
+    return ((torch.arange(R, device=device) + b0 + 1) * q_block).clamp(max=length) > dense_from
+
+
 def _oracle(q, k, start, B, QB, scale, chunk=512):
     """Exact masses [Hq, R, nkb]: softmax over causal keys, summed per key block, mean over the
     row's queries. q: [Hq, Lq, D]; k: [Hq, L, D] (expanded to the query heads)."""
@@ -320,10 +328,7 @@ def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block
     need = ((before < tau).sum(-1)).clamp(min=must.sum(-1)[None])  # [H, R]: tiles to reach tau
     quantum = qb // block
     n = (-(-need.amax(0) // quantum) * quantum).clamp(max=causal.sum(-1))  # [R]: one count per row
-    if dense_from is not None:
-        b0, R = _rows(start, length, qb)
-        row_end = ((torch.arange(R, device=n.device) + b0 + 1) * qb).clamp(max=length)
-        n = torch.where(row_end > dense_from, causal.sum(-1), n)
+    n = torch.where(_tail_rows(start, length, qb, dense_from, n.device), causal.sum(-1), n)
     return _to_list(_keep_top(order, n, causal), block, start, length, qb)
 
 
@@ -334,8 +339,7 @@ def prefill_blocks(q: torch.Tensor, k: torch.Tensor, start: int, block: int, sca
     (``dense_from``: see :func:`select_blocks`)."""
     g = q.shape[0] // k.shape[0]
     qb = q_block or block
-    first_row_end = min(k.shape[1], (start // qb + 1) * qb)
-    if tau >= 1.0 or (dense_from is not None and first_row_end > dense_from):  # every causal tile
+    if tau >= 1.0 or bool(_tail_rows(start, k.shape[1], qb, dense_from).all()):  # every causal tile
         _, causal = mandatory_tiles(start, k.shape[1], block, qb, q.device)
         return _to_list(causal[None].expand(k.shape[0], -1, -1), block, start, k.shape[1], qb)
     mass = combine_group(estimate_masses(q, k, start, block, scale, estimator, stride, q_block), g)
