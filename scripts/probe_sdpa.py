@@ -42,11 +42,16 @@ def _probe(n: int, hq: int = 32, hkv: int = 8, d: int = 128) -> list[dict]:
     v = qkv[:, (hq + hkv) * d:].view(n, hkv, d).transpose(0, 1)
     g = hq // hkv
 
-    def sdpa(ctx):
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()  # layout suspect: strided views of one buffer
+
+    def sdpa(ctx, contig=False):
+        qq, kk, vv = (qc, kc, vc) if contig else (q, k, v)
         with ctx():
-            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
+            return F.scaled_dot_product_attention(qq[None], kk[None], vv[None], is_causal=True, enable_gqa=True)[0]
 
     calls = {"sdpa_default": lambda: sdpa(contextlib.nullcontext), "sdpa_cudnn_first": lambda: sdpa(cudnn_first),
+             "sdpa_default_contiguous": lambda: sdpa(contextlib.nullcontext, True),
+             "sdpa_cudnn_first_contiguous": lambda: sdpa(cudnn_first, True),
              "cudnn_repeat_kv": lambda: attention_lse(q, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0), True,
                                                       d ** -0.5, impl="cudnn")[0]}
     ref = calls["sdpa_default"]().float()
