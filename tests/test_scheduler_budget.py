@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lserve.engine import LLM, SamplingParams
-from lserve.engine.step_budget import StepBudget
+from lserve.engine.step_budget import StepBudget, attention_alpha
 
 
 def test_short_prompt_is_prefilled_past_a_long_one():
@@ -43,6 +43,9 @@ def test_a_prompt_of_max_batched_tokens_is_one_step():
     b = StepBudget(8192, alpha=3.3e-4)  # the default model: attention is a third of a 2k prompt's FLOPs
     assert b.tokens_within(b.prefill_budget(0), 0, 10**6) == 8192
     assert b.tokens_within(b.prefill_budget(0), 8192, 10**6) < 8192
+    for n in (8260, 8259, 131152, 262224):  # the e2e bench's prompts, llama3-8b's alpha: the root rounds down
+        b = StepBudget(n, alpha=attention_alpha(4096, 14336, 32, 8, 128, [32] * 32))
+        assert b.tokens_within(b.prefill_budget(0), 0, n) == n
     llm = LLM("tiny", max_batched_tokens=1500)
     llm.add_request([10 + i % 200 for i in range(1500)], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     outs = llm.step()

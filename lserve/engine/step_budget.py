@@ -96,8 +96,9 @@ class StepBudget:
             return min(remaining, int(budget))
         # n (1 + a s) + a n^2 / 2 = budget  ->  the positive root
         b = 1.0 + self.alpha * start
-        n = (-b + (b * b + 2 * self.alpha * budget) ** 0.5) / self.alpha
-        return min(remaining, int(n))
+        n = min(remaining, int((-b + (b * b + 2 * self.alpha * budget) ** 0.5) / self.alpha))
+        # the root in floats can land just below an exact fit (a prompt of max_tokens tokens)
+        return n + 1 if n < remaining and self.cost(n + 1, start) <= budget else n
 
     def prefill_budget(self, n_decode: int) -> float:
         """Token-equivalents of prefill the next step may carry next to ``n_decode`` decodes."""
