@@ -5,25 +5,28 @@ import json
 from lserve.cli import main
 
 
-def _run(tmp_path, name, config_rows, engine, hol):
+def _run(tmp_path, name, config_rows, engine, hol, by_config=None):
     rows = [{"config": c, "context": ctx, "concurrency": conc, "output_len": 128, "output_tok_s": tps,
              "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "itl_p50_ms": 5.0, "itl_p99_ms": 7.0, "completed": 4, "failed": 0}
             for c, ctx, conc, tps in config_rows]
     report = {"command": f"run {name}", "date": "2026-12-01", "device": "H200", "wall_s": 100.0, "output_len": 128,
               "rows": rows, "engine_ttft_s": engine, "hol": hol, "steps": {"lserve": {"graph": 3}},
-              "startup_s": {"lserve": 30.0}}
+              "startup_s": {"lserve": 30.0}, "engine_ttft_by_config": by_config or {}}
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(report))
     return str(path)
 
 
 def test_merge_joins_rows_and_keeps_the_long_run_figures(tmp_path):
-    a = _run(tmp_path, "short", [("lserve", 2048, 1, 190.0), ("dense", 2048, 1, 200.0)], {}, None)
-    b = _run(tmp_path, "long", [("lserve", 32768, 1, 30.0)], {"32768": 1.2}, {"short_ttft_s": 0.3})
+    a = _run(tmp_path, "short", [("lserve", 2048, 1, 190.0), ("dense", 2048, 1, 200.0)], {}, None,
+             {"lserve-sparse": {"131072": 5.0}})
+    b = _run(tmp_path, "long", [("lserve", 32768, 1, 30.0)], {"32768": 1.2}, {"short_ttft_s": 0.3},
+             {"lserve": {"32768": 1.2}, "lserve-sparse": {"32768": 1.1}})
     assert main(["bench", "serve", "--merge", a, b, "--out", str(tmp_path), "--name", "joined"]) == 0
     out = json.loads((tmp_path / "joined.json").read_text())
     assert [(r["config"], r["context"]) for r in out["rows"]] == [("lserve", 2048), ("dense", 2048), ("lserve", 32768)]
     assert out["engine_ttft_s"] == {"32768": 1.2}
+    assert out["engine_ttft_by_config"] == {"lserve": {"32768": 1.2}, "lserve-sparse": {"131072": 5.0, "32768": 1.1}}
     assert out["hol"] == {"short_ttft_s": 0.3}
     assert [r["command"] for r in out["runs"]] == ["run short", "run long"]
     assert set(out["steps"]) == {"lserve@0", "lserve@1"}

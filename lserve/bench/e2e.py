@@ -229,9 +229,14 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
     ``deadline_s`` skips the runs that would start after that many seconds (listed in the report);
     ``async_decode`` False measures the engine with host and GPU work one after the other;
     ``prefill_sparsity``: taus of extra ``lserve-prefill-sparse@TAU`` configurations (their rows
-    carry the kept fraction of the dense heads' causal prefill tiles; their prompt runs twice:
-    ``ttft_s`` is the second prompt's, once cuDNN has plans for the gathered rows' shapes, ``ttft_first_s``
-    the first).
+    carry the kept fraction of the dense heads' causal prefill tiles).
+
+    Single-sequence rows time two prompts of the context's length (different tokens, no prefix
+    hit): ``ttft_s`` is the second's, as a served process that has seen such a prompt runs it,
+    ``ttft_first_s`` the first's. On the H200 the first long prompt of a fresh engine is much
+    slower with the host waiting on the GPU (128k dense 17.1 s, then 11.3 s;
+    ``scripts/probe_first_prefill.py``), and cuDNN builds plans for a sparse prefill's gathered
+    row shapes.
     """
     from lserve.sparsity.threshold import lookup_ratio, profile_key
 
@@ -288,12 +293,12 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                     eng.graphs.events = []  # GPU time of each replay (without async decode the rest is host work)
                 if nb == 1:
                     tiles0 = list(eng.backend.prefill_tiles)
-                    ttft, dec = measure_engine(eng, c, decode_steps)
+                    first, _ = measure_engine(eng, c, decode_steps)
                     kept = eng.backend.prefill_kept_since(tiles0)
-                    extra = {} if kept is None else {"prefill_kept_fraction": kept}
-                    if kept is not None:  # kept counts shape the gathered rows: a served process has built their plans
-                        extra["ttft_first_s"] = round(ttft, 4)
-                        ttft, dec = measure_engine(eng, c, decode_steps, seed=1)  # another prompt: no prefix hit
+                    extra = {"ttft_first_s": round(first, 4)}
+                    if kept is not None:
+                        extra["prefill_kept_fraction"] = kept
+                    ttft, dec = measure_engine(eng, c, decode_steps, seed=1)  # another prompt: no prefix hit
                     row(config, 1, c, ttft, dec, **extra)
                 else:
                     ttft, step = measure_batch(eng, nb, c, decode_steps)

@@ -6,8 +6,10 @@ ingress, one engine replica) and driven through HTTP by ``load_tests`` (streamin
 ``vllm bench serve`` measures a server: TTFT, ITL and output tokens/s per (context,
 concurrency). Also, per run:
 
-* ``engine_ttft_s``: the engine's own TTFT at the long contexts (``lserve bench e2e``'s
-  measurement, whole prompt in one step, same process, before any server starts);
+* ``engine_ttft_s``: the engine's own TTFT of the LServe configuration at the long contexts
+  (``lserve bench e2e``'s measurement, whole prompt in one step, the second prompt of its length,
+  same process, before any server starts); ``engine_ttft_by_config``: the same per served
+  configuration but dense;
 * ``hol``: a short request sent while the LServe server prefills a long prompt, against the same
   short request alone (head-of-line blocking);
 * ``prefix_cache`` (``--prefix-contexts``): per context, the TTFT of a first and a second question
@@ -33,10 +35,24 @@ from pathlib import Path
 from lserve.bench.report import header, write_json
 from lserve.plotting import pyplot
 
+# On random weights tau sets how much of the causal prefill the dense heads keep (0.33 at 128k
+# for 0.3, benchmarks/e2e_prefill_sparse_h200.json), not an accuracy-checked setting.
+SPARSE_TAU = 0.3
 CONFIG_FLAGS = {
     "lserve": ["--pattern", "random", "--static-sparsity", "0.5", "--token-budget", "4096"],
+    "lserve-sparse": ["--pattern", "random", "--static-sparsity", "0.5", "--token-budget", "4096",
+                      "--prefill-sparsity", str(SPARSE_TAU)],
     "dense": ["--pattern", "none", "--token-budget", "0"],
 }
+
+
+def engine_sparsity(config: str):
+    """The :class:`~lserve.config.SparsityConfig` that ``lserve bench e2e`` times for a served configuration."""
+    from lserve.bench.e2e import CONFIGS, prefill_sparse_configs
+
+    if config == "lserve-sparse":
+        return next(iter(prefill_sparse_configs((SPARSE_TAU,)).values()))
+    return CONFIGS[config]
 SHORT_LEN = 256  # the head-of-line probe's short prompt
 
 
@@ -216,22 +232,32 @@ def prefix_probe(base_url: str, vocab: int, context: int, question_len: int = 64
             "cached_ttft_s": round(cached, 4), "cached_tokens": c2, "ratio": round(cached / first, 4)}
 
 
-def engine_ttft(model: str, contexts: list[int], device: str, backend: str) -> dict[str, float]:
-    """``lserve bench e2e``'s TTFT of the LServe configuration at each context (one engine)."""
+def engine_ttft(model: str, contexts: list[int], device: str, backend: str,
+                configs: tuple[str, ...] = ("lserve",)) -> dict[str, dict[str, float]]:
+    """``lserve bench e2e``'s TTFT at each context, per configuration: {config: {context: s}}.
+
+    As ``lserve bench e2e`` times it: one engine per configuration, the second of two prompts of
+    each length (a fresh engine's first long prompt is slower; the served prompts come after
+    warm-ups)."""
     import torch
 
-    from lserve.bench.e2e import CONFIGS, _engine, measure_engine
+    from lserve.bench.e2e import _engine, measure_engine
     from lserve.models.loader import load_model
 
     loaded = load_model(model, dtype=torch.bfloat16, device=device)
-    out = {}
-    eng = _engine(loaded, model, CONFIGS["lserve"], max(contexts), device, backend, decode_steps=4)
-    measure_engine(eng, 2048, 4)  # warm-up
-    for ctx in contexts:
-        ttft, _ = measure_engine(eng, ctx, 4, seed=ctx)
-        out[str(ctx)] = round(ttft, 4)
-        _log(f"engine TTFT at {ctx}: {ttft:.3f} s")
-    del eng, loaded
+    out: dict[str, dict[str, float]] = {}
+    for config in configs:
+        eng = _engine(loaded, model, engine_sparsity(config), max(contexts), device, backend, decode_steps=4)
+        measure_engine(eng, min(2048, min(contexts)), 4)  # warm-up
+        out[config] = {}
+        for ctx in contexts:
+            measure_engine(eng, ctx, 4, seed=ctx)
+            ttft, _ = measure_engine(eng, ctx, 4, seed=ctx + 1)
+            out[config][str(ctx)] = round(ttft, 4)
+            _log(f"engine TTFT of {config} at {ctx}: {ttft:.3f} s")
+        del eng
+        gc.collect()
+    del loaded
     gc.collect()
     torch.cuda.empty_cache()
     _log(f"engine freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated in this process")
@@ -274,7 +300,10 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
         return float("inf") if deadline_s is None else deadline_s - (time.monotonic() - t_start)
 
     if engine_contexts:
-        report["engine_ttft_s"] = engine_ttft(model, list(engine_contexts), device, backend)
+        by_config = engine_ttft(model, list(engine_contexts), device, backend,
+                                tuple(c for c in configs if c != "dense") or configs)
+        report["engine_ttft_by_config"] = by_config
+        report["engine_ttft_s"] = by_config.get("lserve", next(iter(by_config.values())))
         save()
     tok = _tokenizer(_vocab(model))
     for config in configs:
@@ -340,6 +369,10 @@ def merge_reports(paths: list[str | Path], out_dir: str | Path, name: str) -> di
     for key in ("engine_ttft_s", "steps", "startup_s"):
         report[key] = {f"{k}" if key == "engine_ttft_s" else f"{k}@{i}": v for i, r in enumerate(parts)
                        for k, v in (r.get(key) or {}).items()}
+    report["engine_ttft_by_config"] = {}
+    for r in parts:
+        for config, ttfts in (r.get("engine_ttft_by_config") or {}).items():
+            report["engine_ttft_by_config"].setdefault(config, {}).update(ttfts)
     report["hol"] = next((r["hol"] for r in parts if r.get("hol")), None)
     path = Path(out_dir) / f"{name}.json"
     write_json(path, report)
@@ -356,12 +389,12 @@ def _vocab(model: str) -> int:
 
 def summary(report: dict) -> str:
     """A short text table of the rows."""
-    lines = ["config  context  C   tok/s    TTFT p50/p99 s   ITL p50/p99 ms  ok/failed"]
+    lines = ["config        context  C   tok/s    TTFT p50/p99 s   ITL p50/p99 ms  ok/failed"]
     for r in report["rows"]:
-        lines.append(f"{r['config']:7s} {r['context']:7d} {r['concurrency']:3d} {r['output_tok_s']:8.1f} "
+        lines.append(f"{r['config']:13s} {r['context']:7d} {r['concurrency']:3d} {r['output_tok_s']:8.1f} "
                      f"{r['ttft_p50_s']}/{r['ttft_p99_s']}  {r['itl_p50_ms']}/{r['itl_p99_ms']}  "
                      f"{r['completed']}/{r['failed']}")
-    lines.append(f"engine TTFT: {report['engine_ttft_s']}  hol: {report['hol']}")
+    lines.append(f"engine TTFT: {report.get('engine_ttft_by_config') or report['engine_ttft_s']}  hol: {report['hol']}")
     return "\n".join(lines)
 
 
@@ -377,7 +410,7 @@ def plot_serve(report: dict, path: Path) -> None:
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(2, len(contexts), figsize=(4.2 * len(contexts), 7), squeeze=False)
     for j, ctx in enumerate(contexts):
-        for config, style in (("lserve", "o-"), ("dense", "s--")):
+        for config, style in (("lserve", "o-"), ("lserve-sparse", "^-"), ("dense", "s--")):
             rs = sorted((r for r in rows if r["context"] == ctx and r["config"] == config),
                         key=lambda r: r["concurrency"])
             if not rs:
