@@ -217,3 +217,28 @@ def test_lserve_extension_accepts_prefill_sparsity():
     assert LServeOptions(prefill_sparsity=0.9).prefill_sparsity == 0.9
     with pytest.raises(pydantic.ValidationError):
         LServeOptions(prefill_sparsity=1.5)
+
+
+def test_sparse_prefill_chunks_end_on_the_row_grid():
+    """A chunked block-sparse prefill moves in whole rows of prefill_q_block queries (a partial
+    row gives the GPU's fused kernels a new shape per chunk); a dense prefill keeps its chunks."""
+    from lserve.config import SparsityConfig
+    from lserve.engine import LLM, SamplingParams
+
+    prompt = [10 + i % 200 for i in range(1000)]
+    runs = {}
+    for tau in (0.9, 0.0):
+        sp = SparsityConfig(pattern=None, token_budget=0, prefill_sparsity=tau, prefill_sparsity_min_len=0,
+                            prefill_block=64, prefill_q_block=128)
+        llm = LLM("tiny", sparsity=sp, max_batched_tokens=300)
+        llm.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        ends, done = [], 0
+        while llm.has_unfinished():
+            llm.step()
+            done += llm.last_step_info["prefill_tokens"]
+            ends.append(done)
+        runs[tau] = ends
+    sparse, dense = runs[0.9], runs[0.0]
+    assert sparse[-1] == dense[-1] == 1000 and len(sparse) > 2
+    assert all(e % 128 == 0 for e in sparse[:-1]), sparse
+    assert dense[0] == 300 and any(e % 128 for e in dense[:-1]), dense

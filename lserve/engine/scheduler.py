@@ -20,6 +20,7 @@ references instead of freeing cached pages.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lserve.cache.kv_cache import KVCache
@@ -36,11 +37,26 @@ class Scheduled:
     decode: bool
 
 
-class Scheduler:
-    """Owns the waiting queue, the running set and all page allocation."""
+def aligned_chunk(start: int, n: int, remaining: int, limit: int, align: int) -> int:
+    """``n`` (< ``remaining``) adjusted so that the chunk ends on a multiple of ``align``: down where
+    that leaves tokens, else up to the end of the row it is in (when ``limit`` allows)."""
+    end = (start + n) // align * align
+    if end > start:
+        return end - start
+    up = min(remaining, end + align - start)
+    return up if up <= limit else n
 
-    def __init__(self, cache: KVCache, max_num_seqs: int, budget: StepBudget, on_release) -> None:
+
+class Scheduler:
+    """Owns the waiting queue, the running set and all page allocation.
+
+    ``row_align(seq)``: where a sequence's chunks should end (0: anywhere), see :func:`aligned_chunk`.
+    """
+
+    def __init__(self, cache: KVCache, max_num_seqs: int, budget: StepBudget, on_release,
+                 row_align: Callable[[Sequence], int] | None = None) -> None:
         self.cache = cache
+        self.row_align = row_align
         self.max_num_seqs = max_num_seqs
         self.budget = budget  # its max_tokens caps a step (decodes included)
         self.last_prefill_cost = 0.0  # token-equivalents of prefill the last schedule() picked
@@ -216,6 +232,9 @@ class Scheduler:
             n = min(b.tokens_within(room - cost, start, remaining), tokens_left)
             if not out or all(item.decode for item in out):  # the first prefill always progresses
                 n = max(n, min(b.min_chunk, remaining, tokens_left))
+            align = self.row_align(seq) if self.row_align else 0
+            if align and 0 < n < remaining:
+                n = aligned_chunk(start, n, remaining, tokens_left, align)
             if n <= 0:
                 break
             admit = seq.status is Status.WAITING

@@ -1,0 +1,86 @@
+"""A served engine's prefill without Ray or HTTP: TTFT of long prompts under ``lserve serve``'s step budget.
+
+    python scripts/probe_served_prefill.py OUT_DIR [--contexts 32768 131072] [--configs lserve lserve-sparse]
+
+The engine is built from :class:`lserve.serve.settings.ServeSettings` as a served replica builds
+it (chunked prefill under the time-targeted step budget), with the served configurations' flags
+of ``lserve bench serve``; per (configuration, context) two prompts (different tokens), each
+timed to its first token, and the steps and chunk sizes it took. Against ``lserve bench e2e``'s
+one-step TTFT this separates what chunking costs from what Ray and HTTP add. Writes
+``probe_served_prefill_h200.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from lserve.bench.report import header
+from lserve.bench.serve import CONFIG_FLAGS
+from lserve.engine.llm_engine import LLMEngine
+from lserve.engine.sampling import SamplingParams
+from lserve.models.loader import load_model
+from lserve.serve.settings import ServeSettings
+
+
+def _flags(config: str) -> dict:
+    """``lserve bench serve``'s flags of a configuration as ServeSettings fields."""
+    f = CONFIG_FLAGS[config]
+    out = {}
+    for name, value in zip(f[::2], f[1::2]):
+        key = name.lstrip("-").replace("-", "_")
+        default = getattr(ServeSettings, key, None)
+        out[key] = None if value == "none" else (str if default is None else type(default))(value)
+    return out
+
+
+def ttft(eng: LLMEngine, n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, eng.model_config.vocab_size - 2, (n,), generator=g).tolist()
+    eng.add_request(ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    torch.cuda.synchronize()
+    t0, chunks = time.perf_counter(), []
+    while True:
+        outs = eng.step()
+        chunks.append(eng.last_step_info["prefill_tokens"])
+        if any(o.token_ids for o in outs):
+            break
+    t = time.perf_counter() - t0
+    while eng.has_unfinished():
+        eng.step()
+    return {"ttft_s": round(t, 3), "steps": len(chunks), "chunks": chunks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--configs", nargs="+", default=["lserve-sparse", "lserve"], choices=list(CONFIG_FLAGS))
+    a = ap.parse_args()
+    loaded = load_model("llama3-8b", dtype=torch.bfloat16, device="cuda")
+    rows = []
+    for config in a.configs:
+        st = ServeSettings(model="llama3-8b", device="cuda", backend="cupy", max_model_len=max(a.contexts) + 256,
+                           max_cache_tokens=max(a.contexts) + 4096, max_num_seqs=4, **_flags(config))
+        eng = LLMEngine(st.engine_config(), loaded)
+        ttft(eng, 2048, 0)  # warm-up
+        for n in a.contexts:
+            for seed in (1, 2):
+                r = {"config": config, "context": n, "seed": seed, **ttft(eng, n, seed)}
+                rows.append(r)
+                print(f"{config} {n} seed {seed}: TTFT {r['ttft_s']} s in {r['steps']} steps, "
+                      f"chunks {r['chunks'][:6]}...{r['chunks'][-3:]}", flush=True)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    Path(a.out, "probe_served_prefill_h200.json").write_text(json.dumps({**header(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
