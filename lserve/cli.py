@@ -67,7 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="dynamic block-sparse prefill of dense heads: estimated attention mass each query "
                         "block keeps, in [0, 1] (0: off; torch and cupy backends)")
     s.add_argument("--prefill-sparsity-min-len", type=int, default=D["prefill_sparsity_min_len"],
-                   help="context (cached + chunk tokens) from which a prefill chunk is block-sparse")
+                   help="context (cached + chunk tokens) from which a prefill chunk is block-sparse "
+                        "(-1: auto, from lserve bench profile-prefill-threshold's profile of this device)")
     s.add_argument("--prefill-block", type=int, default=D["prefill_block"],
                    help="block-sparse prefill: tokens per key block")
     s.add_argument("--prefill-q-block", type=int, default=D["prefill_q_block"],
@@ -143,6 +144,19 @@ def cmd_bench(a: argparse.Namespace) -> int:
                               backend=a.backend or ("cupy" if gpu else "torch"), budget=a.budget,
                               contexts=a.contexts, decode_steps=a.decode_tokens or 32, out_dir=a.out, name=a.name,
                               profile_file=a.profile_file, save=not a.no_save)
+    elif a.what == "profile-prefill-threshold":
+        import torch
+
+        from lserve.bench.prefill_threshold import TAU, run_prefill_threshold
+
+        device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        gpu = device.startswith("cuda")
+        taus = a.prefill_sparsity or [TAU]
+        if len(taus) != 1 or not 0 < taus[0] < 1:
+            raise ConfigError(f"profile-prefill-threshold takes one --prefill-sparsity in (0, 1), got {taus}")
+        run_prefill_threshold(model=a.model or ("llama3-8b" if gpu else "default"), device=device,
+                              backend=a.backend or ("cupy" if gpu else "torch"), tau=taus[0], contexts=a.contexts,
+                              out_dir=a.out, name=a.name, profile_file=a.profile_file, save=not a.no_save)
     elif a.what == "selection-mass":
         from lserve.bench.selection_mass import SelectionMassConfig, run_selection_mass
 
@@ -206,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON + PNG under benchmarks/")
-    b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold", "serve", "selection-mass",
-                                      "prefill-sparsity", "sparse-prefill"])
+    b.add_argument("what", choices=["cpu", "kernels", "e2e", "profile-threshold", "profile-prefill-threshold", "serve",
+                                      "selection-mass", "prefill-sparsity", "sparse-prefill"])
     b.add_argument("--out", default="benchmarks")
     b.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096], help="cpu: prompt lengths")
     b.add_argument("--decode-tokens", type=int, default=None,
@@ -223,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-hf", action="store_true", help="e2e: skip the transformers peer")
     b.add_argument("--prefill-sparsity", type=float, nargs="+", default=None, metavar="TAU",
                    help="e2e: also LServe with block-sparse prefill at each tau; sparse-prefill: the taus "
-                        "(default 0.75 0.5 0.25 0.1)")
+                        "(default 0.75 0.5 0.25 0.1); profile-prefill-threshold: the one tau (default 0.9)")
     b.add_argument("--batched", default="8x32768", help="e2e: the batched decode point, SEQSxCONTEXT or none")
     b.add_argument("--side-max-context", type=int, default=None,
                    help="e2e: longest context for the static-only and dynamic-only configurations")
@@ -234,8 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--name", default=None, help="output file stem")
     b.add_argument("--budget", type=int, default=4096, help="profile-threshold: token budget")
     b.add_argument("--profile-file", default=None,
-                   help="profile-threshold: where to save (default $LSERVE_CACHE_DIR/dynamic_threshold.json)")
-    b.add_argument("--no-save", action="store_true", help="profile-threshold: measure and report only")
+                   help="profile-threshold / profile-prefill-threshold: where to save (default "
+                        "$LSERVE_CACHE_DIR/dynamic_threshold.json / prefill_threshold.json)")
+    b.add_argument("--no-save", action="store_true",
+                   help="profile-threshold / profile-prefill-threshold: measure and report only")
     b.add_argument("--configs", default="lserve,dense", help="serve: configurations, comma-separated")
     b.add_argument("--point-time", type=float, default=40.0,
                    help="serve: seconds per load point (2.5x that above 32k context)")

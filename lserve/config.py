@@ -14,6 +14,8 @@ from typing import Any
 KV_QUANT_CHOICES = ("none", "int8", "int4")
 SELECT_MODES = ("kv", "query")
 PREFILL_ESTIMATORS = ("antidiagonal", "bound")
+# prefill_sparsity_min_len "auto" without a profile of this device and model shape
+PREFILL_MIN_LEN_UNPROFILED = 4096
 BACKENDS = ("torch", "cupy")
 
 
@@ -136,7 +138,9 @@ class SparsityConfig:
         estimated attention mass each (KV head, query block) keeps, in [0, 1]; 0 is off, 1 keeps
         every causal block.
     prefill_sparsity_min_len : int
-        Context (cached + chunk tokens) from which a prefill chunk is block-sparse.
+        Context (cached + chunk tokens) from which a prefill chunk is block-sparse; -1 (auto):
+        the length from which it paid on this device and model shape
+        (``lserve bench profile-prefill-threshold``), else :data:`PREFILL_MIN_LEN_UNPROFILED`.
     prefill_block : int
         Tokens per KV block of the block list (a multiple of ``prefill_stride``).
     prefill_q_block : int
@@ -161,7 +165,7 @@ class SparsityConfig:
     select_layers: str | tuple[int, ...] = "auto"
     adaptive_budgets: str = ""
     prefill_sparsity: float = 0.0
-    prefill_sparsity_min_len: int = 4096
+    prefill_sparsity_min_len: int = -1
     prefill_block: int = 64
     prefill_q_block: int = 2048
     prefill_estimator: str = "antidiagonal"
@@ -180,8 +184,8 @@ class SparsityConfig:
         _check(self.dense_layers >= 0, f"dense_layers must be >= 0, got {self.dense_layers}")
         _check(0.0 <= self.prefill_sparsity <= 1.0,
                f"prefill_sparsity must be in [0, 1] (0: off), got {self.prefill_sparsity}")
-        _check(self.prefill_sparsity_min_len >= 0,
-               f"prefill_sparsity_min_len must be >= 0, got {self.prefill_sparsity_min_len}")
+        _check(self.prefill_sparsity_min_len >= -1,
+               f"prefill_sparsity_min_len must be >= 0 (or -1: auto), got {self.prefill_sparsity_min_len}")
         _check(self.prefill_stride >= 1, f"prefill_stride must be >= 1, got {self.prefill_stride}")
         _check(self.prefill_block >= 8 and self.prefill_block % self.prefill_stride == 0,
                f"prefill_block must be a multiple of prefill_stride ({self.prefill_stride}) and >= 8, "

@@ -49,14 +49,14 @@ def test_flags_reach_the_backend(smol):
 def test_prefill_flags_default_off():
     sp = engine_config_from_args(build_parser().parse_args(["generate"])).sparsity
     assert (sp.prefill_sparsity, sp.prefill_sparsity_min_len, sp.prefill_block, sp.prefill_q_block,
-            sp.prefill_estimator) == (0.0, 4096, 64, 2048, "antidiagonal")
+            sp.prefill_estimator) == (0.0, -1, 64, 2048, "antidiagonal")  # -1: the device's profile
 
 
 @pytest.mark.parametrize("args, message", [
     (["--prefill-sparsity", "1.5"], "prefill_sparsity must be in [0, 1]"),
     (["--prefill-q-block", "100"], "prefill_q_block must be a multiple of prefill_block"),
     (["--prefill-block", "12"], "prefill_block must be"),
-    (["--prefill-sparsity-min-len", "-1"], "prefill_sparsity_min_len must be >= 0"),
+    (["--prefill-sparsity-min-len", "-2"], "prefill_sparsity_min_len must be >= 0 (or -1: auto)"),
 ])
 def test_bad_prefill_values_print_one_line(args, message):
     r = lserve("generate", "hi", "--model", "tiny", *args)

@@ -26,9 +26,9 @@ def test_choose_ratio_needs_every_larger_context_to_pay():
 
 
 def test_user_profile_overrides_shipped(tmp_path, monkeypatch):
-    shipped, user = tmp_path / "shipped.json", tmp_path / "user.json"
+    shipped, user = tmp_path / "dynamic_threshold.json", tmp_path / "user.json"
     shipped.write_text(json.dumps({"k1": {"ratio": 3.0}, "k2": {"ratio": 5.0}}))
-    monkeypatch.setattr(th, "SHIPPED", shipped)
+    monkeypatch.setattr(th, "PROFILES", tmp_path)
     monkeypatch.setenv("LSERVE_THRESHOLD_FILE", str(user))
     assert th.lookup_ratio("k1") == (3.0, str(shipped))
     th.save_profile("k1", {"ratio": 1.5})

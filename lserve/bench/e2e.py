@@ -69,9 +69,9 @@ def _engine(loaded: LoadedModel, model: str, sp: SparsityConfig, context: int, d
 
 
 def measure_engine(engine: LLMEngine, context: int, decode_steps: int, seed: int = 0,
-                   token_budget: int | None = None) -> tuple[float, float]:
+                   token_budget: int | None = None, prefill_sparsity: float | None = None) -> tuple[float, float]:
     """(TTFT seconds, median decode seconds per token) for one random prompt of ``context`` tokens
-    (``token_budget``: a per-request budget, None for the engine's).
+    (``token_budget``, ``prefill_sparsity``: per-request overrides, None for the engine's).
 
     Each decode ``step()`` returns one token; its wall time is the interval between tokens (with
     async decode it has launched the next step before waiting for this one's token)."""
@@ -79,7 +79,7 @@ def measure_engine(engine: LLMEngine, context: int, decode_steps: int, seed: int
     ids = torch.randint(0, engine.model_config.vocab_size - 2, (context,), generator=g).tolist()
     dev = engine.config.device
     engine.add_request(ids, SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True,
-                                           token_budget=token_budget))
+                                           token_budget=token_budget, prefill_sparsity=prefill_sparsity))
     _sync(dev)
     t0 = time.perf_counter()
     while not any(o.token_ids for o in engine.step()):

@@ -19,7 +19,7 @@ from lserve.attention import make_backend
 from lserve.attention.base import SelectorStats
 from lserve.cache.kv_cache import KVCache
 from lserve.cache.page_hash import namespace_seed
-from lserve.config import ConfigError, EngineConfig
+from lserve.config import PREFILL_MIN_LEN_UNPROFILED, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine.async_decode import HostTokens, LaunchedStep
 from lserve.engine.cuda_graphs import DecodeGraphs
 from lserve.engine.sampling import (
@@ -40,7 +40,7 @@ from lserve.models.tokenizer import encode_prompt
 from lserve.sparsity.kv_read import KVReadTotals
 from lserve.sparsity.patterns import HeadLayout, load_pattern, random_pattern
 from lserve.sparsity.plan import SeqStep
-from lserve.sparsity.threshold import lookup_ratio, profile_key
+from lserve.sparsity.threshold import PREFILL, lookup, lookup_ratio, profile_key
 
 log = logging.getLogger("lserve")
 
@@ -120,6 +120,17 @@ def step_alpha(mc, layout: HeadLayout) -> float:
                            [n * mc.group_size for n in layout.n_dense()])
 
 
+def resolve_prefill_min_len(sp: SparsityConfig, device: str, model_cfg, dtype) -> tuple[SparsityConfig, str | None]:
+    """``sp`` with an "auto" (-1) ``prefill_sparsity_min_len`` resolved: the profiled length of this
+    device and model shape, else :data:`~lserve.config.PREFILL_MIN_LEN_UNPROFILED`; and the profile
+    file it came from (None: not from a profile)."""
+    if sp.prefill_sparsity_min_len >= 0:
+        return sp, None
+    found = lookup(profile_key(device, model_cfg, dtype), PREFILL, "min_len")
+    min_len, source = (int(found[0]), found[1]) if found else (PREFILL_MIN_LEN_UNPROFILED, None)
+    return replace(sp, prefill_sparsity_min_len=min_len), source
+
+
 def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCache:
     """The two-way paged KV cache an engine with config ``cfg`` allocates."""
     sp = cfg.sparsity
@@ -151,7 +162,7 @@ class LLMEngine:
             raise ConfigError("INT4 KV needs an even head_dim")
         self.layout = build_layout(config, mc.num_layers, mc.num_kv_heads)
         self.model = LlamaModel(mc, self.loaded.weights, self.layout, dtype, config.device)
-        sp = config.sparsity
+        sp, self.prefill_threshold_source = resolve_prefill_min_len(config.sparsity, config.device, mc, dtype)
         self.cache = build_cache(config, mc, self.layout, dtype)
         self.backend = make_backend(config.backend, mc, sp, self.cache)
         self.threshold_source = None

@@ -77,7 +77,7 @@ class RunConfig:
     select_layers: str = "auto"
     adaptive_budgets: str = ""
     prefill_sparsity: float = 0.0
-    prefill_sparsity_min_len: int = 4096
+    prefill_sparsity_min_len: int = SparsityConfig.prefill_sparsity_min_len
     prefill_q_block: int = 2048
 
     def budget_for(self, context: int, page_size: int = 64) -> int:

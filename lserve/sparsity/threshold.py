@@ -12,6 +12,11 @@ Lookup order: the user's profile file (``$LSERVE_THRESHOLD_FILE``, default
 ``$LSERVE_CACHE_DIR/dynamic_threshold.json``), then the profiles shipped in
 ``lserve/profiles/dynamic_threshold.json``. No entry: ratio 0 (select whenever the context
 exceeds the budget).
+
+Block-sparse prefill has a profile of the same shape (kind :data:`PREFILL`, written by
+``lserve bench profile-prefill-threshold``, env ``LSERVE_PREFILL_THRESHOLD_FILE``): the prompt
+length from which it shortens the time to first token, read by engines whose
+``prefill_sparsity_min_len`` is ``-1`` ("auto").
 """
 
 from __future__ import annotations
@@ -21,17 +26,19 @@ import math
 import os
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parent.parent / "profiles" / "dynamic_threshold.json"
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # shipped: <kind>.json
+DECODE, PREFILL = "dynamic_threshold", "prefill_threshold"  # profile kinds (file stems)
+_ENV = {DECODE: "LSERVE_THRESHOLD_FILE", PREFILL: "LSERVE_PREFILL_THRESHOLD_FILE"}
 
 
-def user_file() -> Path:
-    """The profile file ``profile-threshold`` writes and engines read first."""
-    env = os.environ.get("LSERVE_THRESHOLD_FILE")
+def user_file(kind: str = DECODE) -> Path:
+    """The profile file of ``kind`` that the profiling bench writes and engines read first."""
+    env = os.environ.get(_ENV[kind])
     if env:
         return Path(env)
     from lserve.models.loader import cache_root
 
-    return cache_root() / "dynamic_threshold.json"
+    return cache_root() / f"{kind}.json"
 
 
 def device_name(device: str) -> str:
@@ -57,18 +64,23 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def lookup_ratio(key: str) -> tuple[float, str] | None:
-    """(ratio, source file) of the profile for ``key``, user file first; None if unprofiled."""
-    for path in (user_file(), SHIPPED):
+def lookup(key: str, kind: str, field: str) -> tuple[float, str] | None:
+    """(``field`` of the profile for ``key``, source file), user file first; None if unprofiled."""
+    for path in (user_file(kind), PROFILES / f"{kind}.json"):
         entry = _read(path).get(key)
-        if entry is not None and entry.get("ratio") is not None:
-            return float(entry["ratio"]), str(path)
+        if entry is not None and entry.get(field) is not None:
+            return float(entry[field]), str(path)
     return None
 
 
-def save_profile(key: str, entry: dict, path: Path | None = None) -> Path:
-    """Merge ``entry`` (with a ``ratio``) under ``key`` into the profile file; returns its path."""
-    path = Path(path) if path is not None else user_file()
+def lookup_ratio(key: str) -> tuple[float, str] | None:
+    """(ratio, source file) of the decode-selection profile for ``key``; None if unprofiled."""
+    return lookup(key, DECODE, "ratio")
+
+
+def save_profile(key: str, entry: dict, path: Path | None = None, kind: str = DECODE) -> Path:
+    """Merge ``entry`` under ``key`` into the profile file (default: the user's of ``kind``); returns its path."""
+    path = Path(path) if path is not None else user_file(kind)
     data = _read(path)
     data[key] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,6 +95,17 @@ def threshold_tokens(ratio: float, budget: int) -> int:
     return math.ceil(ratio * budget)
 
 
+def first_paying(rows: list[dict], base: str, candidate: str) -> int | None:
+    """The smallest measured context from which ``candidate`` is faster than ``base`` at every
+    larger measured context too (None: not at the largest)."""
+    threshold = None
+    for r in sorted(rows, key=lambda r: -r["context"]):
+        if r[candidate] >= r[base]:
+            break
+        threshold = r["context"]
+    return threshold
+
+
 def choose_ratio(rows: list[dict], budget: int) -> tuple[float, int | None]:
     """The ratio from a sweep of ``{"context", "dense_ms", "dynamic_ms"}`` rows.
 
@@ -90,13 +113,7 @@ def choose_ratio(rows: list[dict], budget: int) -> tuple[float, int | None]:
     every larger measured context too. If it never pays within the sweep, the ratio is twice
     the largest measured one (selection stays off as far as we know) and the threshold None.
     """
-    rows = sorted(rows, key=lambda r: r["context"])
-    threshold = None
-    for r in reversed(rows):
-        if r["dynamic_ms"] < r["dense_ms"]:
-            threshold = r["context"]
-        else:
-            break
+    threshold = first_paying(rows, "dense_ms", "dynamic_ms")
     if threshold is None:
-        return 2.0 * rows[-1]["context"] / budget, None
+        return 2.0 * max(r["context"] for r in rows) / budget, None
     return threshold / budget, threshold

@@ -1,0 +1,103 @@
+"""``lserve bench profile-prefill-threshold``: the prompt length from which block-sparse prefill pays.
+
+For each context of a sweep, one engine (this device, this model shape, the given backend,
+the whole prompt in one step) prefills random prompts dense and with block-sparse prefill of
+the dense heads at ``tau`` (a per-request override on the same engine), each timed to its first
+token, the better of two prompts per point (a fresh engine's first long prompt is slower on the
+H200, ``scripts/probe_first_prefill.py``). The threshold is the smallest context from which the
+sparse prefill is faster at every larger measured context; it is saved as ``min_len`` in the
+prefill profile that engines with ``prefill_sparsity_min_len = -1`` read
+(:mod:`lserve.sparsity.threshold`), and the sweep is written as JSON + PNG.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from lserve.bench.e2e import measure_engine
+from lserve.bench.report import header, write_json
+from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+from lserve.engine.llm_engine import LLMEngine
+from lserve.models.loader import load_model
+from lserve.plotting import pyplot
+from lserve.sparsity.threshold import PREFILL, first_paying, profile_key, save_profile
+
+TAU = 0.9  # the lserve-prefill-sparse eval preset's
+
+
+def default_contexts(device: str) -> list[int]:
+    """Up to 256k on a GPU, 8k on a CPU (its prefill is slow)."""
+    return [8192, 16384, 32768, 65536, 131072, 262144] if device.startswith("cuda") else [1024, 2048, 4096, 8192]
+
+
+def run_prefill_threshold(model: str = "default", device: str = "cpu", backend: str = "torch", tau: float = TAU,
+                          contexts: list[int] | None = None, out_dir: str | Path | None = "benchmarks",
+                          name: str | None = None, profile_file: str | Path | None = None,
+                          save: bool = True) -> dict:
+    """Measure the sweep, save ``min_len`` (unless ``save`` is False) and write the report.
+
+    Returns
+    -------
+    dict
+        The report: ``key``, ``tau``, ``min_len`` (the threshold, None if sparse prefill never
+        paid), ``rows`` [{context, dense_s, sparse_s}], ``saved_to``.
+    """
+    contexts = sorted(contexts or default_contexts(device))
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    loaded = load_model(model, dtype=dtype, device=device)
+    top = max(contexts) + 64
+    # the model's own streaming pattern (auto), prefill sparsity off unless a request asks for it
+    sp = SparsityConfig(prefill_sparsity=0.0, prefill_sparsity_min_len=0)
+    eng = LLMEngine(EngineConfig(model=model, sparsity=sp, cache=CacheConfig(max_tokens=top), device=device,
+                                 backend=backend, max_num_seqs=1, max_batched_tokens=top, max_model_len=top,
+                                 prefix_cache=False), loaded)
+    measure_engine(eng, 128, 1)  # warm-up: kernels compiled, allocator primed
+    rows = []
+    for ctx in tqdm(contexts, desc="profile-prefill-threshold", unit="context"):
+        row = {"context": ctx}
+        for col, override in (("dense_s", None), ("sparse_s", tau)):
+            row[col] = round(min(measure_engine(eng, ctx, 1, seed=s, prefill_sparsity=override)[0]
+                                 for s in (1, 2)), 4)
+        rows.append(row)
+    threshold = first_paying(rows, "dense_s", "sparse_s")
+    min_len = threshold if threshold is not None else 2 * max(contexts)  # off as far as measured
+    key = profile_key(device, loaded.config, dtype)
+    report = {**header(), "key": key, "model": model, "backend": backend, "tau": tau, "min_len": min_len,
+              "threshold": threshold, "rows": rows, "saved_to": None}
+    if save:
+        entry = {k: report[k] for k in ("min_len", "threshold", "tau", "backend", "date", "command", "rows")}
+        report["saved_to"] = str(save_profile(key, entry, profile_file, kind=PREFILL))
+    if out_dir is not None:
+        stem = name or ("prefill_threshold_" + ("cpu" if device == "cpu" else "gpu") + f"_{model}")
+        write_json(Path(out_dir) / f"{stem}.json", report)
+        _plot(report, Path(out_dir) / f"{stem}.png")
+    shown = "never within the sweep" if threshold is None else f"{threshold} tokens"
+    print(f"{key}: block-sparse prefill (tau {tau}) pays from {shown}; min_len {min_len}"
+          + (f"; saved to {report['saved_to']}" if report["saved_to"] else ""))
+    return report
+
+
+def _plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+
+    rows = report["rows"]
+    x = [r["context"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.plot(x, [r["dense_s"] for r in rows], "o-", label="dense prefill")
+    ax.plot(x, [r["sparse_s"] for r in rows], "s-", label=f"block-sparse prefill (tau {report['tau']})")
+    if report["threshold"]:
+        ax.axvline(report["threshold"], color="k", ls=":", label=f"threshold {report['threshold']}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token, s")
+    ax.set_title(report["key"], fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
