@@ -10,8 +10,8 @@
 #   e2e        e2e_h200.{json,png}, e2e.log (lserve bench e2e; E2E_ARGS adds flags)
 #   sparse     sparse_prefill_h200.{json,png}, sparse_prefill.log (python -m lserve.bench.sparse_prefill:
 #              block-sparse prefill attention vs SDPA; SPARSE_ARGS adds flags)
-#   probe      probe_*.json, probe.log (scripts/probe_$PROBE.py: PROBE=decode (default), selector, launch or timeline;
-#              PROBE_ARGS adds flags)
+#   probe      probe_*.json, probe.log (scripts/probe_$PROBE.py: PROBE=decode (default), selector, launch, timeline,
+#              sdpa, first_prefill or served_prefill; PROBE_ARGS adds flags)
 #   profile    profile_*.json, profile.log (kernels of the prefill and eager decode steps by GPU time;
 #              PROFILE_ARGS, e.g. "--config lserve --context 32768")
 # plus gpu_info.txt, and a short summary last.
