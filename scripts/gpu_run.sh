@@ -7,6 +7,8 @@
 #   kernels    kernels_h200.{json,png}, kernels_bench.log (one layer: kernels vs SDPA)
 #   threshold  threshold_h200.{json,png}, threshold.log (lserve bench profile-threshold; the
 #              profile it saves is what the e2e engines then use)
+#   pthreshold prefill_threshold_h200.{json,png}, pthreshold.log (lserve bench profile-prefill-threshold:
+#              from which prompt length block-sparse prefill pays; PT_ARGS adds flags)
 #   e2e        e2e_h200.{json,png}, e2e.log (lserve bench e2e; E2E_ARGS adds flags)
 #   sparse     sparse_prefill_h200.{json,png}, sparse_prefill.log (python -m lserve.bench.sparse_prefill:
 #              block-sparse prefill attention vs SDPA; SPARSE_ARGS adds flags)
@@ -46,6 +48,12 @@ if has threshold; then
         ${THRESHOLD_ARGS:-} 2>&1 | tee "$OUT/threshold.log"
     rc=$((rc | (PIPESTATUS[0] != 0)))
 fi
+if has pthreshold; then
+    # shellcheck disable=SC2086
+    timeout "${PT_TIMEOUT:-400}" "$PY" -m lserve bench profile-prefill-threshold --out "$OUT" \
+        --name prefill_threshold_h200 ${PT_ARGS:-} 2>&1 | tee "$OUT/pthreshold.log"
+    rc=$((rc | (PIPESTATUS[0] != 0)))
+fi
 if has e2e; then
     # shellcheck disable=SC2086
     timeout "${E2E_TIMEOUT:-570}" "$PY" -m lserve bench e2e --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
@@ -75,6 +83,7 @@ if has tests; then
 fi
 has kernels && { echo "== kernel benchmark"; sed -n '/^copy bandwidth/,$p' "$OUT/kernels_bench.log"; }
 has threshold && { echo "== threshold"; tail -n 1 "$OUT/threshold.log"; }
+has pthreshold && { echo "== prefill threshold"; tail -n 1 "$OUT/pthreshold.log"; }
 has e2e && { echo "== e2e"; sed -n '/^weight floor/,$p' "$OUT/e2e.log"; }
 has sparse && { echo "== sparse prefill"; grep -E '^ *[0-9]+ tau' "$OUT/sparse_prefill.log"; }
 has profile && { echo "== profile"; sed -n '/of kernels per step/,$p' "$OUT/profile.log"; }
