@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lserve.attention.chunked import dense_chunk, merge_lse, streaming_prefix
+from lserve.attention.chunked import attention_lse, dense_chunk, impl_ok, merge_lse, streaming_prefix
 
 
 def masked_attention(q, k, v, mask, scale):
@@ -17,6 +17,22 @@ def masked_attention(q, k, v, mask, scale):
     s = torch.einsum("hqd,hkd->hqk", q.double(), k.double()) * scale
     s = s.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,hkd->hqd", torch.softmax(s, -1), v.double())
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("lq,lk,causal", [(96, 96, True), (70, 333, False), (1, 500, False)])
+def test_attention_lse_on_the_cpu_is_the_masked_softmax(lq, lk, causal, d):
+    """The CPU path (torch's fused flash kernel where it checks exact, else plain attention): output
+    and log-sum-exp of the masked softmax, keys as strided views as the backends pass them."""
+    gen = torch.Generator().manual_seed(lq + lk + d)
+    q = torch.randn(3, lq, d, generator=gen)
+    k, v = (torch.randn(3, lk + 8, d, generator=gen)[:, :lk] for _ in "kv")
+    o, lse = attention_lse(q, k, v, causal, d ** -0.5)
+    mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq) if causal else torch.ones(lq, lk, dtype=torch.bool)
+    s = (torch.einsum("hqd,hkd->hqk", q.double(), k.double()) * d ** -0.5).masked_fill(~mask, float("-inf"))
+    assert torch.allclose(o.double(), masked_attention(q, k, v, mask, d ** -0.5), atol=1e-5, rtol=1e-4)
+    assert torch.allclose(lse.double(), torch.logsumexp(s, -1), atol=1e-4)
+    assert impl_ok("cpu_flash", torch.device("cpu"), torch.float32, d)  # torch 2.13 ships it: the fast path ran
 
 
 @pytest.mark.parametrize("start,n,group", [(37, 19, 1), (300, 64, 4), (129, 200, 8)])

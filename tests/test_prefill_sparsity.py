@@ -191,7 +191,7 @@ def test_prefill_sparsity_config_checked_once():
     from lserve.config import ConfigError, SparsityConfig
 
     for bad in ({"prefill_sparsity": 1.5}, {"prefill_sparsity": -0.1}, {"prefill_block": 12},
-                {"prefill_estimator": "magic"}, {"prefill_sparsity_min_len": -1}):
+                {"prefill_estimator": "magic"}, {"prefill_sparsity_min_len": -2}):  # -1: auto
         with pytest.raises(ConfigError):
             SparsityConfig(**bad)
 
