@@ -18,12 +18,12 @@ import torch
 from tqdm import tqdm
 
 from lserve.bench.e2e import measure_engine
-from lserve.bench.report import header, write_json
+from lserve.bench.report import header
+from lserve.bench.threshold import finish_sweep
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.models.loader import load_model
-from lserve.plotting import pyplot
-from lserve.sparsity.threshold import PREFILL, first_paying, profile_key, save_profile
+from lserve.sparsity.threshold import PREFILL, first_paying, profile_key
 
 TAU = 0.9  # the lserve-prefill-sparse eval preset's
 
@@ -67,37 +67,12 @@ def run_prefill_threshold(model: str = "default", device: str = "cpu", backend: 
     key = profile_key(device, loaded.config, dtype)
     report = {**header(), "key": key, "model": model, "backend": backend, "tau": tau, "min_len": min_len,
               "threshold": threshold, "rows": rows, "saved_to": None}
-    if save:
-        entry = {k: report[k] for k in ("min_len", "threshold", "tau", "backend", "date", "command", "rows")}
-        report["saved_to"] = str(save_profile(key, entry, profile_file, kind=PREFILL))
-    if out_dir is not None:
-        stem = name or ("prefill_threshold_" + ("cpu" if device == "cpu" else "gpu") + f"_{model}")
-        write_json(Path(out_dir) / f"{stem}.json", report)
-        _plot(report, Path(out_dir) / f"{stem}.png")
+    finish_sweep(report, ("min_len", "threshold", "tau", "backend", "date", "command", "rows"), PREFILL,
+                 profile_file if save else False, out_dir,
+                 name or ("prefill_threshold_" + ("cpu" if device == "cpu" else "gpu") + f"_{model}"),
+                 (("dense_s", "dense prefill"), ("sparse_s", f"block-sparse prefill (tau {tau})")),
+                 "time to first token, s", "prompt tokens", log_y=True)
     shown = "never within the sweep" if threshold is None else f"{threshold} tokens"
     print(f"{key}: block-sparse prefill (tau {tau}) pays from {shown}; min_len {min_len}"
           + (f"; saved to {report['saved_to']}" if report["saved_to"] else ""))
     return report
-
-
-def _plot(report: dict, path: Path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-
-    rows = report["rows"]
-    x = [r["context"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot(x, [r["dense_s"] for r in rows], "o-", label="dense prefill")
-    ax.plot(x, [r["sparse_s"] for r in rows], "s-", label=f"block-sparse prefill (tau {report['tau']})")
-    if report["threshold"]:
-        ax.axvline(report["threshold"], color="k", ls=":", label=f"threshold {report['threshold']}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("time to first token, s")
-    ax.set_title(report["key"], fontsize=8)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -21,7 +21,7 @@ from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.models.loader import load_model
 from lserve.plotting import pyplot
-from lserve.sparsity.threshold import choose_ratio, profile_key, save_profile
+from lserve.sparsity.threshold import DECODE, choose_ratio, profile_key, save_profile
 
 
 def default_contexts(budget: int, device: str) -> list[int]:
@@ -63,21 +63,32 @@ def run_profile_threshold(model: str = "default", device: str = "cpu", backend: 
     report = {**header(), "key": key, "model": model, "backend": backend, "budget": budget,
               "reuse_interval": reuse_interval, "decode_steps": decode_steps, "ratio": round(ratio, 4),
               "threshold": threshold, "rows": rows, "saved_to": None}
-    if save:
-        entry = {k: report[k] for k in ("ratio", "threshold", "budget", "reuse_interval", "backend", "date",
-                                        "command", "rows")}
-        report["saved_to"] = str(save_profile(key, entry, profile_file))
-    if out_dir is not None:
-        stem = name or ("threshold_" + ("cpu" if device == "cpu" else "gpu") + f"_{model}")
-        write_json(Path(out_dir) / f"{stem}.json", report)
-        _plot(report, Path(out_dir) / f"{stem}.png")
+    entry_keys = ("ratio", "threshold", "budget", "reuse_interval", "backend", "date", "command", "rows")
+    finish_sweep(report, entry_keys, DECODE, profile_file if save else False, out_dir,
+                 name or ("threshold_" + ("cpu" if device == "cpu" else "gpu") + f"_{model}"),
+                 (("dense_ms", "dense heads read every page"), ("dynamic_ms", f"dynamic selection (budget {budget})")),
+                 "decode ms / token", "context tokens")
     shown = "never within the sweep" if threshold is None else f"{threshold} tokens"
     print(f"{key}: dynamic selection pays from {shown} at budget {budget} (ratio {ratio:.3g})"
           + (f"; saved to {report['saved_to']}" if report["saved_to"] else ""))
     return report
 
 
-def _plot(report: dict, path: Path) -> None:
+def finish_sweep(report: dict, entry_keys: tuple[str, ...], kind: str, profile_file, out_dir, stem: str,
+                 series: tuple[tuple[str, str], ...], ylabel: str, xlabel: str, log_y: bool = False) -> None:
+    """Save a threshold sweep's profile entry and write its report + plot (both profiling benches).
+
+    ``profile_file``: where to save (None: the user's file of ``kind``; False: not saved);
+    ``series``: (row field, label) per line of the plot; ``out_dir`` None writes no files."""
+    if profile_file is not False:
+        entry = {k: report[k] for k in entry_keys}
+        report["saved_to"] = str(save_profile(report["key"], entry, profile_file, kind=kind))
+    if out_dir is not None:
+        write_json(Path(out_dir) / f"{stem}.json", report)
+        _plot(report, Path(out_dir) / f"{stem}.png", series, ylabel, xlabel, log_y)
+
+
+def _plot(report: dict, path: Path, series, ylabel: str, xlabel: str, log_y: bool) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -85,13 +96,15 @@ def _plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     x = [r["context"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot(x, [r["dense_ms"] for r in rows], "o-", label="dense heads read every page")
-    ax.plot(x, [r["dynamic_ms"] for r in rows], "s-", label=f"dynamic selection (budget {report['budget']})")
+    for (col, label), style in zip(series, ("o-", "s-")):
+        ax.plot(x, [r[col] for r in rows], style, label=label)
     if report["threshold"]:
         ax.axvline(report["threshold"], color="k", ls=":", label=f"threshold {report['threshold']}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("decode ms / token")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(report["key"], fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
