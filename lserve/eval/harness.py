@@ -78,7 +78,7 @@ class RunConfig:
     adaptive_budgets: str = ""
     prefill_sparsity: float = 0.0
     prefill_sparsity_min_len: int = SparsityConfig.prefill_sparsity_min_len
-    prefill_q_block: int = 2048
+    prefill_q_block: int = SparsityConfig.prefill_q_block
 
     def budget_for(self, context: int, page_size: int = 64) -> int:
         """Token budget at ``context`` tokens: 0 = off, else at least two pages and ``min_budget``."""
