@@ -205,6 +205,10 @@ class SparsityConfig:
     def streaming_enabled(self) -> bool:
         return self.pattern not in (None, "none") and self.static_sparsity > 0
 
+    def request_prefill_sparsity(self, override: float | None) -> float:
+        """A request's prefill tau: its own (``SamplingParams.prefill_sparsity``), else this config's."""
+        return self.prefill_sparsity if override is None else override
+
 
 @dataclass
 class CacheConfig:

@@ -8,11 +8,11 @@ from lserve.sparsity.threshold import first_paying
 
 def test_first_paying_needs_every_longer_context_to_pay():
     rows = [{"context": c, "dense_s": 1.0, "sparse_s": s} for c, s in ((1024, 1.2), (2048, 0.9), (4096, 1.1), (8192, 0.5))]
-    assert first_paying(rows, "dense_s", "sparse_s") == 8192
+    assert first_paying(rows, "dense_s", "sparse_s") == (8192, 8192)
     rows[2]["sparse_s"] = 0.8
-    assert first_paying(rows, "dense_s", "sparse_s") == 2048
+    assert first_paying(rows, "dense_s", "sparse_s") == (2048, 2048)
     rows[3]["sparse_s"] = 1.5
-    assert first_paying(rows, "dense_s", "sparse_s") is None
+    assert first_paying(rows, "dense_s", "sparse_s") == (None, 16384)  # off as far as measured
 
 
 def test_profiled_min_len_is_what_an_auto_engine_uses(tmp_path, monkeypatch):

@@ -113,7 +113,7 @@ class AttentionBackend(ABC):
     def prefill_tau(self, sp: SeqPlan) -> float:
         """The estimated mass a prefill chunk's dense heads keep (0: the chunk runs dense): the
         request's override, else the config, from ``prefill_sparsity_min_len`` tokens of context on."""
-        tau = self.sp.prefill_sparsity if sp.step.prefill_sparsity is None else sp.step.prefill_sparsity
+        tau = self.sp.request_prefill_sparsity(sp.step.prefill_sparsity)
         return tau if sp.step.start + sp.step.num_new >= self.sp.prefill_sparsity_min_len else 0.0
 
     def sparse_prefill_blocks(self, sp: SeqPlan, qd: torch.Tensor, kd: torch.Tensor) -> PrefillBlocks | None:

@@ -62,8 +62,7 @@ def run_prefill_threshold(model: str = "default", device: str = "cpu", backend: 
             row[col] = round(min(measure_engine(eng, ctx, 1, seed=s, prefill_sparsity=override)[0]
                                  for s in (1, 2)), 4)
         rows.append(row)
-    threshold = first_paying(rows, "dense_s", "sparse_s")
-    min_len = threshold if threshold is not None else 2 * max(contexts)  # off as far as measured
+    threshold, min_len = first_paying(rows, "dense_s", "sparse_s")
     key = profile_key(device, loaded.config, dtype)
     report = {**header(), "key": key, "model": model, "backend": backend, "tau": tau, "min_len": min_len,
               "threshold": threshold, "rows": rows, "saved_to": None}

@@ -38,10 +38,10 @@ from lserve.plotting import pyplot
 # On random weights tau sets how much of the causal prefill the dense heads keep (0.33 at 128k
 # for 0.3, benchmarks/e2e_prefill_sparse_h200.json), not an accuracy-checked setting.
 SPARSE_TAU = 0.3
+_LSERVE_FLAGS = ["--pattern", "random", "--static-sparsity", "0.5", "--token-budget", "4096"]
 CONFIG_FLAGS = {
-    "lserve": ["--pattern", "random", "--static-sparsity", "0.5", "--token-budget", "4096"],
-    "lserve-sparse": ["--pattern", "random", "--static-sparsity", "0.5", "--token-budget", "4096",
-                      "--prefill-sparsity", str(SPARSE_TAU)],
+    "lserve": _LSERVE_FLAGS,
+    "lserve-sparse": [*_LSERVE_FLAGS, "--prefill-sparsity", str(SPARSE_TAU)],
     "dense": ["--pattern", "none", "--token-budget", "0"],
 }
 

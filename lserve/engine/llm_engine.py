@@ -228,8 +228,7 @@ class LLMEngine:
         inside a row gives that row's fused attention calls shapes no other chunk has, and cuDNN
         builds a plan per new shape (0.07-0.9 s on the H200, ``probe_cudnn_causal_h200.json``)."""
         sp = self.config.sparsity
-        tau = sp.prefill_sparsity if seq.params.prefill_sparsity is None else seq.params.prefill_sparsity
-        return sp.prefill_q_block if tau > 0 else 0
+        return sp.prefill_q_block if sp.request_prefill_sparsity(seq.params.prefill_sparsity) > 0 else 0
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None, chat: bool = False, arrival: float | None = None) -> str:

@@ -95,15 +95,17 @@ def threshold_tokens(ratio: float, budget: int) -> int:
     return math.ceil(ratio * budget)
 
 
-def first_paying(rows: list[dict], base: str, candidate: str) -> int | None:
-    """The smallest measured context from which ``candidate`` is faster than ``base`` at every
-    larger measured context too (None: not at the largest)."""
+def first_paying(rows: list[dict], base: str, candidate: str) -> tuple[int | None, int]:
+    """(threshold, context to switch on from) of a sweep: the smallest measured context from which
+    ``candidate`` is faster than ``base`` at every larger measured context too (None: not at the
+    largest), and that context, or twice the largest measured one where it never paid (off as
+    far as measured)."""
     threshold = None
     for r in sorted(rows, key=lambda r: -r["context"]):
         if r[candidate] >= r[base]:
             break
         threshold = r["context"]
-    return threshold
+    return threshold, threshold if threshold is not None else 2 * max(r["context"] for r in rows)
 
 
 def choose_ratio(rows: list[dict], budget: int) -> tuple[float, int | None]:
@@ -113,7 +115,7 @@ def choose_ratio(rows: list[dict], budget: int) -> tuple[float, int | None]:
     every larger measured context too. If it never pays within the sweep, the ratio is twice
     the largest measured one (selection stays off as far as we know) and the threshold None.
     """
-    threshold = first_paying(rows, "dense_ms", "dynamic_ms")
+    threshold, switch_on = first_paying(rows, "dense_ms", "dynamic_ms")
     if threshold is None:
-        return 2.0 * max(r["context"] for r in rows) / budget, None
+        return switch_on / budget, None
     return threshold / budget, threshold
