@@ -1,12 +1,15 @@
 """A served engine's prefill without Ray or HTTP: TTFT of long prompts under ``lserve serve``'s step budget.
 
     python scripts/probe_served_prefill.py OUT_DIR [--contexts 32768 131072] [--configs lserve lserve-sparse]
+        [--grids 2048 0]
 
 The engine is built from :class:`lserve.serve.settings.ServeSettings` as a served replica builds
 it (chunked prefill under the time-targeted step budget), with the served configurations' flags
 of ``lserve bench serve``; per (configuration, context) two prompts (different tokens), each
 timed to its first token, and the steps and chunk sizes it took. Against ``lserve bench e2e``'s
-one-step TTFT this separates what chunking costs from what Ray and HTTP add. Writes
+one-step TTFT this separates what chunking costs from what Ray and HTTP add. ``--grids`` runs
+each configuration once per ``lserve.attention.chunked.CUDNN_CHUNK_GRID`` (0: every chunk on
+flash), recording which kernels ran the chunks and each step's seconds. Writes
 ``probe_served_prefill_h200.json``.
 """
 
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from lserve.attention import chunked
 from lserve.bench.report import header
 from lserve.bench.serve import CONFIG_FLAGS
 from lserve.engine.llm_engine import LLMEngine
@@ -44,16 +48,20 @@ def ttft(eng: LLMEngine, n: int, seed: int) -> dict:
     ids = torch.randint(0, eng.model_config.vocab_size - 2, (n,), generator=g).tolist()
     eng.add_request(ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     torch.cuda.synchronize()
-    t0, chunks = time.perf_counter(), []
+    t0, chunks, secs = time.perf_counter(), [], []
+    kernels = dict(eng.backend.chunk_kernels)
     while True:
         outs = eng.step()
         chunks.append(eng.last_step_info["prefill_tokens"])
+        secs.append(round(eng.last_step_info["seconds"], 4))
         if any(o.token_ids for o in outs):
             break
     t = time.perf_counter() - t0
+    kernels = {k: v - kernels.get(k, 0) for k, v in eng.backend.chunk_kernels.items()}
     while eng.has_unfinished():
         eng.step()
-    return {"ttft_s": round(t, 3), "steps": len(chunks), "chunks": chunks}
+    return {"ttft_s": round(t, 3), "steps": len(chunks), "chunks": chunks, "step_s": secs,
+            "chunk_kernels": {k: v for k, v in kernels.items() if v}}
 
 
 def main() -> None:
@@ -61,20 +69,22 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--configs", nargs="+", default=["lserve-sparse", "lserve"], choices=list(CONFIG_FLAGS))
+    ap.add_argument("--grids", type=int, nargs="+", default=[chunked.CUDNN_CHUNK_GRID])
     a = ap.parse_args()
     loaded = load_model("llama3-8b", dtype=torch.bfloat16, device="cuda")
     rows = []
-    for config in a.configs:
+    for config, grid in ((c, g) for c in a.configs for g in a.grids):
+        chunked.CUDNN_CHUNK_GRID = grid  # read when the backend is built
         st = ServeSettings(model="llama3-8b", device="cuda", backend="cupy", max_model_len=max(a.contexts) + 256,
                            max_cache_tokens=max(a.contexts) + 4096, max_num_seqs=4, **_flags(config))
         eng = LLMEngine(st.engine_config(), loaded)
         ttft(eng, 2048, 0)  # warm-up
         for n in a.contexts:
             for seed in (1, 2):
-                r = {"config": config, "context": n, "seed": seed, **ttft(eng, n, seed)}
+                r = {"config": config, "grid": grid, "context": n, "seed": seed, **ttft(eng, n, seed)}
                 rows.append(r)
-                print(f"{config} {n} seed {seed}: TTFT {r['ttft_s']} s in {r['steps']} steps, "
-                      f"chunks {r['chunks'][:6]}...{r['chunks'][-3:]}", flush=True)
+                print(f"{config} grid {grid} {n} seed {seed}: TTFT {r['ttft_s']} s in {r['steps']} steps, "
+                      f"chunks {r['chunks'][:6]}...{r['chunks'][-3:]} kernels {r['chunk_kernels']}", flush=True)
         del eng
         gc.collect()
         torch.cuda.empty_cache()

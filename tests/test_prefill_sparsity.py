@@ -74,7 +74,8 @@ def test_sparse_prefill_matches_blocked_reference(g, d, start, lq, qb):
     assert blocks.kept_fraction() < 1.0 or start + lq <= 2 * qb
     out = sparse_prefill(q, k, v, blocks, d ** -0.5)
     ref = blocked_prefill(q, k, v, blocks, d ** -0.5)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    # fp32 both, summed in another order by torch's fused CPU kernel: 2.2e-5 apart on some CPUs
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("estimator", ["antidiagonal", "bound"])
@@ -242,3 +243,28 @@ def test_sparse_prefill_chunks_end_on_the_row_grid():
     assert sparse[-1] == dense[-1] == 1000 and len(sparse) > 2
     assert all(e % 128 == 0 for e in sparse[:-1]), sparse
     assert dense[0] == 300 and any(e % 128 for e in dense[:-1]), dense
+
+
+def test_long_prompt_chunks_end_on_the_backend_grid_only_without_decodes():
+    """Where the backend runs grid-aligned chunks faster (cuDNN on a GPU), a long prompt's
+    prefill-only chunks end on its grid; chunks next to decodes keep the step budget's size."""
+    from lserve.engine import LLM, SamplingParams
+
+    llm = LLM("tiny", max_batched_tokens=300)
+    llm.backend.chunk_align = lambda prompt_tokens: 128 if prompt_tokens >= 900 else 0
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    llm.add_request([10 + i % 200 for i in range(1000)], params)
+    alone = []
+    while llm.sequence("req-0").num_computed < 1000:
+        llm.step()
+        alone.append((llm.last_step_info["decode"], llm.sequence("req-0").num_computed))
+    assert len(alone) > 2 and all(d == 0 for d, _ in alone)
+    assert all(e % 128 == 0 for _, e in alone[:-1]) and alone[-1][1] == 1000, alone
+    llm.add_request([7 + i % 100 for i in range(1000)], params)  # prefills while req-0 decodes
+    mixed = []
+    while llm.sequence("req-1").num_computed < 1000:
+        llm.step()
+        mixed.append((llm.last_step_info["decode"], llm.sequence("req-1").num_computed))
+    assert any(d > 0 and e % 128 for d, e in mixed[:-1]), mixed
+    while llm.has_unfinished():
+        llm.step()

@@ -76,6 +76,11 @@ class AttentionBackend(ABC):
         # Decode KV reads as a fraction of dense attention's (lserve.sparsity.kv_read), per step.
         self.kv_read = KVReadMeter()
 
+    def chunk_align(self, prompt_tokens: int) -> int:
+        """A grid on which the chunks of a prompt this long run faster (0: none), so that the
+        engine ends its prefill-only chunks there (``LLMEngine._row_align``)."""
+        return 0
+
     def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
         """Host-side metadata for one forward step (``host``: its tensors stay on the CPU)."""
         plan = self.planner.plan(steps, host)

@@ -36,6 +36,12 @@ _OK: dict[str, bool] = {}  # device:dtype:D:impl -> the fused kernel runs and is
 # (~8 ms of host time per layer shape, `scripts/probe_mixed.py`: a first 256-token chunk next to
 # decodes took 265 ms), which only a long prompt's attention pays back.
 CUDNN_MIN_TOKENS = 16384
+# A chunk with cached past runs its dense heads through cuDNN when it starts and ends on this grid
+# (:func:`chunk_impl`). cuDNN plans per shape, 0.065 s on the H200 for lengths on a 128 multiple
+# and 0.9 s off one (``probe_cudnn_causal_h200.json``); the grid bounds the shapes a server ever
+# plans (a 128k prompt's chunks have 64 pasts) and the scheduler puts a long prompt's chunks on it.
+# 0 turns cuDNN chunks off (flash runs every chunk).
+CUDNN_CHUNK_GRID = 2048
 
 
 def _math_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
@@ -110,6 +116,24 @@ def long_impl(device: torch.device, dtype: torch.dtype, d: int, length: int) -> 
     if device.type != "cuda" or dtype == torch.float32 or length < CUDNN_MIN_TOKENS:
         return None
     return "cudnn" if impl_ok("cudnn", device, dtype, d) else None
+
+
+def chunk_grid(device: torch.device, dtype: torch.dtype, d: int) -> int:
+    """The grid chunks must start and end on for :func:`chunk_impl` to pick cuDNN here (0: never)."""
+    if not CUDNN_CHUNK_GRID or long_impl(device, dtype, d, CUDNN_MIN_TOKENS) is None:
+        return 0
+    return CUDNN_CHUNK_GRID
+
+
+def chunk_impl(device: torch.device, dtype: torch.dtype, d: int, start: int, n: int) -> str | None:
+    """The fused kernel for the dense heads of an ``n``-token chunk after ``start`` cached tokens:
+    cuDNN (via :func:`dense_chunk`) for a long sequence whose chunk lies on :func:`chunk_grid`,
+    else None (the caller's flash path). On the H200 cuDNN runs long attention ~1.5x faster than
+    flash (``probe_served_prefill_h200.json``); off the grid its plans would not repeat."""
+    grid = chunk_grid(device, dtype, d)
+    if not grid or start % grid or n % grid or start + n < CUDNN_MIN_TOKENS:
+        return None
+    return long_impl(device, dtype, d, start + n)
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -54,7 +55,14 @@ import torch.nn.functional as F
 
 from lserve.attention.base import AttentionBackend
 from lserve.attention.block_sparse_prefill import sparse_prefill
-from lserve.attention.chunked import CUDNN_MIN_TOKENS, causal_attention, causal_impl, dense_chunk
+from lserve.attention.chunked import (
+    CUDNN_MIN_TOKENS,
+    causal_attention,
+    causal_impl,
+    chunk_grid,
+    chunk_impl,
+    dense_chunk,
+)
 from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.cupy_tuning import CupyTuning
 from lserve.attention.torch_backend import TorchBackend
@@ -179,6 +187,15 @@ class CupyBackend(AttentionBackend):
         # keys written first (exact only unquantized); else past and chunk merged by LSE.
         self.flash = causal_impl(self.device, self.dtype, self.D) if self.dtype != torch.float32 else None
         self.one_call = self.flash is not None and self.kv_quant == "none"
+        # Chunks of long prompts on this grid run cuDNN (chunked.chunk_impl); the engine aligns them.
+        self.chunk_grid = chunk_grid(self.device, self.dtype, self.D)
+        #: Dense-head attention calls of chunks with cached past, by kernel ("cudnn", "flash", "merge").
+        self.chunk_kernels: Counter = Counter()
+
+    def chunk_align(self, prompt_tokens: int) -> int:
+        """:data:`~lserve.attention.chunked.CUDNN_CHUNK_GRID` for prompts whose later chunks reach
+        cuDNN's length (:func:`~lserve.attention.chunked.chunk_impl`), else 0."""
+        return self.chunk_grid if prompt_tokens >= CUDNN_MIN_TOKENS else 0
 
     def _check_device(self) -> None:
         from lserve.kernels.loader import KernelError
@@ -629,8 +646,8 @@ class CupyBackend(AttentionBackend):
     def prefill_cont(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      st: CupyStep) -> None:
         """Chunks whose sequence has cached past (``start > 0``), see :mod:`lserve.attention.chunked`:
-        dense heads against the gathered past and themselves (merged by log-sum-exp), streaming
-        heads as one virtual batch through ``ls_prefill``."""
+        dense heads against the gathered past and themselves (cuDNN on the chunk grid, else flash;
+        :attr:`chunk_kernels` counts which), streaming heads as one virtual batch through ``ls_prefill``."""
         G, nd = self.group, self.cache.n_dense[layer]
         hs = self.hkv - nd
         if nd:
@@ -650,12 +667,17 @@ class CupyBackend(AttentionBackend):
                     blocks = self.sparse_prefill_blocks(sp, qd, kd)
                     out[sl, : nd * G] = sparse_prefill(qd, kd, vd, blocks, self.scale).transpose(0, 1)
                     continue
-                if self.one_call:  # the chunk's keys are in the pool already (attend)
+                # cuDNN on the chunk grid (past and chunk merged by LSE: its plans repeat there),
+                # else one flash call (the chunk's keys are in the pool already), else the merge path
+                impl = chunk_impl(self.device, self.dtype, self.D, start, sp.step.num_new) if self.chunk_grid else None
+                if impl is None and self.one_call:
                     kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new)  # [Hd, start + n, D]
                     o = causal_attention(qd, kd, vd, self.scale)
                 else:
                     kp, vp = self.cache.dense[layer].sequence_kv(pages, start)  # [Hd, start, D]
-                    o = dense_chunk(qd, kp, vp, k[sl, :nd].transpose(0, 1), v[sl, :nd].transpose(0, 1), G, self.scale)
+                    o = dense_chunk(qd, kp, vp, k[sl, :nd].transpose(0, 1), v[sl, :nd].transpose(0, 1), G,
+                                    self.scale, impl)
+                self.chunk_kernels[impl or ("flash" if self.one_call else "merge")] += 1
                 out[sl, : nd * G] = o.transpose(0, 1)  # o: [Hd*G, n, D]
         if not hs:
             return

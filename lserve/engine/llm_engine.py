@@ -223,12 +223,21 @@ class LLMEngine:
             raise RequestError(f"the request needs {pages} KV pages ({total} tokens) but the cache has "
                                f"{self.cache.dense_alloc.num_pages}", code=CONTEXT_LENGTH_EXCEEDED)
 
-    def _row_align(self, seq: Sequence) -> int:
-        """Chunks of a block-sparse prefill end on its row grid (``prefill_q_block``): a chunk edge
-        inside a row gives that row's fused attention calls shapes no other chunk has, and cuDNN
-        builds a plan per new shape (0.07-0.9 s on the H200, ``probe_cudnn_causal_h200.json``)."""
+    def _row_align(self, seq: Sequence, decoding: bool) -> int:
+        """Where a chunk of ``seq`` should end (0: anywhere). cuDNN builds a plan per new shape
+        (0.07-0.9 s on the H200, ``probe_cudnn_causal_h200.json``), so chunks that run it end on a
+        grid where plans repeat:
+
+        * a block-sparse prefill's chunks on its row grid (``prefill_q_block``), in every step: a
+          chunk edge inside a row gives that row's calls shapes no other chunk has;
+        * a long prompt's chunks on the backend's grid (:meth:`AttentionBackend.chunk_align`) in
+          steps without decodes, whose chunks are large; a chunk next to decodes stays as small as
+          the step budget says (the backend runs an off-grid chunk through flash).
+        """
         sp = self.config.sparsity
-        return sp.prefill_q_block if sp.request_prefill_sparsity(seq.params.prefill_sparsity) > 0 else 0
+        if sp.request_prefill_sparsity(seq.params.prefill_sparsity) > 0:
+            return sp.prefill_q_block
+        return 0 if decoding else self.backend.chunk_align(len(seq.prompt_ids))
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None, chat: bool = False, arrival: float | None = None) -> str:

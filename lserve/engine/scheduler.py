@@ -50,11 +50,12 @@ def aligned_chunk(start: int, n: int, remaining: int, limit: int, align: int) ->
 class Scheduler:
     """Owns the waiting queue, the running set and all page allocation.
 
-    ``row_align(seq)``: where a sequence's chunks should end (0: anywhere), see :func:`aligned_chunk`.
+    ``row_align(seq, decoding)``: where a chunk of the sequence should end (0: anywhere) in a step
+    that does (``decoding``) or does not carry decodes, see :func:`aligned_chunk`.
     """
 
     def __init__(self, cache: KVCache, max_num_seqs: int, budget: StepBudget, on_release,
-                 row_align: Callable[[Sequence], int] | None = None) -> None:
+                 row_align: Callable[[Sequence, bool], int] | None = None) -> None:
         self.cache = cache
         self.row_align = row_align
         self.max_num_seqs = max_num_seqs
@@ -232,7 +233,7 @@ class Scheduler:
             n = min(b.tokens_within(room - cost, start, remaining), tokens_left)
             if not out or all(item.decode for item in out):  # the first prefill always progresses
                 n = max(n, min(b.min_chunk, remaining, tokens_left))
-            align = self.row_align(seq) if self.row_align else 0
+            align = self.row_align(seq, n_decode > 0) if self.row_align else 0
             if align and 0 < n < remaining:
                 n = aligned_chunk(start, n, remaining, tokens_left, align)
             if n <= 0:

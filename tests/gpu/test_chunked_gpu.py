@@ -24,3 +24,58 @@ def test_causal_attention_matches_plain(group, d, lq, lk, seed):
     ref, _ = _math_lse(q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), True, d ** -0.5)
     err = (o.float() - ref.float()).norm() / ref.float().norm()
     assert err < 1e-2, float(err)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("start, n", [(16384, 2048), (18432, 4096)])
+def test_dense_chunk_cudnn_matches_plain(group, start, n, seed):
+    """A grid-aligned chunk of a long prompt through cuDNN (past and chunk merged by LSE) equals
+    plain causal attention to the whole sequence."""
+    from lserve.attention.chunked import chunk_impl, dense_chunk
+
+    dev, d = torch.device("cuda"), 128
+    impl = chunk_impl(dev, torch.bfloat16, d, start, n)
+    if impl is None:
+        pytest.skip("cuDNN attention is not exact here (chunks stay on flash)")
+    assert impl == "cudnn" and chunk_impl(dev, torch.bfloat16, d, start + 64, n) is None
+    g = torch.Generator(device=dev).manual_seed(seed)
+    hkv = 2
+    q = torch.randn(hkv * group, n, d, generator=g, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(hkv, start + n, d, generator=g, device=dev, dtype=torch.bfloat16) for _ in "kv")
+    o = dense_chunk(q, k[:, :start], v[:, :start], k[:, start:], v[:, start:], group, d ** -0.5, impl)
+    ref, _ = _math_lse(q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), True, d ** -0.5)
+    err = (o.float() - ref.float()).norm() / ref.float().norm()
+    assert err < 1e-2, float(err)
+
+
+def test_cupy_engine_long_prompt_chunks_run_cudnn(seed):
+    """A 20k-token prompt chunked 4096 tokens at a time (chunks on the grid: cuDNN) scores every
+    token as its one-step prefill does (prompt logprobs within bf16 noise)."""
+    import random
+
+    from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+    from lserve.engine.llm_engine import LLMEngine
+    from lserve.engine.sampling import SamplingParams
+    from lserve.models.loader import load_model
+
+    loaded = load_model("tiny", dtype=torch.bfloat16, device="cuda", seed=seed % 1000)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(256) for _ in range(20000)]
+    scored = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
+
+    def run(chunk):
+        cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="bfloat16", cuda_graphs=False,
+                           sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
+                                                   local_tokens=64, token_budget=0),
+                           cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=24576),
+                           max_num_seqs=2, max_batched_tokens=chunk)
+        eng = LLMEngine(cfg, loaded=loaded)
+        out = eng.generate([prompt], [scored])[0]
+        return torch.tensor([lp[1] for lp in out.prompt_logprobs[1:]]), eng.backend.chunk_kernels
+
+    one, _ = run(20480)
+    chunked, kernels = run(4096)
+    if not kernels["cudnn"]:
+        pytest.skip(f"cuDNN attention is not exact here (chunk kernels {dict(kernels)})")
+    rel = float((chunked - one).norm() / (one - one.mean()).norm())
+    assert rel < 0.05, (rel, dict(kernels))
