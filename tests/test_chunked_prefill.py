@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lserve.attention.chunked import attention_lse, dense_chunk, impl_ok, merge_lse, streaming_prefix
+from lserve.attention.chunked import attention_lse, dense_chunk, grid_segments, impl_ok, merge_lse, streaming_prefix
 
 
 def masked_attention(q, k, v, mask, scale):
@@ -83,3 +83,29 @@ def test_streaming_virtual_sequence_matches_positions(start, n, sink, local):
     vidx = torch.arange(len(rows))
     got = masked_attention(q, k[:, rows], v[:, rows], lam_mask(vidx[len(past):], vidx, sink, local), 0.25)
     assert torch.allclose(got, want, atol=1e-10)
+
+
+@pytest.mark.parametrize("start", [0, 64, 192, 448, 1024])
+def test_grid_segments_tile_the_past_in_power_of_two_pieces(start):
+    segs = grid_segments(start, 64)
+    edges = [0] + [b for _, b in segs]
+    assert [a for a, _ in segs] == edges[:-1] and edges[-1] == start
+    sizes = [b - a for a, b in segs]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    assert all(s // 64 & (s // 64 - 1) == 0 for s in sizes) and len(segs) == bin(start // 64).count("1")
+    with pytest.raises(ValueError):
+        grid_segments(start + 1, 64)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dense_chunk_over_past_pieces_equals_one_past(seed):
+    """The past given as grid pieces (each its own tensor) gives the attention of the whole past."""
+    g = torch.Generator().manual_seed(seed)
+    h, group, start, n, d = 2, 4, 448, 37, 32
+    q = torch.randn(h * group, n, d, generator=g)
+    k, v = (torch.randn(h, start + n, d, generator=g) for _ in "kv")
+    whole = dense_chunk(q, k[:, :start], v[:, :start], k[:, start:], v[:, start:], group, d ** -0.5)
+    segs = grid_segments(start, 64)
+    pieces = dense_chunk(q, [k[:, a:b].clone() for a, b in segs], [v[:, a:b].clone() for a, b in segs],
+                         k[:, start:], v[:, start:], group, d ** -0.5)
+    torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)

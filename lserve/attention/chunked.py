@@ -5,7 +5,7 @@ its chunks. Each later chunk attends to the cached past plus itself. Two pieces,
 
 * Dense heads: the chunk's queries against the gathered past (no mask) and against the chunk
   itself (square causal), each through a fused attention kernel that also returns the
-  log-sum-exp of its scores, merged by those (:func:`merge_lse`). The past part folds the GQA
+  log-sum-exp of its scores, merged by those (:func:`merge_lse_all`). The past part folds the GQA
   group into the query rows (no mask, so rows are independent), which spares an expanded copy
   of a long past; only the chunk's own K/V are expanded.
 * Streaming heads see only the sink and the last ``local`` tokens of the past. Those (at most
@@ -131,7 +131,7 @@ def chunk_impl(device: torch.device, dtype: torch.dtype, d: int, start: int, n: 
     else None (the caller's flash path). On the H200 cuDNN runs long attention ~1.5x faster than
     flash (``probe_served_prefill_h200.json``); off the grid its plans would not repeat."""
     grid = chunk_grid(device, dtype, d)
-    if not grid or start % grid or n % grid or start + n < CUDNN_MIN_TOKENS:
+    if not grid or start % grid or n % grid or start + n < CUDNN_MIN_TOKENS:  # the past in grid_segments
         return None
     return long_impl(device, dtype, d, start + n)
 
@@ -246,22 +246,48 @@ def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torc
 
     o1, o2: [H, L, D]; lse1, lse2: [H, L] float32 -> [H, L, D] in o1's dtype.
     """
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    out = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
-    return out.to(o1.dtype)
+    return merge_lse_all([o1, o2], [lse1, lse2])
 
 
-def dense_chunk(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_new: torch.Tensor,
-                v_new: torch.Tensor, group: int, scale: float, impl: str | None = None) -> torch.Tensor:
+def merge_lse_all(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Softmax-merge attention outputs over disjoint key sets.
+
+    outs: k of [H, L, D]; lses: k of [H, L] float32 -> [H, L, D] in outs[0]'s dtype.
+    """
+    lse = torch.stack(lses)  # [k, H, L]
+    w = torch.exp(lse - lse.amax(0))
+    w = w / w.sum(0)
+    out = outs[0].float() * w[0, ..., None]
+    for o, wi in zip(outs[1:], w[1:]):
+        out.addcmul_(o.float(), wi[..., None])
+    return out.to(outs[0].dtype)
+
+
+def grid_segments(start: int, grid: int) -> list[tuple[int, int]]:
+    """[begin, end) ranges that tile [0, start) (a multiple of ``grid``) in power-of-two multiples
+    of ``grid``, largest first: a chunk's past of any length as at most log2(start / grid) + 1
+    pieces from one small set of lengths, so that cuDNN's per-shape plans repeat across chunks."""
+    if start % grid:
+        raise ValueError(f"start {start} is not a multiple of the grid {grid}")
+    out, a, units = [], 0, start // grid
+    for bit in reversed(range(units.bit_length())):
+        if units >> bit & 1:
+            out.append((a, a + (grid << bit)))
+            a += grid << bit
+    return out
+
+
+def dense_chunk(q: torch.Tensor, k_past, v_past, k_new: torch.Tensor, v_new: torch.Tensor, group: int,
+                scale: float, impl: str | None = None) -> torch.Tensor:
     """Dense heads of one chunk: causal attention to the past and to itself.
 
     Parameters
     ----------
     q : torch.Tensor
         [Hd * G, n, D] queries of the chunk (query head h uses KV head h // G).
-    k_past, v_past : torch.Tensor
-        [Hd, start, D] cached keys/values of the positions before the chunk.
+    k_past, v_past : torch.Tensor or list of torch.Tensor
+        [Hd, start, D] cached keys/values of the positions before the chunk, or lists of
+        [Hd, len_i, D] pieces that together are those positions (in any order: no mask).
     k_new, v_new : torch.Tensor
         [Hd, n, D] the chunk's own keys/values.
     group : int
@@ -277,11 +303,16 @@ def dense_chunk(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_n
     """
     hq, n, d = q.shape
     hd = hq // group
-    # Past: no mask, so the group's query rows stack into one query axis per KV head.
-    o1, l1 = attention_lse(q.reshape(hd, group * n, d), k_past, v_past, False, scale, impl)
-    o1, l1 = o1.reshape(hq, n, d), l1.reshape(hq, n)
-    o2, l2 = attention_lse(q, k_new.repeat_interleave(group, 0), v_new.repeat_interleave(group, 0), True, scale, impl)
-    return merge_lse(o1, l1, o2, l2)
+    if isinstance(k_past, torch.Tensor):
+        k_past, v_past = [k_past], [v_past]
+    outs, lses = [], []
+    qp = q.reshape(hd, group * n, d)  # past: no mask, so the group's query rows stack into one axis
+    for kp, vp in zip(k_past, v_past):
+        o, lse = attention_lse(qp, kp, vp, False, scale, impl)
+        outs.append(o.reshape(hq, n, d))
+        lses.append(lse.reshape(hq, n))
+    o, lse = attention_lse(q, k_new.repeat_interleave(group, 0), v_new.repeat_interleave(group, 0), True, scale, impl)
+    return merge_lse_all(outs + [o], lses + [lse])
 
 
 def streaming_prefix(start: int, sink: int, local: int) -> list[tuple[int, int]]:

@@ -62,6 +62,7 @@ from lserve.attention.chunked import (
     chunk_grid,
     chunk_impl,
     dense_chunk,
+    grid_segments,
 )
 from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.cupy_tuning import CupyTuning
@@ -189,6 +190,8 @@ class CupyBackend(AttentionBackend):
         self.one_call = self.flash is not None and self.kv_quant == "none"
         # Chunks of long prompts on this grid run cuDNN (chunked.chunk_impl); the engine aligns them.
         self.chunk_grid = chunk_grid(self.device, self.dtype, self.D)
+        if self.chunk_grid % self.cache.page_size:  # the past's grid pieces are gathered by whole pages
+            self.chunk_grid = 0
         #: Dense-head attention calls of chunks with cached past, by kernel ("cudnn", "flash", "merge").
         self.chunk_kernels: Counter = Counter()
 
@@ -674,7 +677,12 @@ class CupyBackend(AttentionBackend):
                     kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new)  # [Hd, start + n, D]
                     o = causal_attention(qd, kd, vd, self.scale)
                 else:
-                    kp, vp = self.cache.dense[layer].sequence_kv(pages, start)  # [Hd, start, D]
+                    if impl is not None:  # the past in grid pieces, each gathered alone: shapes and strides repeat
+                        N, pool = self.cache.page_size, self.cache.dense[layer]
+                        past = [pool.sequence_kv(pages[a // N:], b - a) for a, b in grid_segments(start, self.chunk_grid)]
+                        kp, vp = [p[0] for p in past], [p[1] for p in past]  # [Hd, len_i, D] each
+                    else:
+                        kp, vp = self.cache.dense[layer].sequence_kv(pages, start)  # [Hd, start, D]
                     o = dense_chunk(qd, kp, vp, k[sl, :nd].transpose(0, 1), v[sl, :nd].transpose(0, 1), G,
                                     self.scale, impl)
                 self.chunk_kernels[impl or ("flash" if self.one_call else "merge")] += 1

@@ -38,13 +38,14 @@ class Scheduled:
 
 
 def aligned_chunk(start: int, n: int, remaining: int, limit: int, align: int) -> int:
-    """``n`` (< ``remaining``) adjusted so that the chunk ends on a multiple of ``align``: down where
-    that leaves tokens, else up to the end of the row it is in (when ``limit`` allows)."""
-    end = (start + n) // align * align
-    if end > start:
-        return end - start
-    up = min(remaining, end + align - start)
-    return up if up <= limit else n
+    """``n`` (< ``remaining``) adjusted so that the chunk ends on a multiple of ``align``: on the
+    nearer one, up only where ``limit`` allows it (or at the prompt's end), down only where that
+    leaves tokens; ``n`` itself where neither works."""
+    down = (start + n) // align * align
+    up = min(remaining, down + align - start)
+    if up <= limit and (down <= start or start + n - down >= align / 2):
+        return up
+    return down - start if down > start else n
 
 
 class Scheduler:

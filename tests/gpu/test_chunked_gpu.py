@@ -27,11 +27,11 @@ def test_causal_attention_matches_plain(group, d, lq, lk, seed):
 
 
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("start, n", [(16384, 2048), (18432, 4096)])
+@pytest.mark.parametrize("start, n", [(16384 + 2048, 2048), (18432 + 8192, 4096)])
 def test_dense_chunk_cudnn_matches_plain(group, start, n, seed):
-    """A grid-aligned chunk of a long prompt through cuDNN (past and chunk merged by LSE) equals
-    plain causal attention to the whole sequence."""
-    from lserve.attention.chunked import chunk_impl, dense_chunk
+    """A grid-aligned chunk of a long prompt through cuDNN (the past in grid pieces, merged with
+    the chunk by LSE) equals plain causal attention to the whole sequence."""
+    from lserve.attention.chunked import chunk_grid, chunk_impl, dense_chunk, grid_segments
 
     dev, d = torch.device("cuda"), 128
     impl = chunk_impl(dev, torch.bfloat16, d, start, n)
@@ -42,7 +42,10 @@ def test_dense_chunk_cudnn_matches_plain(group, start, n, seed):
     hkv = 2
     q = torch.randn(hkv * group, n, d, generator=g, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(hkv, start + n, d, generator=g, device=dev, dtype=torch.bfloat16) for _ in "kv")
-    o = dense_chunk(q, k[:, :start], v[:, :start], k[:, start:], v[:, start:], group, d ** -0.5, impl)
+    segs = grid_segments(start, chunk_grid(dev, torch.bfloat16, d))
+    assert len(segs) > 1
+    o = dense_chunk(q, [k[:, a:b] for a, b in segs], [v[:, a:b] for a, b in segs], k[:, start:], v[:, start:],
+                    group, d ** -0.5, impl)
     ref, _ = _math_lse(q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), True, d ** -0.5)
     err = (o.float() - ref.float()).norm() / ref.float().norm()
     assert err < 1e-2, float(err)
