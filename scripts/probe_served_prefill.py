@@ -78,6 +78,7 @@ def main() -> None:
         st = ServeSettings(model="llama3-8b", device="cuda", backend="cupy", max_model_len=max(a.contexts) + 256,
                            max_cache_tokens=max(a.contexts) + 4096, max_num_seqs=4, **_flags(config))
         eng = LLMEngine(st.engine_config(), loaded)
+        print(f"{config} grid {grid}: warm-up {eng.warm_up():.1f} s", flush=True)  # as a served replica does
         ttft(eng, 2048, 0)  # warm-up
         for n in a.contexts:
             for seed in (1, 2):

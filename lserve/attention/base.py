@@ -81,6 +81,11 @@ class AttentionBackend(ABC):
         engine ends its prefill-only chunks there (``LLMEngine._row_align``)."""
         return 0
 
+    def warm_up(self, max_len: int, max_chunk: int) -> int:
+        """Build what later steps would otherwise build on the way (kernel plans for prompts up to
+        ``max_len`` tokens in chunks of at most ``max_chunk``); returns how many shapes ran."""
+        return 0
+
     def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
         """Host-side metadata for one forward step (``host``: its tensors stay on the CPU)."""
         plan = self.planner.plan(steps, host)

@@ -63,6 +63,7 @@ from lserve.attention.chunked import (
     chunk_impl,
     dense_chunk,
     grid_segments,
+    warm_chunk_plans,
 )
 from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.cupy_tuning import CupyTuning
@@ -199,6 +200,12 @@ class CupyBackend(AttentionBackend):
         """:data:`~lserve.attention.chunked.CUDNN_CHUNK_GRID` for prompts whose later chunks reach
         cuDNN's length (:func:`~lserve.attention.chunked.chunk_impl`), else 0."""
         return self.chunk_grid if prompt_tokens >= CUDNN_MIN_TOKENS else 0
+
+    def warm_up(self, max_len: int, max_chunk: int) -> int:
+        """cuDNN's plans for every grid-aligned chunk shape (:func:`~lserve.attention.chunked.warm_chunk_plans`)."""
+        if not self.chunk_grid:
+            return 0
+        return warm_chunk_plans(self.device, self.dtype, self.D, self.group, self.cache.n_dense, max_len, max_chunk)
 
     def _check_device(self) -> None:
         from lserve.kernels.loader import KernelError

@@ -42,6 +42,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  engine: LLMEngine | None = None) -> None:
         self.engine = engine or LLMEngine(config, loaded)
+        self.engine.warm_up()  # before the first request: a cold long prompt would build the plans
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

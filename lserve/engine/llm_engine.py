@@ -192,6 +192,15 @@ class LLMEngine:
         self._host_tokens = HostTokens(config.device, config.max_num_seqs)
         self._pending: LaunchedStep | None = None  # launched, tokens not read yet (async decode)
 
+    def warm_up(self) -> float:
+        """Build the kernel plans long prompts will need (cuDNN's per shape, on a GPU) before the
+        first one arrives; a server calls it at start. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        n = self.backend.warm_up(self.max_model_len, self.config.max_batched_tokens)
+        if n:
+            log.info("warm-up: %d chunk attention shapes in %.1f s", n, time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a text prompt, a token list, or chat messages (with the chat template)."""

@@ -71,8 +71,11 @@ def test_cupy_engine_long_prompt_chunks_run_cudnn(seed):
                            sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
                                                    local_tokens=64, token_budget=0),
                            cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=24576),
-                           max_num_seqs=2, max_batched_tokens=chunk)
+                           max_num_seqs=2, max_batched_tokens=chunk, max_model_len=24576)
         eng = LLMEngine(cfg, loaded=loaded)
+        if chunk < len(prompt):  # the plans a server builds at start (cuDNN chunks: one shape per piece)
+            assert eng.backend.warm_up(24576, chunk) == (eng.backend.chunk_grid > 0) * len(
+                set(eng.cache.n_dense) - {0}) * 2 * (4 + 1)
         out = eng.generate([prompt], [scored])[0]
         return torch.tensor([lp[1] for lp in out.prompt_logprobs[1:]]), eng.backend.chunk_kernels
 
