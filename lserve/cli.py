@@ -188,7 +188,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         run_serve_bench(a.out, name=a.name or "serve_h200", model=a.model or "llama3-8b", device=a.device or "cuda",
                         backend=a.backend or "cupy", contexts=tuple(a.contexts or (2048, 32768, 131072)),
                         output_len=a.decode_tokens or 64, deadline_s=a.deadline, point_time_s=a.point_time,
-                        prefix_contexts=tuple(a.prefix_contexts or ()),
+                        prefix_contexts=tuple(a.prefix_contexts or ()), extra_flags=tuple(a.server_flags.split()),
                         configs=tuple(a.configs.split(",")), engine_contexts=tuple(
                             c for c in (a.contexts or (2048, 32768, 131072)) if c >= 32768))
     return 0
@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-save", action="store_true",
                    help="profile-threshold / profile-prefill-threshold: measure and report only")
     b.add_argument("--configs", default="lserve,dense", help="serve: configurations, comma-separated")
+    b.add_argument("--server-flags", default="",
+                   help="serve: more `lserve serve` flags for every configuration, one string (e.g. \"--decode-stall 2\")")
     b.add_argument("--point-time", type=float, default=40.0,
                    help="serve: seconds per load point (2.5x that above 32k context)")
     b.add_argument("--prefix-contexts", type=int, nargs="+", default=None,

@@ -1,16 +1,18 @@
 """A served engine's prefill without Ray or HTTP: TTFT of long prompts under ``lserve serve``'s step budget.
 
     python scripts/probe_served_prefill.py OUT_DIR [--contexts 32768 131072] [--configs lserve lserve-sparse]
-        [--grids 2048 0]
+        [--grids 2048 0] [--variants served "max_batched_tokens=16384,step_time_target=0.5" one-step]
 
 The engine is built from :class:`lserve.serve.settings.ServeSettings` as a served replica builds
 it (chunked prefill under the time-targeted step budget), with the served configurations' flags
 of ``lserve bench serve``; per (configuration, context) two prompts (different tokens), each
-timed to its first token, and the steps and chunk sizes it took. Against ``lserve bench e2e``'s
+timed to its first token with the prefix cache off (prompts of one seed share their first
+tokens), and the steps and chunk sizes it took. Against ``lserve bench e2e``'s
 one-step TTFT this separates what chunking costs from what Ray and HTTP add. ``--grids`` runs
 each configuration once per ``lserve.attention.chunked.CUDNN_CHUNK_GRID`` (0: every chunk on
-flash), recording which kernels ran the chunks and each step's seconds. Writes
-``probe_served_prefill_h200.json``.
+flash), recording which kernels ran the chunks and each step's seconds. ``--variants`` runs each
+once per set of ServeSettings overrides (``served``: none; ``key=value,...``; ``one-step``: the whole prompt in one
+step, the engine's own TTFT for the same prompts). Writes ``probe_served_prefill_h200.json``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,17 @@ def _flags(config: str) -> dict:
     return out
 
 
+def _variant(spec: str, longest: int) -> dict:
+    """ServeSettings overrides of a ``--variants`` entry."""
+    if spec == "one-step":  # the whole prompt in one step: what ``lserve bench e2e`` times
+        return {"max_batched_tokens": longest + 256, "step_time_target": 0.0}
+    out = {}
+    for item in filter(None, spec.split(",") if spec != "served" else []):
+        key, value = item.split("=")
+        out[key] = type(getattr(ServeSettings, key))(value)
+    return out
+
+
 def ttft(eng: LLMEngine, n: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, eng.model_config.vocab_size - 2, (n,), generator=g).tolist()
@@ -70,27 +83,33 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--configs", nargs="+", default=["lserve-sparse", "lserve"], choices=list(CONFIG_FLAGS))
     ap.add_argument("--grids", type=int, nargs="+", default=[chunked.CUDNN_CHUNK_GRID])
+    ap.add_argument("--variants", nargs="+", default=["served"])
     a = ap.parse_args()
     loaded = load_model("llama3-8b", dtype=torch.bfloat16, device="cuda")
     rows = []
-    for config, grid in ((c, g) for c in a.configs for g in a.grids):
+    for config, grid, variant in ((c, g, v) for c in a.configs for g in a.grids for v in a.variants):
         chunked.CUDNN_CHUNK_GRID = grid  # read when the backend is built
+        over = _variant(variant, max(a.contexts))
         st = ServeSettings(model="llama3-8b", device="cuda", backend="cupy", max_model_len=max(a.contexts) + 256,
-                           max_cache_tokens=max(a.contexts) + 4096, max_num_seqs=4, **_flags(config))
+                           max_cache_tokens=max(a.contexts) + 4096, max_num_seqs=4, prefix_cache=False,
+                           **{**_flags(config), **over})
         eng = LLMEngine(st.engine_config(), loaded)
-        print(f"{config} grid {grid}: warm-up {eng.warm_up():.1f} s", flush=True)  # as a served replica does
+        tag = f"{config} grid {grid} {variant}"
+        if variant != "one-step":  # as a served replica does (one step runs no chunk with a past)
+            print(f"{tag}: warm-up {eng.warm_up():.1f} s", flush=True)
         ttft(eng, 2048, 0)  # warm-up
         for n in a.contexts:
             for seed in (1, 2):
-                r = {"config": config, "grid": grid, "context": n, "seed": seed, **ttft(eng, n, seed)}
+                r = {"config": config, "grid": grid, "variant": variant, "context": n, "seed": seed,
+                     **ttft(eng, n, seed)}
                 rows.append(r)
-                print(f"{config} grid {grid} {n} seed {seed}: TTFT {r['ttft_s']} s in {r['steps']} steps, "
+                Path(a.out).mkdir(parents=True, exist_ok=True)  # each row as it comes: a cut-off run keeps what it had
+                Path(a.out, "probe_served_prefill_h200.json").write_text(json.dumps({**header(), "rows": rows}, indent=1))
+                print(f"{tag} {n} seed {seed}: TTFT {r['ttft_s']} s in {r['steps']} steps, "
                       f"chunks {r['chunks'][:6]}...{r['chunks'][-3:]} kernels {r['chunk_kernels']}", flush=True)
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    Path(a.out, "probe_served_prefill_h200.json").write_text(json.dumps({**header(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

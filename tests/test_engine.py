@@ -113,6 +113,32 @@ def test_request_errors_are_clear(smol):
     assert not eng.has_unfinished() and eng.cache.all_free()
 
 
+def test_async_engine_coalesces_what_a_slow_consumer_missed(smol):
+    """A consumer that falls behind gets one snapshot per read holding every token since the last
+    read (text, ids and logprobs in order), not a backlog of per-token snapshots."""
+    engine = AsyncEngine(EngineConfig(model="default", cache=SMALL_PAGES), loaded=smol)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+
+    async def main():
+        outs = []
+        async for out in engine.generate("Tell me a story about a fox:", params):
+            outs.append(out)
+            await asyncio.sleep(0.3)  # slower than a decode step of this model on the CPU
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+        final = outs[-1]
+        assert final.finished and len(final.token_ids) == 24
+        assert len(outs) < 24  # merged, not one item per token
+        assert any(len(o.delta_token_ids) > 1 for o in outs)
+        assert [t for o in outs for t in o.delta_token_ids] == final.token_ids
+        assert "".join(o.delta_text for o in outs) == final.text
+        assert [lp for o in outs for lp in o.delta_logprobs] == final.logprobs
+    finally:
+        engine.shutdown()
+
+
 def test_async_engine_streams_and_abort_on_close(smol):
     engine = AsyncEngine(EngineConfig(model="default", cache=SMALL_PAGES), loaded=smol)
 

@@ -330,6 +330,9 @@ def dense_chunk(q: torch.Tensor, k_past, v_past, k_new: torch.Tensor, v_new: tor
     """
     hq, n, d = q.shape
     hd = hq // group
+    # contiguous as warm_chunk_plans' queries: cuDNN keys its plans on strides too, and the
+    # caller's chunk queries are a transposed slice (a missed plan cost ~0.07 s per shape on the H200)
+    q = q.contiguous()
     if isinstance(k_past, torch.Tensor):
         k_past, v_past = [k_past], [v_past]
     outs, lses = [], []

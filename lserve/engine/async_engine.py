@@ -114,6 +114,11 @@ class AsyncEngine:
         try:
             while True:
                 item = await q.get()
+                # Snapshots that queued up while the consumer was busy go out as one: under many
+                # streams a per-token hop through Ray and HTTP costs more than the decode step.
+                while not isinstance(item, BaseException) and not item.finished and not q.empty():
+                    nxt = q.get_nowait()
+                    item = nxt if isinstance(nxt, BaseException) else item.then(nxt)
                 if isinstance(item, BaseException):
                     raise item
                 yield item

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -38,6 +38,17 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # every generated token's, when asked for
     delta_logprobs: list[TokenLogprob] | None = None  # those of ``delta_token_ids``
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first None), once complete
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """``later`` (the next snapshot of the same request) with this one's deltas in front: one
+        snapshot for a consumer that had not read this one yet."""
+        lps = None
+        if self.delta_logprobs is not None or later.delta_logprobs is not None:
+            lps = (self.delta_logprobs or []) + (later.delta_logprobs or [])
+        return replace(later, delta_text=self.delta_text + later.delta_text,
+                       delta_token_ids=self.delta_token_ids + later.delta_token_ids, delta_logprobs=lps,
+                       prompt_logprobs=later.prompt_logprobs if later.prompt_logprobs is not None
+                       else self.prompt_logprobs)
 
 
 class Sequence:
