@@ -31,3 +31,21 @@ def test_merge_joins_rows_and_keeps_the_long_run_figures(tmp_path):
     assert [r["command"] for r in out["runs"]] == ["run short", "run long"]
     assert set(out["steps"]) == {"lserve@0", "lserve@1"}
     assert (tmp_path / "joined.png").stat().st_size > 0
+
+
+def test_replica_means_from_prometheus_text():
+    """The per-point replica-side means come from /metrics histogram deltas, every replica's label set added."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from lserve.bench.serve import REPLICA_SIDE, histogram_totals, replica_means
+
+    reg = CollectorRegistry()
+    hs = {k: Histogram(n, k, ("replica",), registry=reg) for k, n in REPLICA_SIDE.items()}
+    hs["ttft"].labels(replica="a").observe(1.0)
+    before = histogram_totals(generate_latest(reg).decode(), REPLICA_SIDE.values())
+    hs["ttft"].labels(replica="a").observe(2.0)
+    hs["ttft"].labels(replica="b").observe(4.0)
+    hs["queue"].labels(replica="b").observe(0.5)
+    after = histogram_totals(generate_latest(reg).decode(), REPLICA_SIDE.values())
+    assert after[REPLICA_SIDE["ttft"]] == (7.0, 3.0)
+    assert replica_means(before, after) == {"ttft_mean_s": 3.0, "queue_mean_s": 0.5, "prefill_mean_s": None}

@@ -101,6 +101,11 @@ class Server:
         with urllib.request.urlopen(self.base_url + path, timeout=10) as r:
             return json.load(r)
 
+    def histogram_totals(self) -> dict[str, tuple[float, float]]:
+        """(sum, count) of each :data:`REPLICA_SIDE` histogram in ``/metrics``, over all replicas."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
+            return histogram_totals(r.read().decode(), REPLICA_SIDE.values())
+
     def stop(self) -> None:
         """SIGINT (the server drains and shuts Ray down), then kill after a grace period."""
         import signal
@@ -113,6 +118,34 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+# What a replica measured of a request (means per load point), beside what the client saw:
+# client TTFT - replica TTFT is what the ingress, Ray and HTTP added; queue + prefill is the engine's part.
+REPLICA_SIDE = {"ttft": "lserve:time_to_first_token_seconds", "queue": "lserve:request_queue_time_seconds",
+                "prefill": "lserve:request_prefill_time_seconds"}
+
+
+def histogram_totals(text: str, names) -> dict[str, tuple[float, float]]:
+    """(sum, count) of Prometheus histograms ``names`` in exposition ``text``, every label set added up."""
+    out = {n: [0.0, 0.0] for n in names}
+    for line in text.splitlines():
+        metric, _, value = line.partition(" ")
+        base, _, _ = metric.partition("{")
+        for n in out:
+            if base in (n + "_sum", n + "_count"):
+                out[n][base.endswith("_count")] += float(value.split()[0])
+    return {n: (v[0], v[1]) for n, v in out.items()}
+
+
+def replica_means(before: dict, after: dict) -> dict:
+    """Mean seconds per request of each :data:`REPLICA_SIDE` histogram between two
+    :meth:`Server.histogram_totals` readings (None where no request finished)."""
+    out = {}
+    for key, name in REPLICA_SIDE.items():
+        ds, dc = after[name][0] - before[name][0], after[name][1] - before[name][1]
+        out[f"{key}_mean_s"] = round(ds / dc, 4) if dc > 0 else None
+    return out
 
 
 def dump_stacks(path: Path) -> None:
@@ -339,12 +372,13 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     _log(f"skipping {config} ctx {ctx} C={c}: out of time")
                     continue
                 num = max(2 * c, 4) if ctx <= 4096 else max(c, 2)
+                m0 = srv.histogram_totals()
                 s = run_point(srv.base_url, tok, ctx, c, num, output_len, budget, seed=ctx + c)
-                row = _row(config, ctx, c, s, output_len)
+                row = {**_row(config, ctx, c, s, output_len), "replica": replica_means(m0, srv.histogram_totals())}
                 report["rows"].append(row)
                 _log(f"{config} ctx {ctx} C={c}: {row['completed']} ok / {row['failed']} failed, "
                      f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL p50/p99 "
-                     f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms")
+                     f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms; replica {row['replica']}")
                 save()
             report["steps"][config] = srv.get_json("/admin/engines")
         finally:
