@@ -52,10 +52,12 @@ def test_a_prompt_of_max_batched_tokens_is_one_step():
     assert llm.last_step_info["prefill_tokens"] == 1500 and outs and outs[0].finished
 
 
-def simulate(budget: StepBudget, steps: int, overhead_mixed: float, decode_s: float, rate: float) -> list[float]:
+def simulate(budget: StepBudget, steps: int, overhead_mixed: float, decode_s: float, rate: float,
+             mixed_rate: float | None = None, seconds: list | None = None) -> list[float]:
     """Steps of a device whose step takes (decode-only) ``decode_s``, or ``overhead_mixed`` +
-    cost / ``rate`` when it prefills next to decodes (an eager step): the budgets it was given."""
-    budgets = []
+    cost / ``mixed_rate`` (default ``rate``) when it prefills next to decodes, cost / ``rate`` when
+    it only prefills: the budgets mixed steps were given (their seconds appended to ``seconds``)."""
+    budgets, mixed_rate = [], mixed_rate or rate
     budget.observe(4096, 0, 4096 / rate)  # a prefill-only step first (warm-up)
     for i in range(steps):
         if i % 3 == 0:
@@ -63,7 +65,9 @@ def simulate(budget: StepBudget, steps: int, overhead_mixed: float, decode_s: fl
             continue
         room = budget.prefill_budget(4)
         budgets.append(room)
-        budget.observe(room, 4, overhead_mixed + room / rate)
+        budget.observe(room, 4, overhead_mixed + room / mixed_rate)
+        if seconds is not None:
+            seconds.append(overhead_mixed + room / mixed_rate)
     return budgets
 
 
@@ -74,6 +78,18 @@ def test_mixed_step_overhead_is_not_taken_for_prefill_time():
     budgets = simulate(b, 60, overhead_mixed=0.04, decode_s=0.005, rate=60000.0)
     assert budgets[-1] == pytest.approx(0.04 * 60000, rel=0.1)
     assert min(budgets[5:]) > 1000
+
+
+def test_slower_prefill_next_to_decodes_does_not_grow_the_stall():
+    """Prefill next to decodes 1.5x slower than in prefill-only steps (the H200's flash chunks
+    against cuDNN ones): mixed steps settle at about (1 + decode_stall) decode steps, instead of
+    the slower prefill being taken for overhead, raising the next budget, up to the time target."""
+    b = StepBudget(8192, target_s=0.25, decode_stall=4.0, min_chunk=32)
+    secs: list[float] = []
+    simulate(b, 90, overhead_mixed=0.004, decode_s=0.006, rate=60000.0, mixed_rate=40000.0, seconds=secs)
+    assert b.mixed.slope == pytest.approx(1 / 40000.0, rel=0.02) and b.mixed.fixed == pytest.approx(0.004, abs=1e-3)
+    assert max(secs[-20:]) == pytest.approx(0.004 + 4 * 0.006, rel=0.1)  # 28 ms, not 0.25 s
+    assert max(secs[len(secs) // 3:]) < 0.05
 
 
 def test_prefill_only_steps_follow_the_time_target():

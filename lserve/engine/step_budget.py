@@ -16,20 +16,24 @@ long prompt is prefilled in chunks whose *cost* is bounded, not only their token
   as in vLLM, and chunks deeper into a longer prompt carry fewer tokens for the same cost.
 * With one (``lserve serve``'s default), the budget follows measured speed. A step is modelled
   as ``overhead + cost / rate``: ``rate`` (token-equivalents per second) is learnt from steps
-  that only prefill, times the target gives their budget. A step that also decodes runs eagerly
-  (CUDA graphs replay decode-only steps), so it pays a fixed overhead of its own, learnt from
-  such steps as what their time leaves after ``cost / rate``; its prefill may take
-  ``decode_stall`` times the larger of that overhead and a decode-only step's time. Running
-  requests then see inter-token gaps of about ``1 + decode_stall`` mixed-step overheads while a
-  prompt is prefilled, and the prompt still moves in sizeable chunks. (Counting the overhead as
-  prefill time made the first version shrink every mixed step's prefill to ``min_chunk``
-  tokens: 32-token chunks and 10 s TTFT at 2k context, concurrency 4, on the H200.)
+  that only prefill, times the target gives their budget. A step that also decodes has a line
+  of its own, ``fixed + cost * slope`` (:class:`MixedLine`), fitted to such steps: it pays a
+  fixed overhead (its decodes, eager launches), and its prefill can run slower kernels than a
+  prefill-only step (on the H200 a long prompt's chunks next to decodes run flash, grid-aligned
+  prefill-only chunks cuDNN, ~1.5x faster). Its prefill may take ``decode_stall`` times the
+  larger of that overhead and a decode-only step's time. Running requests then see
+  inter-token gaps of about ``1 + decode_stall`` step times while a prompt is prefilled, and
+  the prompt still moves in sizeable chunks. Two earlier rules failed: counting the overhead as
+  prefill time shrank every mixed step's prefill to ``min_chunk`` tokens (32-token chunks and
+  10 s TTFT at 2k context, concurrency 4, on the H200); taking the slope from prefill-only steps
+  made a slower mixed prefill look like overhead, which raised the next budget, a loop that grew
+  mixed steps to the time target (ITL p50 327 ms for dense at 128k, concurrency 4).
   Each step still carries at least ``min_chunk`` prefill tokens, so every prompt progresses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 EMA = 0.3  # weight of the newest measurement
 
@@ -49,6 +53,38 @@ def attention_alpha(hidden: int, intermediate: int, num_heads: int, num_kv_heads
     matmul = 2 * per_layer * len(dense_q_heads)
     attn = 4 * head_dim * sum(dense_q_heads)  # QK^T and PV, 2 FLOPs per multiply-add
     return attn / matmul
+
+
+@dataclass
+class MixedLine:
+    """Seconds of a step that decodes and prefills, ``fixed + cost * slope``, fitted to such steps
+    by exponentially weighted least squares. The fit only moves when the steps' prefill costs
+    spread by at least :attr:`MIN_SPREAD` of their mean: steps of one cost cannot tell a fixed
+    overhead from a slow prefill, and a wrong split feeds back into the next budget."""
+
+    MIN_SPREAD = 0.1  # coefficient of variation of the costs seen
+    DECAY = 0.85  # weight kept by older steps at each new one
+
+    fixed: float | None = None
+    slope: float | None = None
+    _m: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, x, y, xx, xy sums
+
+    def observe(self, cost: float, seconds: float, prior_slope: float) -> None:
+        """Add a step of prefill ``cost`` that took ``seconds``; ``prior_slope`` (seconds per
+        token-equivalent of prefill-only steps) bounds the slope from below."""
+        d = self.DECAY
+        w, sx, sy, sxx, sxy = self._m
+        self._m = (d * w + 1, d * sx + cost, d * sy + seconds, d * sxx + cost * cost, d * sxy + cost * seconds)
+        w, sx, sy, sxx, sxy = self._m
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if self.slope is None:  # one step: the prefill-only slope, the rest is overhead
+            self.slope = prior_slope
+        elif var > (self.MIN_SPREAD * mx) ** 2:
+            self.slope = max(prior_slope, (sxy / w - mx * my) / var)
+        else:
+            return
+        self.fixed = max(0.0, my - self.slope * mx)
 
 
 @dataclass
@@ -77,7 +113,7 @@ class StepBudget:
     min_chunk: int = 32
     rate: float | None = None  # token-equivalents per second (prefill-only steps)
     decode_s: float | None = None  # seconds of a decode-only step
-    mixed_s: float | None = None  # fixed seconds of a step that decodes and prefills (beyond cost / rate)
+    mixed: MixedLine = field(default_factory=MixedLine)  # seconds of a step that decodes and prefills
 
     @property
     def cap(self) -> float:
@@ -107,11 +143,12 @@ class StepBudget:
             return cap
         if self.rate is None:  # nothing measured yet: a small first step to learn from
             return min(cap, 8.0 * self.min_chunk)
+        if n_decode and self.mixed.slope is not None:
+            base = max(self.decode_s or 0.0, self.mixed.fixed)
+            return min(cap, self.target_s / self.mixed.slope, self.decode_stall * base / self.mixed.slope)
         seconds = self.target_s
-        if n_decode:
-            base = max(self.decode_s or 0.0, self.mixed_s or 0.0)
-            if base > 0:
-                seconds = min(seconds, self.decode_stall * base)
+        if n_decode and self.decode_s:
+            seconds = min(seconds, self.decode_stall * self.decode_s)
         return min(cap, self.rate * seconds)
 
     def observe(self, prefill_cost: float, n_decode: int, seconds: float) -> None:
@@ -123,7 +160,7 @@ class StepBudget:
                 self.decode_s = _ema(self.decode_s, seconds)
             return
         if n_decode and self.rate is not None:
-            self.mixed_s = _ema(self.mixed_s, max(0.0, seconds - prefill_cost / self.rate))
+            self.mixed.observe(prefill_cost, seconds, 1.0 / self.rate)
             return
         # A prefill-only step (or the first one seen): it measures the rate. One slow step (a
         # first-time compile) halves the rate at most.
