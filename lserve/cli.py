@@ -190,7 +190,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                         output_len=a.decode_tokens or 64, deadline_s=a.deadline, point_time_s=a.point_time,
                         prefix_contexts=tuple(a.prefix_contexts or ()), extra_flags=tuple(a.server_flags.split()),
                         configs=tuple(a.configs.split(",")), engine_contexts=tuple(
-                            c for c in (a.contexts or (2048, 32768, 131072)) if c >= 32768))
+                            c for c in (a.contexts or (2048, 32768, 131072)) if c >= 32768 and a.engine_ttft))
     return 0
 
 
@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-save", action="store_true",
                    help="profile-threshold / profile-prefill-threshold: measure and report only")
     b.add_argument("--configs", default="lserve,dense", help="serve: configurations, comma-separated")
+    b.add_argument("--engine-ttft", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve: time the engine's own one-step TTFT at the contexts >= 32k first")
     b.add_argument("--server-flags", default="",
                    help="serve: more `lserve serve` flags for every configuration, one string (e.g. \"--decode-stall 2\")")
     b.add_argument("--point-time", type=float, default=40.0,
