@@ -60,6 +60,7 @@ class LaunchedStep:
     chained: bool = False  # launched before the previous step's tokens were read
     graph: bool = False  # replayed a captured CUDA graph
     extras: object = None  # StepExtras: logprobs or processed logits (penalties, bias, min_tokens)
+    prefill_marks: tuple | None = None  # CUDA events around the prefill forward of a graph + prefill step
 
     @property
     def pure_greedy_decode(self) -> bool:

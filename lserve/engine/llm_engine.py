@@ -344,18 +344,21 @@ class LLMEngine:
         outputs = self._finish(launched)
         n_decode = sum(1 for b in launched.batch if b.decode)
         budget = self.scheduler.budget
+        prefill_s = None
         if budget.target_s > 0 and prefill_cost and self.config.device.startswith("cuda"):
             torch.cuda.synchronize(self.config.device)  # a chunk that samples nothing is not waited for otherwise
+            if launched.prefill_marks is not None:
+                prefill_s = launched.prefill_marks[0].elapsed_time(launched.prefill_marks[1]) / 1e3
         seconds = time.perf_counter() - t0
         if budget.target_s > 0:
-            budget.observe(prefill_cost, n_decode, seconds)
+            budget.observe(prefill_cost, n_decode, seconds, prefill_s)
         self.steps += 1
         n_prefill = len(launched.batch) - n_decode
         self.step_kinds[("mixed_graph" if n_prefill else "graph") if launched.graph else
                         "mixed" if n_decode and n_prefill else "prefill" if n_prefill else "decode_eager"] += 1
         self.last_step_info = {"seconds": seconds, "tokens": launched.num_tokens, "decode": n_decode,
                                "prefill_tokens": sum(b.num_tokens for b in launched.batch if not b.decode),
-                               "chained": launched.chained, "graph": launched.graph}
+                               "chained": launched.chained, "graph": launched.graph, "prefill_seconds": prefill_s}
         return outputs
 
     def _launch(self, batch: list[Scheduled], prev: tuple[torch.Tensor, list[int]] | None = None) -> LaunchedStep:
@@ -379,9 +382,14 @@ class LLMEngine:
         if self.graphs is not None and prev is None and 0 < n_dec < len(batch):
             # each part is planned once (the planner counts steps per sequence for selection reuse);
             # a decode part with no captured graph yet runs eagerly on its own
-            parts = [self._forward_part(batch[:n_dec], None), self._forward_part(batch[n_dec:], None)]
+            # the prefill part between two CUDA events: the step budget learns its own rate
+            parts = [self._forward_part(batch[:n_dec], None)]
+            marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            marks[0].record()
+            parts.append(self._forward_part(batch[n_dec:], None))
+            marks[1].record()
         else:
-            parts = [self._forward_part(batch, prev)]
+            parts, marks = [self._forward_part(batch, prev)], None
         samplers = [s for p in parts for s in p.samplers]
         spans = [sp for p in parts for sp in p.spans]
         sampled = [p for p in parts if p.samplers] or parts[:1]
@@ -402,7 +410,7 @@ class LLMEngine:
                 self.prompt_tokens += len(seq.prompt_ids)
         fetch = self._host_tokens.start(greedy_dev) if samplers else None
         return LaunchedStep(batch, samplers, logits, greedy_dev, fetch, sum(p.num_tokens for p in parts),
-                            chained=prev is not None, extras=extras, graph=parts[0].graph)
+                            chained=prev is not None, extras=extras, graph=parts[0].graph, prefill_marks=marks)
 
     def _forward_part(self, batch: list[Scheduled], prev: tuple[torch.Tensor, list[int]] | None) -> _Part:
         """Plan and launch one forward over ``batch`` (a graph replay when it only decodes and a

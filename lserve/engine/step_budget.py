@@ -16,24 +16,29 @@ long prompt is prefilled in chunks whose *cost* is bounded, not only their token
   as in vLLM, and chunks deeper into a longer prompt carry fewer tokens for the same cost.
 * With one (``lserve serve``'s default), the budget follows measured speed. A step is modelled
   as ``overhead + cost / rate``: ``rate`` (token-equivalents per second) is learnt from steps
-  that only prefill, times the target gives their budget. A step that also decodes has a line
-  of its own, ``fixed + cost * slope`` (:class:`MixedLine`), fitted to such steps: it pays a
-  fixed overhead (its decodes, eager launches), and its prefill can run slower kernels than a
-  prefill-only step (on the H200 a long prompt's chunks next to decodes run flash, grid-aligned
-  prefill-only chunks cuDNN, ~1.5x faster). Its prefill may take ``decode_stall`` times the
-  larger of that overhead and a decode-only step's time. Running requests then see
-  inter-token gaps of about ``1 + decode_stall`` step times while a prompt is prefilled, and
-  the prompt still moves in sizeable chunks. Two earlier rules failed: counting the overhead as
-  prefill time shrank every mixed step's prefill to ``min_chunk`` tokens (32-token chunks and
-  10 s TTFT at 2k context, concurrency 4, on the H200); taking the slope from prefill-only steps
-  made a slower mixed prefill look like overhead, which raised the next budget, a loop that grew
-  mixed steps to the time target (ITL p50 327 ms for dense at 128k, concurrency 4).
+  that only prefill, times the target gives their budget. A step that also decodes is timed in
+  two parts where the engine can (CUDA events around its prefill forward, which runs after the
+  decodes' graph replay): its prefill's own rate, and the rest of the step (decodes, launches).
+  Its prefill may take ``decode_stall`` times the larger of that rest and a decode-only step's
+  time, at the rate prefill runs next to decodes, which differs from a prefill-only step's (on
+  the H200 a long prompt's chunks next to decodes run flash, its grid-aligned prefill-only
+  chunks cuDNN, ~1.5x faster). Running requests then see inter-token gaps of about
+  ``1 + decode_stall`` step times while a prompt is prefilled, and the prompt still moves in
+  sizeable chunks. Where the parts cannot be timed apart (one eager forward, e.g. on a CPU) the
+  rest is taken to be a decode-only step, and the prefill share never falls below what the
+  prefill-only rate gives for ``decode_stall`` decode steps. Rules that failed before: counting
+  the rest as prefill time shrank every mixed step's prefill to ``min_chunk`` tokens (32-token
+  chunks and 10 s TTFT at 2k context, concurrency 4, on the H200); taking the prefill-only rate
+  for mixed steps made their slower prefill look like overhead, which raised the next budget,
+  a loop that grew mixed steps to the time target (ITL p50 327 ms for dense at 128k,
+  concurrency 4); a least-squares line through mixed steps' (cost, seconds) could not split
+  the two when the costs barely varied and still reached ~200 ms steps there.
   Each step still carries at least ``min_chunk`` prefill tokens, so every prompt progresses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 EMA = 0.3  # weight of the newest measurement
 
@@ -53,38 +58,6 @@ def attention_alpha(hidden: int, intermediate: int, num_heads: int, num_kv_heads
     matmul = 2 * per_layer * len(dense_q_heads)
     attn = 4 * head_dim * sum(dense_q_heads)  # QK^T and PV, 2 FLOPs per multiply-add
     return attn / matmul
-
-
-@dataclass
-class MixedLine:
-    """Seconds of a step that decodes and prefills, ``fixed + cost * slope``, fitted to such steps
-    by exponentially weighted least squares. The fit only moves when the steps' prefill costs
-    spread by at least :attr:`MIN_SPREAD` of their mean: steps of one cost cannot tell a fixed
-    overhead from a slow prefill, and a wrong split feeds back into the next budget."""
-
-    MIN_SPREAD = 0.1  # coefficient of variation of the costs seen
-    DECAY = 0.85  # weight kept by older steps at each new one
-
-    fixed: float | None = None
-    slope: float | None = None
-    _m: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, x, y, xx, xy sums
-
-    def observe(self, cost: float, seconds: float, prior_slope: float) -> None:
-        """Add a step of prefill ``cost`` that took ``seconds``; ``prior_slope`` (seconds per
-        token-equivalent of prefill-only steps) bounds the slope from below."""
-        d = self.DECAY
-        w, sx, sy, sxx, sxy = self._m
-        self._m = (d * w + 1, d * sx + cost, d * sy + seconds, d * sxx + cost * cost, d * sxy + cost * seconds)
-        w, sx, sy, sxx, sxy = self._m
-        mx, my = sx / w, sy / w
-        var = sxx / w - mx * mx
-        if self.slope is None:  # one step: the prefill-only slope, the rest is overhead
-            self.slope = prior_slope
-        elif var > (self.MIN_SPREAD * mx) ** 2:
-            self.slope = max(prior_slope, (sxy / w - mx * my) / var)
-        else:
-            return
-        self.fixed = max(0.0, my - self.slope * mx)
 
 
 @dataclass
@@ -113,7 +86,8 @@ class StepBudget:
     min_chunk: int = 32
     rate: float | None = None  # token-equivalents per second (prefill-only steps)
     decode_s: float | None = None  # seconds of a decode-only step
-    mixed: MixedLine = field(default_factory=MixedLine)  # seconds of a step that decodes and prefills
+    mixed_rate: float | None = None  # token-equivalents per second of prefill next to decodes
+    mixed_rest: float | None = None  # seconds of a step that decodes and prefills, beyond its prefill
 
     @property
     def cap(self) -> float:
@@ -143,16 +117,20 @@ class StepBudget:
             return cap
         if self.rate is None:  # nothing measured yet: a small first step to learn from
             return min(cap, 8.0 * self.min_chunk)
-        if n_decode and self.mixed.slope is not None:
-            base = max(self.decode_s or 0.0, self.mixed.fixed)
-            return min(cap, self.target_s / self.mixed.slope, self.decode_stall * base / self.mixed.slope)
-        seconds = self.target_s
-        if n_decode and self.decode_s:
-            seconds = min(seconds, self.decode_stall * self.decode_s)
-        return min(cap, self.rate * seconds)
+        if not n_decode:
+            return min(cap, self.rate * self.target_s)
+        d = self.decode_s or 0.0
+        share = min(self.target_s, self.decode_stall * d) if d > 0 else self.target_s
+        if self.mixed_rate is None:  # no such step seen yet: the prefill-only rate
+            return min(cap, self.rate * share)
+        seconds = min(self.target_s, self.decode_stall * max(d, self.mixed_rest))
+        # at least half the prefill-only rate's share: where the parts were not timed apart, an
+        # overhead counted as slow prefill must not shrink the next chunks towards nothing
+        return min(cap, max(self.mixed_rate * seconds, 0.5 * self.rate * share))
 
-    def observe(self, prefill_cost: float, n_decode: int, seconds: float) -> None:
-        """Learn from a finished step (its prefill cost, its decodes, its wall time)."""
+    def observe(self, prefill_cost: float, n_decode: int, seconds: float, prefill_s: float | None = None) -> None:
+        """Learn from a finished step: its prefill cost, its decodes, its wall time and, for a step
+        that decodes and prefills, the seconds of its prefill part where they were timed apart."""
         if seconds <= 0:
             return
         if prefill_cost <= 0:
@@ -160,7 +138,11 @@ class StepBudget:
                 self.decode_s = _ema(self.decode_s, seconds)
             return
         if n_decode and self.rate is not None:
-            self.mixed.observe(prefill_cost, seconds, 1.0 / self.rate)
+            if prefill_s is None:  # one forward: its decodes taken to cost a decode-only step
+                prefill_s = seconds - (self.decode_s or 0.0)
+            prefill_s = min(seconds, max(prefill_s, 0.1 * seconds))
+            self.mixed_rate = _ema(self.mixed_rate, prefill_cost / prefill_s)
+            self.mixed_rest = _ema(self.mixed_rest, seconds - prefill_s)
             return
         # A prefill-only step (or the first one seen): it measures the rate. One slow step (a
         # first-time compile) halves the rate at most.

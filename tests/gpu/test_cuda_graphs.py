@@ -155,3 +155,28 @@ def test_fused_engine_matches_torch_elementwise(seed):
     got, _ = _run(eng, prompts, [40, 40, 40])
     ref, _ = _run(_engine(loaded, True, fused=False), prompts, [40, 40, 40])
     assert got == ref
+
+
+def test_mixed_graph_steps_time_their_prefill_part(seed):
+    """A step that replays the decodes' graph and prefills eagerly times its prefill part with
+    CUDA events, for the step budget's rate of prefill next to decodes."""
+    loaded = load_model("tiny", dtype=torch.bfloat16, device="cuda", seed=seed % 1000)
+    cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="bfloat16", step_time_target=0.05,
+                       decode_stall=2.0, cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=32768),
+                       max_num_seqs=4, max_batched_tokens=2048)
+    eng = LLMEngine(cfg, loaded=loaded)
+    rng = random.Random(seed)
+    eng.add_request([rng.randrange(256) for _ in range(200)], SamplingParams(max_tokens=400, temperature=0,
+                                                                          ignore_eos=True))
+    for _ in range(40):  # decoding, with its graph captured
+        eng.step()
+    eng.add_request([rng.randrange(256) for _ in range(12000)], SamplingParams(max_tokens=2, temperature=0,
+                                                                            ignore_eos=True))
+    timed = []
+    while eng.has_unfinished() and len(timed) < 5:
+        eng.step()
+        info = eng.last_step_info
+        if info["graph"] and info["prefill_tokens"]:
+            timed.append((info["prefill_seconds"], info["seconds"]))
+    assert timed and all(p is not None and 0 < p <= s for p, s in timed), timed
+    assert eng.scheduler.budget.mixed_rate is not None
