@@ -6,7 +6,7 @@
 The engine is built from :class:`lserve.serve.settings.ServeSettings` as a served replica builds
 it (chunked prefill under the time-targeted step budget), with the served configurations' flags
 of ``lserve bench serve``; per (configuration, context) two prompts (different tokens), each
-timed to its first token with the prefix cache off (prompts of one seed share their first
+timed to its first token with the prefix cache off unless --prefix-cache (prompts of one seed share their first
 tokens), and the steps and chunk sizes it took. Against ``lserve bench e2e``'s
 one-step TTFT this separates what chunking costs from what Ray and HTTP add. ``--grids`` runs
 each configuration once per ``lserve.attention.chunked.CUDNN_CHUNK_GRID`` (0: every chunk on
@@ -84,6 +84,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["lserve-sparse", "lserve"], choices=list(CONFIG_FLAGS))
     ap.add_argument("--grids", type=int, nargs="+", default=[chunked.CUDNN_CHUNK_GRID])
     ap.add_argument("--variants", nargs="+", default=["served"])
+    ap.add_argument("--max-cache-tokens", type=int, default=None,
+                    help="KV pool size (default: the longest context + 4096; the serve bench's server holds 4x that)")
+    ap.add_argument("--prefix-cache", action="store_true", help="keep the prefix cache on, as a server does")
     a = ap.parse_args()
     loaded = load_model("llama3-8b", dtype=torch.bfloat16, device="cuda")
     rows = []
@@ -91,7 +94,8 @@ def main() -> None:
         chunked.CUDNN_CHUNK_GRID = grid  # read when the backend is built
         over = _variant(variant, max(a.contexts))
         st = ServeSettings(model="llama3-8b", device="cuda", backend="cupy", max_model_len=max(a.contexts) + 256,
-                           max_cache_tokens=max(a.contexts) + 4096, max_num_seqs=4, prefix_cache=False,
+                           max_cache_tokens=a.max_cache_tokens or max(a.contexts) + 4096, max_num_seqs=4,
+                           prefix_cache=a.prefix_cache,
                            **{**_flags(config), **over})
         eng = LLMEngine(st.engine_config(), loaded)
         tag = f"{config} grid {grid} {variant}"
