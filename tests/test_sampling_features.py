@@ -191,3 +191,15 @@ def test_tiny_temperature_samples_greedily(temperature):
     params = SamplingParams(temperature=temperature, max_tokens=1)
     assert params.greedy
     assert sample(logits, params, torch.Generator().manual_seed(1)) == int(torch.argmax(logits))
+
+
+def test_overflowing_repetition_penalty_samples_among_the_infinite_logits(eng):
+    """repetition_penalty 5e-324 is in (0, 100] but divides a seen token's positive logit to inf
+    (the fuzz test killed the engine loop with it, 2026-12-04): sampling draws among those tokens,
+    and the request gets its tokens."""
+    logits = torch.tensor([1.0, 2.0, float("inf"), -3.0, float("inf")])
+    params = SamplingParams(temperature=1.0, max_tokens=1)
+    picks = {sample(logits, params, torch.Generator().manual_seed(i)) for i in range(40)}
+    assert picks == {2, 4}
+    outs = eng.generate([PROMPT], SamplingParams(max_tokens=4, temperature=1.0, repetition_penalty=5e-324, seed=3))
+    assert outs[0].finished and len(outs[0].token_ids) == 4

@@ -312,6 +312,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return int(torch.argmax(logits))
     x = logits / params.temperature
+    top = x == float("inf")  # a tiny repetition_penalty (5e-324) divides a seen token's logit to inf
+    if top.any():  # those tokens hold all the mass (softmax of inf would be NaN): draw among them
+        x = torch.zeros_like(x).masked_fill_(~top, float("-inf"))
     if params.top_k > 0 and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
