@@ -35,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-time-target", type=float, default=D["step_time_target"],
                    help="seconds a step with prefill should take, from measured speed (0: token cap only)")
     g.add_argument("--decode-stall", type=float, default=D["decode_stall"],
-                   help="prefill time in a step with decodes, as a multiple of a decode step's time")
+                   help="prefill time in a step with decodes, as a multiple of a decode step's time (or of the "
+                        "rest of such a step, if longer)")
     g.add_argument("--seed", type=int, default=D["seed"], help="seed for random-weight presets")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=D["cuda_graphs"],
                    help="replay decode steps as CUDA graphs (cupy backend)")

@@ -277,8 +277,9 @@ class EngineConfig:
         bounds a step). The prefill budget then follows measured speed and an attention-aware
         cost per chunk (:mod:`lserve.engine.step_budget`), so steps stay short at any context.
     decode_stall : float
-        With a time target: prefill time in a step with decodes, as a multiple of a decode-only
-        step's time (bounds the inter-token latency of running requests).
+        With a time target: prefill time in a step with decodes, as a multiple of the longer of a
+        decode-only step and the rest of such a step (bounds the inter-token latency of running
+        requests; :mod:`lserve.engine.step_budget`).
     prefix_cache : bool
         Keep full prompt pages after their request and reuse them for later prompts that start
         the same way (:mod:`lserve.cache.prefix_cache`); idle cached pages are evicted, least

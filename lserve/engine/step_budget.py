@@ -74,7 +74,8 @@ class StepBudget:
     target_s : float
         Seconds a prefill step should take; 0 turns the time model off.
     decode_stall : float
-        With decodes in the step, prefill time at most this multiple of a decode step's time.
+        With decodes in the step, prefill time at most this multiple of the longer of a
+        decode-only step and the rest of such a step.
     min_chunk : int
         Prefill tokens every step may carry, whatever the measurements say.
     """
