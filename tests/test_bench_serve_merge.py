@@ -49,3 +49,4 @@ def test_replica_means_from_prometheus_text():
     after = histogram_totals(generate_latest(reg).decode(), REPLICA_SIDE.values())
     assert after[REPLICA_SIDE["ttft"]] == (7.0, 3.0)
     assert replica_means(before, after) == {"ttft_mean_s": 3.0, "queue_mean_s": 0.5, "prefill_mean_s": None}
+    assert replica_means({}, after) == {"ttft_mean_s": None, "queue_mean_s": None, "prefill_mean_s": None}

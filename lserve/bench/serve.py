@@ -102,9 +102,13 @@ class Server:
             return json.load(r)
 
     def histogram_totals(self) -> dict[str, tuple[float, float]]:
-        """(sum, count) of each :data:`REPLICA_SIDE` histogram in ``/metrics``, over all replicas."""
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
-            return histogram_totals(r.read().decode(), REPLICA_SIDE.values())
+        """(sum, count) of each :data:`REPLICA_SIDE` histogram in ``/metrics``, over all replicas
+        ({} if the scrape failed: the load point is still measured)."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
+                return histogram_totals(r.read().decode(), REPLICA_SIDE.values())
+        except OSError:
+            return {}
 
     def stop(self) -> None:
         """SIGINT (the server drains and shuts Ray down), then kill after a grace period."""
@@ -140,8 +144,10 @@ def histogram_totals(text: str, names) -> dict[str, tuple[float, float]]:
 
 def replica_means(before: dict, after: dict) -> dict:
     """Mean seconds per request of each :data:`REPLICA_SIDE` histogram between two
-    :meth:`Server.histogram_totals` readings (None where no request finished)."""
+    :meth:`Server.histogram_totals` readings (None where no request finished or a scrape failed)."""
     out = {}
+    if not before or not after:
+        return {f"{key}_mean_s": None for key in REPLICA_SIDE}
     for key, name in REPLICA_SIDE.items():
         ds, dc = after[name][0] - before[name][0], after[name][1] - before[name][1]
         out[f"{key}_mean_s"] = round(ds / dc, 4) if dc > 0 else None
