@@ -49,11 +49,10 @@ def _variant(spec: str, longest: int) -> dict:
     """ServeSettings overrides of a ``--variants`` entry."""
     if spec == "one-step":  # the whole prompt in one step: what ``lserve bench e2e`` times
         return {"max_batched_tokens": longest + 256, "step_time_target": 0.0}
-    out = {}
-    for item in filter(None, spec.split(",") if spec != "served" else []):
-        key, value = item.split("=")
-        out[key] = type(getattr(ServeSettings, key))(value)
-    return out
+    if spec == "served":
+        return {}
+    pairs = (item.split("=") for item in spec.split(","))
+    return {key: type(getattr(ServeSettings, key))(value) for key, value in pairs}
 
 
 def ttft(eng: LLMEngine, n: int, seed: int) -> dict:
@@ -89,7 +88,8 @@ def main() -> None:
     ap.add_argument("--prefix-cache", action="store_true", help="keep the prefix cache on, as a server does")
     a = ap.parse_args()
     loaded = load_model("llama3-8b", dtype=torch.bfloat16, device="cuda")
-    rows = []
+    rows, path = [], Path(a.out, "probe_served_prefill_h200.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     for config, grid, variant in ((c, g, v) for c in a.configs for g in a.grids for v in a.variants):
         chunked.CUDNN_CHUNK_GRID = grid  # read when the backend is built
         over = _variant(variant, max(a.contexts))
@@ -107,8 +107,7 @@ def main() -> None:
                 r = {"config": config, "grid": grid, "variant": variant, "context": n, "seed": seed,
                      **ttft(eng, n, seed)}
                 rows.append(r)
-                Path(a.out).mkdir(parents=True, exist_ok=True)  # each row as it comes: a cut-off run keeps what it had
-                Path(a.out, "probe_served_prefill_h200.json").write_text(json.dumps({**header(), "rows": rows}, indent=1))
+                path.write_text(json.dumps({**header(), "rows": rows}, indent=1))  # each row: a cut-off run keeps it
                 print(f"{tag} {n} seed {seed}: TTFT {r['ttft_s']} s in {r['steps']} steps, "
                       f"chunks {r['chunks'][:6]}...{r['chunks'][-3:]} kernels {r['chunk_kernels']}", flush=True)
         del eng

@@ -382,12 +382,15 @@ class LLMEngine:
         if self.graphs is not None and prev is None and 0 < n_dec < len(batch):
             # each part is planned once (the planner counts steps per sequence for selection reuse);
             # a decode part with no captured graph yet runs eagerly on its own
-            # the prefill part between two CUDA events: the step budget learns its own rate
+            # the prefill part between two CUDA events: a time-targeted step budget learns its own rate
             parts = [self._forward_part(batch[:n_dec], None)]
-            marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            marks[0].record()
+            marks = None
+            if self.scheduler.budget.target_s > 0:
+                marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                marks[0].record()
             parts.append(self._forward_part(batch[n_dec:], None))
-            marks[1].record()
+            if marks is not None:
+                marks[1].record()
         else:
             parts, marks = [self._forward_part(batch, prev)], None
         samplers = [s for p in parts for s in p.samplers]
