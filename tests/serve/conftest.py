@@ -90,6 +90,7 @@ class ServeApp:
         return "".join(parts)
 
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
