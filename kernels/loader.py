@@ -36,10 +36,11 @@ FAMILIES = {
     "selector": ("selector.cu", ("ls_page_scores", "ls_page_topk")),
     "selector_tc": ("selector_tc.cu", ("ls_page_scores_tc",)),  # page scores on tensor cores
     "prefill": ("prefill.cu", ("ls_prefill",)),
+    "bsp_prefill": ("bsp_prefill.cu", ("ls_bsp_prefill",)),  # block-sparse prefill over paged KV
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }
-TENSOR_CORE_FAMILIES = ("prefill", "decode_tc", "selector_tc")
+TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "decode_tc", "selector_tc")
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
 QUANTS = {"none": 0, "int8": 1, "int4": 2}
 HEAD_DIMS = (64, 128, 256)
@@ -67,6 +68,9 @@ class Variant:
         ``"none"``, ``"int8"`` or ``"int4"`` (families that touch the pools; else ``"none"``).
     gq : int
         Query heads per CTA (decode, merge, selector; else 1).
+    tuning : tuple of str
+        Extra ``NAME=VALUE`` defines of a family's tile shape (tuning sandboxes, e.g.
+        ``("LS_BSP_MT=1",)``); empty = the shape the source ships with.
     """
 
     family: str
@@ -74,6 +78,7 @@ class Variant:
     head_dim: int
     kv_quant: str = "none"
     gq: int = 1
+    tuning: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -94,7 +99,7 @@ class Variant:
     def defines(self) -> tuple[str, ...]:
         """The ``-D`` options of this variant."""
         return (f"-DLS_DTYPE={DTYPES[self.dtype]}", f"-DLS_HEAD_DIM={self.head_dim}",
-                f"-DLS_QUANT={QUANTS[self.kv_quant]}", f"-DLS_GQ={self.gq}")
+                f"-DLS_QUANT={QUANTS[self.kv_quant]}", f"-DLS_GQ={self.gq}") + tuple(f"-D{t}" for t in self.tuning)
 
 
 def source_of(family: str) -> str:
@@ -209,6 +214,7 @@ def all_variants() -> list[Variant]:
                     out.append(Variant("selector_tc", dt, d, "none", gq))
             if dt != "fp32":
                 out.append(Variant("prefill", dt, d))
+                out.append(Variant("bsp_prefill", dt, d))
             out.append(Variant("fused", dt, d))
     return out
 

@@ -12,6 +12,8 @@
 #   e2e        e2e_h200.{json,png}, e2e.log (lserve bench e2e; E2E_ARGS adds flags)
 #   sparse     sparse_prefill_h200.{json,png}, sparse_prefill.log (python -m lserve.bench.sparse_prefill:
 #              block-sparse prefill attention vs SDPA; SPARSE_ARGS adds flags)
+#   bsp        bsp_prefill_h200.{json,png}, bsp_prefill.log (python -m lserve.bench.bsp_prefill: the unified
+#              block-sparse prefill kernel, parity then speed at fixed kept fractions; BSP_ARGS adds flags)
 #   probe      probe_*.json, probe.log (scripts/probe_$PROBE.py: PROBE=decode (default), selector, launch, timeline,
 #              sdpa, first_prefill or served_prefill; PROBE_ARGS adds flags)
 #   profile    profile_*.json, profile.log (kernels of the prefill and eager decode steps by GPU time;
@@ -62,6 +64,12 @@ fi
 if has sparse; then
     # shellcheck disable=SC2086
     timeout "${SPARSE_TIMEOUT:-420}" "$PY" -m lserve.bench.sparse_prefill "$OUT" ${SPARSE_ARGS:-} 2>&1 | tee "$OUT/sparse_prefill.log"
+    rc=$((rc | (PIPESTATUS[0] != 0)))
+fi
+if has bsp; then
+    # shellcheck disable=SC2086
+    LSERVE_BENCH_COMMAND="PARTS=bsp bash scripts/gpu_run.sh  (python -m lserve.bench.bsp_prefill \$OUT ${BSP_ARGS:-})" \
+        timeout "${BSP_TIMEOUT:-420}" "$PY" -m lserve.bench.bsp_prefill "$OUT" ${BSP_ARGS:-} 2>&1 | tee "$OUT/bsp_prefill.log"
     rc=$((rc | (PIPESTATUS[0] != 0)))
 fi
 

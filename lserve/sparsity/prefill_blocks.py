@@ -363,3 +363,34 @@ def recalled_mass(exact_q: torch.Tensor, blocks: PrefillBlocks, group: int) -> t
     """
     bm = blocks.block_mask().repeat_interleave(group, 0)  # [Hq, R, nkb]
     return (exact_q * bm).sum(-1).mean(-1)
+
+
+def fixed_fraction_blocks(n_heads: int, start: int, length: int, frac: float, block: int = 64,
+                          q_block: int = 2048, seed: int = 0) -> PrefillBlocks:
+    """Block lists keeping about ``frac`` of each row's causal blocks, chosen at random.
+
+    For speed measured at a fixed kept fraction (random weights attend almost uniformly, so an
+    estimate would keep nearly everything) and for parity tests. Every row keeps the sink block,
+    its own span and the block before it (as :func:`select_blocks` does), then random earlier
+    blocks up to ``round(frac * causal blocks)``; every head of a row keeps the same count.
+    Built on the CPU.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    first, last = start // q_block, (length - 1) // q_block
+    counts, ids = [[] for _ in range(n_heads)], [[] for _ in range(n_heads)]
+    for r in range(first, last + 1):
+        rs, re = r * q_block, min(length, (r + 1) * q_block)
+        own0, causal = max(0, rs // block - 1), (re - 1) // block + 1
+        mandatory = sorted({0, *range(own0, causal)})
+        pool = torch.arange(1, max(1, own0))  # blocks neither sink nor the row's own span
+        extra = min(pool.numel(), max(0, round(frac * causal) - len(mandatory)))
+        for h in range(n_heads):
+            pick = pool[torch.randperm(pool.numel(), generator=gen)[:extra]].tolist()
+            row = sorted(mandatory + pick)
+            counts[h].append(len(row))
+            ids[h] += row
+    indptr = torch.zeros(n_heads, last - first + 2, dtype=torch.int32)
+    indptr[:, 1:] = torch.tensor(counts, dtype=torch.int32).cumsum(1)
+    offsets = torch.tensor([0] + [sum(c) for c in counts], dtype=torch.int32).cumsum(0)[:-1]
+    return PrefillBlocks(indptr + offsets[:, None], torch.tensor([i for h in ids for i in h], dtype=torch.int32),
+                         block, start, length, q_block)

@@ -1,0 +1,175 @@
+"""Unified block-sparse prefill over the paged KV cache (``kernels/bsp_prefill.cu``).
+
+One launch computes the prefill attention of every listed sequence for a range of KV heads:
+dense heads over their kept key blocks (a :class:`~lserve.sparsity.prefill_blocks.PrefillBlocks`
+per sequence; none = every causal block) read straight from the paged pool, streaming heads over
+their sink and local blocks read from the step's own K/V rows. The GQA group is folded into the
+query tile, so each K/V block read serves the whole group. Chunked prefill works for dense heads:
+the chunk's keys must be in the pool before :func:`run` (streaming heads need ``start == 0``).
+
+:func:`plan` builds a step's tables on the host (tiles, sequences, block rows); :func:`run`
+launches. :func:`reference` is the same function in plain torch (float32 softmax), the oracle of
+the GPU tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lserve.sparsity.prefill_blocks import PrefillBlocks
+
+BN = 64  # key block of the kernel; block lists must use the same block
+MT, WARPS = 2, 4  # the tile shape kernels/bsp_prefill.cu ships with (16-row m-tiles per warp, warps)
+
+
+def tile_rows(mt: int = MT, warps: int = WARPS) -> int:
+    """Query rows ((position, query head) pairs) of one CTA."""
+    return warps * 16 * mt
+
+
+def smem_bytes(head_dim: int, mt: int = MT, warps: int = WARPS) -> int:
+    """Dynamic shared memory of one CTA: the Q tile and two stages of K and V blocks."""
+    return (tile_rows(mt, warps) + 4 * BN) * (head_dim + 8) * 2
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence's prefill chunk in a launch.
+
+    Parameters
+    ----------
+    t0 : int
+        Row of the chunk's first query in the step's q/k/v/out tensors.
+    start : int
+        Tokens cached before the chunk (its first query's position).
+    n_new : int
+        Queries (and keys) of the chunk.
+    page_off : int
+        Offset of the sequence's dense pages in the launch's page table.
+    blocks : PrefillBlocks, optional
+        The dense heads' kept blocks of this chunk (``block == BN``); None: every causal block.
+    """
+
+    t0: int
+    start: int
+    n_new: int
+    page_off: int = 0
+    blocks: PrefillBlocks | None = None
+
+
+@dataclass
+class BspPlan:
+    """Device tables of one launch (see ``kernels/bsp_prefill.cu``)."""
+
+    tiles: torch.Tensor  # int32 [n_tiles, 4]: sequence, q0, q1, list row (-1: every causal block)
+    seqs: torch.Tensor  # int32 [n_seq, 4]: t0, start, n_new, page_off
+    rowptr: torch.Tensor | None  # int32 [n_dense, n_rows, 2]: (first, end) into indices
+    indices: torch.Tensor | None  # int32 kept block ids
+    n_rows: int
+    group: int
+    mt: int = MT
+    warps: int = WARPS
+
+    @property
+    def n_tiles(self) -> int:
+        return self.tiles.shape[0]
+
+
+def plan(seqs: list[PrefillSeq], group: int, n_dense: int, device: torch.device | str,
+         mt: int = MT, warps: int = WARPS) -> BspPlan:
+    """Cut every sequence's queries into tiles of ``tile_rows() // group`` positions that never
+    straddle a block-list row, heaviest (latest) tiles first, and concatenate the block lists."""
+    npos = tile_rows(mt, warps) // group
+    if npos < 1:
+        raise ValueError(f"a GQA group of {group} does not fit a tile of {tile_rows(mt, warps)} rows")
+    tiles, rowptrs, idx = [], [], []
+    n_rows = nnz = 0
+    for i, s in enumerate(seqs):
+        end = s.start + s.n_new
+        b = s.blocks
+        if b is None:
+            tiles += [(i, p, min(end, p + npos), -1) for p in range(s.start, end, npos)]
+            continue
+        if b.block != BN or b.start != s.start or b.length != end or b.indptr.shape[0] != n_dense:
+            raise ValueError(f"block list (block {b.block}, positions {b.start}..{b.length}, {b.indptr.shape[0]} "
+                             f"heads) does not match the chunk (block {BN}, {s.start}..{end}, {n_dense} heads)")
+        for r in range(b.n_rows):
+            rs, re = b.row_span(r)
+            tiles += [(i, p, min(re, p + npos), n_rows + r) for p in range(max(rs, s.start), re, npos)]
+        ip = b.indptr.to(device=device, dtype=torch.int32)
+        rowptrs.append(torch.stack((ip[:, :-1], ip[:, 1:]), -1) + nnz)
+        idx.append(b.indices.to(device=device, dtype=torch.int32))
+        nnz += b.indices.numel()
+        n_rows += b.n_rows
+    tiles.sort(key=lambda t: -t[2])  # causal: later tiles visit more blocks, start them first
+    seq_t = torch.tensor([[s.t0, s.start, s.n_new, s.page_off] for s in seqs], dtype=torch.int32)
+    tile_t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 4)
+    return BspPlan(tile_t.to(device), seq_t.to(device), torch.cat(rowptrs, 1) if rowptrs else None,
+                   torch.cat(idx) if idx else None, n_rows, group, mt, warps)
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p: BspPlan, n_dense: int,
+        head0: int, n_heads: int, scale: float, sink: int = 0, local: int = 0,
+        pool: tuple[torch.Tensor, torch.Tensor] | None = None, pages: torch.Tensor | None = None) -> None:
+    """Launch the kernel over KV heads ``[head0, head0 + n_heads)`` of every tile of ``p``.
+
+    Parameters
+    ----------
+    q, out : torch.Tensor
+        [T, H_q, D] rows of the step (bf16/fp16; row stride free, heads contiguous).
+    k, v : torch.Tensor
+        [T, H_kv, D] the step's keys/values: read by streaming heads, and by dense heads when
+        ``pool`` is None (every sequence then needs ``start == 0``).
+    p : BspPlan
+    n_dense : int
+        KV heads ``< n_dense`` are dense (block lists, pool), the others streaming (sink + local).
+    pool : tuple of torch.Tensor, optional
+        Dense K and V pools [P, n_dense, page_size, D]; ``pages`` int32 holds each sequence's pages
+        from its ``page_off``.
+    """
+    from lserve.kernels.loader import Variant, f32, get_kernel, i32, i64, launch, ptr
+
+    d = q.shape[-1]
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype)
+    if dtype is None:
+        raise ValueError(f"bsp_prefill runs bf16/fp16 activations, got {q.dtype}")
+    tuning = () if (p.mt, p.warps) == (MT, WARPS) else (f"LS_BSP_MT={p.mt}", f"LS_BSP_WARPS={p.warps}")
+    kern = get_kernel(Variant("bsp_prefill", dtype, d, tuning=tuning), "ls_bsp_prefill")
+    pk, pv = pool if pool is not None else (None, None)
+    pool_heads, page_size = (pk.shape[1], pk.shape[2]) if pk is not None else (0, 1)
+    launch(kern, (p.n_tiles, n_heads), (32 * p.warps,),
+           (ptr(q), i64(q.stride(0)), ptr(out), i64(out.stride(0)), ptr(k), ptr(v), i64(k.stride(0)),
+            ptr(pk), ptr(pv), i32(pool_heads), i32(page_size), ptr(pages), ptr(p.tiles), ptr(p.seqs),
+            ptr(p.rowptr), ptr(p.indices), i32(p.n_rows), i32(head0), i32(n_dense), i32(p.group),
+            i32(sink), i32(local), f32(scale * 1.4426950408889634)),
+           shared_mem=smem_bytes(d, p.mt, p.warps))
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, n_dense: int, scale: float,
+              blocks: PrefillBlocks | None = None, sink: int = 0, local: int = 0) -> torch.Tensor:
+    """What the kernel computes for one chunk, in float32 torch.
+
+    q: [n, H_q, D] queries of positions ``start ..``; k, v: [start + n, H_kv, D] keys of positions
+    0 ..; returns [n, H_q, D] float32. Dense heads: causal over ``blocks``' kept tiles (every causal
+    tile when None); streaming heads: causal over ``t < sink or p - t < local``.
+    """
+    n, hq, d = q.shape
+    L, hkv, _ = k.shape
+    g = hq // hkv
+    qpos = torch.arange(start, start + n, device=q.device)[:, None]
+    kpos = torch.arange(L, device=q.device)[None, :]
+    causal = kpos <= qpos  # [n, L]
+    masks = []
+    for h in range(hkv):
+        if h < n_dense:
+            masks.append(blocks.token_mask()[h] if blocks is not None else causal)
+        else:
+            masks.append(causal & ((kpos < sink) | (qpos - kpos < local)))
+    mask = torch.stack(masks).repeat_interleave(g, 0)  # [H_q, n, L]
+    kk = k.float().transpose(0, 1).repeat_interleave(g, 0)
+    vv = v.float().transpose(0, 1).repeat_interleave(g, 0)
+    s = torch.bmm(q.float().transpose(0, 1), kk.transpose(1, 2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.bmm(torch.softmax(s, -1), vv).transpose(0, 1)

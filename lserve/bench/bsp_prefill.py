@@ -1,0 +1,240 @@
+"""The unified block-sparse prefill kernel (``kernels/bsp_prefill.cu``) on the GPU: parity against
+the torch oracle, then speed at fixed kept fractions against cuDNN in the same run.
+
+    python -m lserve.bench.bsp_prefill OUT_DIR [--contexts 32768 131072 262144] [--fractions 0.1 0.2 0.3 0.5]
+
+1. ``parity``: fresh random inputs (never zeros), the output poisoned with NaN before each launch,
+   against :func:`lserve.attention.paged_prefill.reference` (float32): GQA groups 1/4/5/7/8, head
+   dims 64/128, page sizes 16/64 with shuffled pages, ragged lengths, a chunk with cached past,
+   dense + streaming heads in one launch, block lists and every block kept. ``max_rel_err`` =
+   max |out - ref| / max |ref| per case; a case passes below 2e-2 (bf16 P and output).
+2. ``rows``: one Llama-3-8B layer (32 query / 8 KV heads, D 128, bf16; 4 dense + 4 streaming KV
+   heads, sink 128, local 256), pages of 64 in shuffled order. Per context: cuDNN SDPA causal on
+   all heads and on the dense heads (its TFLOP/s is the peer); per tile-shape variant the kernel on
+   the dense heads with every block kept (TFLOP/s vs cuDNN); per kept fraction (random lists,
+   :func:`lserve.sparsity.prefill_blocks.fixed_fraction_blocks`): the kernel on the dense heads
+   (TFLOP/s on computed tiles vs cuDNN dense), the gathered-cuDNN path today's backend runs on the
+   same lists, and the whole layer in one launch (dense listed + streaming) against SDPA on all
+   heads. The block estimate is not included (measured by ``lserve.bench.sparse_prefill``).
+
+CUDA events after warm-up, medians. Writes ``{name}.json`` (+ ``.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lserve.attention import paged_prefill as bsp
+from lserve.attention.block_sparse_prefill import sparse_prefill
+from lserve.bench.kernels import median_events
+from lserve.bench.report import header, write_json
+from lserve.bench.sparse_prefill import computed_flops
+from lserve.plotting import pyplot
+from lserve.sparsity.prefill_blocks import fixed_fraction_blocks
+
+CONTEXTS = (32768, 131072, 262144)
+FRACTIONS = (0.1, 0.2, 0.3, 0.5)
+VARIANTS = ((2, 4), (1, 8), (1, 4))  # (16-row m-tiles per warp, warps)
+H, HKV, D, HD, SINK, LOCAL = 32, 8, 128, 4, 128, 256
+TOL = 2e-2
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor, n_dense: int, page: int, gen: torch.Generator):
+    """Dense heads of k/v [L, H_kv, D] into a pool [P, n_dense, page, D] with shuffled pages."""
+    L, _, d = k.shape
+    n = -(-L // page)
+    order = torch.randperm(n + 3, generator=gen)[:n]  # a few unused pages: ids are not 0..n-1
+    pk = torch.randn(n + 3, n_dense, page, d, dtype=k.dtype, device=k.device)
+    pv = torch.randn_like(pk)
+    pad = n * page - L
+    kk = F.pad(k[:, :n_dense], (0, 0, 0, 0, 0, pad)).view(n, page, n_dense, d).transpose(1, 2)
+    vv = F.pad(v[:, :n_dense], (0, 0, 0, 0, 0, pad)).view(n, page, n_dense, d).transpose(1, 2)
+    pk[order.to(k.device)] = kk
+    pv[order.to(k.device)] = vv
+    return (pk, pv), order.to(torch.int32)
+
+
+def _case(name: str, group: int, d: int, hkv: int, n_dense: int, start: int, n: int, page: int, frac: float | None,
+          variant, seed: int, q_block: int = 256) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    dev, dt = "cuda", torch.bfloat16
+    hq, L = hkv * group, start + n
+    q = torch.randn(n, hq, d, generator=gen).to(dev, dt)
+    k = torch.randn(L, hkv, d, generator=gen).to(dev, dt)
+    v = torch.randn(L, hkv, d, generator=gen).to(dev, dt)
+    pool, pages = _paged(k, v, n_dense, page, gen)
+    blocks = fixed_fraction_blocks(n_dense, start, L, frac, bsp.BN, q_block, seed) if frac is not None else None
+    streaming = start == 0
+    scale = d ** -0.5
+    p = bsp.plan([bsp.PrefillSeq(0, start, n, 0, blocks)], group, n_dense, dev, *variant)
+    out = torch.full_like(q, float("nan"))
+    kn, vn = k[start:], v[start:]  # the step's own rows
+    heads = hkv if streaming else n_dense
+    bsp.run(q, kn, vn, out, p, n_dense, 0, heads, scale, SINK, LOCAL if streaming else 0, pool, pages.to(dev))
+    torch.cuda.synchronize()
+    ref = bsp.reference(q, k, v, start, n_dense, scale, blocks, SINK, LOCAL)
+    got = out[:, : heads * group].float()
+    ref = ref[:, : heads * group]
+    err = float((got - ref).abs().max() / ref.abs().max()) if not got.isnan().any() else float("nan")
+    return {"case": name, "group": group, "head_dim": d, "kv_heads": hkv, "dense_kv_heads": n_dense, "start": start,
+            "new": n, "page_size": page, "kept_fraction": None if blocks is None else round(blocks.kept_fraction(), 3),
+            "variant": list(variant), "max_rel_err": round(err, 5), "ok": err < TOL}
+
+
+def parity(variants=VARIANTS, seed: int = 0) -> list[dict]:
+    """Every parity case for every tile-shape variant (inputs drawn from ``seed`` onwards)."""
+    cases = []
+    for vi, var in enumerate(variants):
+        for g, d, hkv, nd, start, n, page, frac in [
+            (4, 128, 4, 2, 0, 1000, 64, 0.3),    # dense listed + streaming, ragged length
+            (4, 128, 4, 2, 0, 777, 16, None),    # every block kept, small pages
+            (1, 64, 3, 1, 0, 600, 64, 0.5),
+            (7, 128, 2, 1, 0, 530, 64, 0.4),     # group 7: positions per tile not a power of two
+            (5, 64, 2, 2, 0, 450, 32, None),
+            (8, 128, 2, 1, 0, 900, 64, 0.25),
+            (4, 128, 2, 2, 700, 300, 64, None),  # chunk with cached past (dense heads, paged)
+            (7, 128, 2, 2, 640, 513, 16, 0.5),   # chunk with past and a block list
+        ]:
+            name = f"g{g}_d{d}_h{hkv}_nd{nd}_s{start}_n{n}_p{page}_f{frac}"
+            cases.append(_case(name, g, d, hkv, nd, start, n, page, frac, var, seed + 100 * vi + len(cases)))
+            print(f"parity {var} {cases[-1]['case']}: {cases[-1]['max_rel_err']}", file=sys.stderr, flush=True)
+    return cases
+
+
+def _flops_dense(n_qheads: int, L: int) -> float:
+    return 4.0 * n_qheads * D * L * (L + 1) / 2
+
+
+def _row(context: int, fractions, variants, iters: int) -> dict:
+    gen = torch.Generator().manual_seed(context)
+    G, scale = H // HKV, D ** -0.5
+    q = torch.randn(context, H, D, generator=gen).to("cuda", torch.bfloat16)
+    k = torch.randn(context, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(context, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    pool, pages = _paged(k, v, HD, 64, gen)
+    pages = pages.cuda()
+    qt, kt, vt = (x.transpose(0, 1) for x in (q, k, v))
+    qd, kd, vd = qt[: HD * G], kt[:HD], vt[:HD]
+    row = {"context": context}
+    row["sdpa_all_ms"] = median_events(lambda: F.scaled_dot_product_attention(
+        qt[None], kt[None], vt[None], is_causal=True, enable_gqa=True), iters)
+    row["sdpa_dense_heads_ms"] = median_events(lambda: F.scaled_dot_product_attention(
+        qd[None], kd[None], vd[None], is_causal=True, enable_gqa=True), iters)
+    peer = _flops_dense(HD * G, context) / (row["sdpa_dense_heads_ms"] * 1e-3) / 1e12
+    row["sdpa_dense_heads_tflops"] = peer
+    out = torch.empty_like(q)
+    seq = [bsp.PrefillSeq(0, 0, context, 0, None)]
+    row["variants"] = {}
+    for var in variants:
+        p = bsp.plan(seq, G, HD, "cuda", *var)
+        ms = median_events(lambda p=p: bsp.run(q, k, v, out, p, HD, 0, HD, scale, pool=pool, pages=pages), iters)
+        tf = _flops_dense(HD * G, context) / (ms * 1e-3) / 1e12
+        row["variants"][f"mt{var[0]}_w{var[1]}"] = {"dense_ms": ms, "tflops": tf, "vs_cudnn": tf / peer}
+    best = min(variants, key=lambda var: row["variants"][f"mt{var[0]}_w{var[1]}"]["dense_ms"])
+    row["best_variant"] = list(best)
+    p_all = bsp.plan(seq, G, HD, "cuda", *best)
+    row["streaming_ms"] = median_events(lambda: bsp.run(q, k, v, out, p_all, HD, HD, HKV - HD, scale, SINK, LOCAL),
+                                        iters)
+    row["fractions"] = []
+    for frac in fractions:
+        blocks = fixed_fraction_blocks(HD, 0, context, frac, bsp.BN, 2048, seed=1)
+        r = {"target": frac, "kept_fraction": round(blocks.kept_fraction(), 4)}
+        fl = computed_flops(blocks, G, D)
+        p = bsp.plan([bsp.PrefillSeq(0, 0, context, 0, blocks)], G, HD, "cuda", *best)
+        r["bsp_dense_ms"] = median_events(lambda p=p: bsp.run(q, k, v, out, p, HD, 0, HD, scale, pool=pool,
+                                                               pages=pages), iters)
+        r["bsp_tflops"] = fl / (r["bsp_dense_ms"] * 1e-3) / 1e12
+        r["bsp_vs_cudnn_tflops"] = r["bsp_tflops"] / peer
+        bd = blocks.__class__(blocks.indptr.cuda(), blocks.indices.cuda(), blocks.block, 0, context, blocks.q_block)
+        sparse_prefill(qd, kd, vd, bd, scale, "cudnn")  # plans per shape, outside the timing
+        r["gathered_cudnn_ms"] = median_events(lambda b=bd: sparse_prefill(qd, kd, vd, b, scale, "cudnn"), iters)
+        r["bsp_all_heads_ms"] = median_events(lambda p=p: bsp.run(q, k, v, out, p, HD, 0, HKV, scale, SINK, LOCAL,
+                                                                  pool, pages), iters)
+        r["all_heads_vs_sdpa"] = row["sdpa_all_ms"] / r["bsp_all_heads_ms"]
+        r["dense_heads_vs_sdpa"] = row["sdpa_dense_heads_ms"] / r["bsp_dense_ms"]
+        r["bsp_vs_gathered"] = r["gathered_cudnn_ms"] / r["bsp_dense_ms"]
+        row["fractions"].append({a: round(x, 4) if isinstance(x, float) else x for a, x in r.items()})
+        print(f"  {context} kept {frac}: {row['fractions'][-1]}", file=sys.stderr, flush=True)
+    return row
+
+
+def _plot(report: dict, png: Path) -> None:
+    plt = pyplot()
+    if plt is None or not report["rows"]:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for row in report["rows"]:
+        ks = [f["kept_fraction"] for f in row["fractions"]]
+        lab = f"{row['context'] // 1024}k"
+        a.plot(ks, [f["all_heads_vs_sdpa"] for f in row["fractions"]], "o-", label=lab)
+        b.plot(ks, [f["bsp_vs_cudnn_tflops"] for f in row["fractions"]], "o-", label=f"bsp {lab}")
+        b.plot(ks, [f["bsp_vs_gathered"] for f in row["fractions"]], "s--", label=f"gathered/bsp time {lab}")
+    a.set_xlabel("kept fraction of causal tiles (dense heads)")
+    a.set_ylabel("layer prefill attention speedup vs cuDNN SDPA")
+    a.grid(alpha=0.3)
+    a.legend()
+    b.axhline(0.75, color="gray", ls=":")
+    b.set_xlabel("kept fraction")
+    b.set_ylabel("ratio")
+    b.grid(alpha=0.3)
+    b.legend(fontsize=7)
+    fig.suptitle(f"bsp_prefill kernel, one Llama-3-8B layer ({report['device']})")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def run(out_dir: str, contexts=CONTEXTS, fractions=FRACTIONS, variants=VARIANTS, name: str = "bsp_prefill_h200",
+        skip_parity: bool = False) -> dict:
+    """Parity first (speed is not measured if a case fails), then every context."""
+    report = {**header(), "shape": {"heads": H, "kv_heads": HKV, "dense_kv_heads": HD, "head_dim": D,
+                                    "sink": SINK, "local": LOCAL}, "parity": [], "rows": []}
+    out = Path(out_dir)
+    if not skip_parity:
+        report["parity"] = parity(variants)
+        write_json(out / f"{name}.json", report)
+        bad = [c for c in report["parity"] if not c["ok"]]
+        if bad:
+            print(f"PARITY FAILED in {len(bad)} cases: {[(c['case'], c['variant']) for c in bad]}", flush=True)
+            ok_vars = [v for v in variants if not any(c["variant"] == list(v) for c in bad)]
+            if not ok_vars:
+                return report
+            variants = tuple(ok_vars)
+    for ctx in contexts:
+        t0 = time.perf_counter()
+        report["rows"].append(_row(ctx, fractions, variants, 3 if ctx >= 131072 else 5))
+        print(f"bsp prefill {ctx}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+        write_json(out / f"{name}.json", report)
+    _plot(report, out / f"{name}.png")
+    return report
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
+    p.add_argument("--name", default="bsp_prefill_h200")
+    p.add_argument("--skip-parity", action="store_true")
+    a = p.parse_args(argv)
+    rep = run(a.out, a.contexts, a.fractions, name=a.name, skip_parity=a.skip_parity)
+    for c in rep["parity"]:
+        print(f"parity {c['variant']} {c['case']}: {c['max_rel_err']} {'ok' if c['ok'] else 'FAIL'}")
+    for r in rep["rows"]:
+        vs = ", ".join(f"{k} {x['tflops']:.0f} TF/s ({x['vs_cudnn']:.2f}x cuDNN)" for k, x in r["variants"].items())
+        print(f"{r['context']}: SDPA all {r['sdpa_all_ms']:.1f} ms, dense heads {r['sdpa_dense_heads_ms']:.1f} ms "
+              f"({r['sdpa_dense_heads_tflops']:.0f} TF/s); dense bsp: {vs}; streaming {r['streaming_ms']:.1f} ms")
+        for f in r["fractions"]:
+            print(f"  kept {f['kept_fraction']:.3f}: bsp dense {f['bsp_dense_ms']:.1f} ms ({f['bsp_tflops']:.0f} TF/s, "
+                  f"{f['bsp_vs_cudnn_tflops']:.2f}x cuDNN), gathered {f['gathered_cudnn_ms']:.1f} ms, all heads "
+                  f"{f['bsp_all_heads_ms']:.1f} ms = {f['all_heads_vs_sdpa']:.2f}x SDPA")
+
+
+if __name__ == "__main__":
+    main()

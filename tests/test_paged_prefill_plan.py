@@ -1,0 +1,75 @@
+"""Host side of the unified block-sparse prefill kernel: the tile plan and the torch oracle."""
+
+import pytest
+import torch
+
+from lserve.attention import paged_prefill as bsp
+from lserve.attention.block_sparse_prefill import blocked_prefill
+from lserve.sparsity.prefill_blocks import fixed_fraction_blocks
+
+
+def test_tiles_cover_each_query_once_inside_rows_heaviest_first():
+    a = fixed_fraction_blocks(2, 700, 3000, 0.4, bsp.BN, 512, seed=1)
+    seqs = [bsp.PrefillSeq(0, 700, 2300, 0, a), bsp.PrefillSeq(2300, 0, 1000, 40, None)]
+    p = bsp.plan(seqs, group=7, n_dense=2, device="cpu")
+    npos = bsp.tile_rows() // 7
+    tiles = p.tiles.tolist()
+    assert [t[2] for t in tiles] == sorted((t[2] for t in tiles), reverse=True)
+    for i, s in enumerate(seqs):
+        mine = sorted(t for t in tiles if t[0] == i)
+        covered = [x for t in mine for x in range(t[1], t[2])]
+        assert covered == list(range(s.start, s.start + s.n_new))
+        assert all(0 < t[2] - t[1] <= npos for t in mine)
+        if s.blocks is not None:  # inside one 512-position row, whose list row it names
+            assert all(t[1] // 512 == (t[2] - 1) // 512 and t[3] == t[1] // 512 - 700 // 512 for t in mine)
+        else:
+            assert all(t[3] == -1 for t in mine)
+    assert p.seqs.tolist() == [[0, 700, 2300, 0], [2300, 0, 1000, 40]]
+    # each (head, list row) points at that row's kept blocks in the concatenated indices
+    for h in range(2):
+        for r in range(a.n_rows):
+            lo, hi = p.rowptr[h, r].tolist()
+            assert torch.equal(p.indices[lo:hi], a.row(h, r))
+
+
+def test_plan_refuses_a_list_of_another_chunk():
+    b = fixed_fraction_blocks(2, 0, 1000, 0.5, bsp.BN, 256)
+    with pytest.raises(ValueError, match="does not match the chunk"):
+        bsp.plan([bsp.PrefillSeq(0, 0, 999, 0, b)], 4, 2, "cpu")
+    with pytest.raises(ValueError, match="does not fit"):
+        bsp.plan([bsp.PrefillSeq(0, 0, 10, 0, None)], bsp.tile_rows() + 1, 1, "cpu")
+
+
+def test_reference_is_blocked_prefill_on_dense_heads_and_the_window_on_streaming():
+    torch.manual_seed(0)
+    g, hkv, nd, d, start, n = 3, 3, 2, 16, 300, 400
+    L = start + n
+    q, k, v = torch.randn(n, hkv * g, d), torch.randn(L, hkv, d), torch.randn(L, hkv, d)
+    blocks = fixed_fraction_blocks(nd, start, L, 0.4, bsp.BN, 128, seed=2)
+    out = bsp.reference(q, k, v, start, nd, 0.25, blocks, sink=64, local=100)
+    want = blocked_prefill(q[:, : nd * g].transpose(0, 1), k[:, :nd].transpose(0, 1), v[:, :nd].transpose(0, 1),
+                           blocks, 0.25).transpose(0, 1)
+    assert torch.allclose(out[:, : nd * g], want, atol=1e-5)
+    # streaming head: position p sees keys t <= p with t < 64 or p - t < 100
+    p, hq = start + 250, nd * g  # a query of the streaming head's first query head
+    keys = [t for t in range(p + 1) if t < 64 or p - t < 100]
+    s = (k[keys, nd] @ q[250, hq]) * 0.25
+    assert torch.allclose(out[250, hq], torch.softmax(s, 0) @ v[keys, nd], atol=1e-5)
+    # every block kept = causal attention
+    full = bsp.reference(q, k, v, start, nd, 0.25, None)
+    sd = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :g].transpose(0, 1)[None], k[:, :1].transpose(0, 1)[None], v[:, :1].transpose(0, 1)[None],
+        attn_mask=torch.arange(L)[None, :] <= torch.arange(start, L)[:, None], scale=0.25)[0]
+    assert torch.allclose(full[:, :g], sd.transpose(0, 1), atol=1e-5)
+
+
+def test_fixed_fraction_blocks_keep_what_they_say():
+    b = fixed_fraction_blocks(3, 0, 32768, 0.2, 64, 2048, seed=3)
+    assert abs(b.kept_fraction() - 0.2) < 0.02
+    for r in range(b.n_rows):
+        rows = [b.row(h, r).tolist() for h in range(3)]
+        assert len({len(x) for x in rows}) == 1  # same count per head (the gathered path needs it)
+        rs, re = b.row_span(r)
+        for x in rows:
+            assert x == sorted(set(x)) and x[0] == 0 and x[-1] == (re - 1) // 64
+            assert set(range(max(0, rs // 64 - 1), (re - 1) // 64 + 1)) <= set(x)
