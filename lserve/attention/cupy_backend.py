@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lserve.attention import paged_prefill as bsp
 from lserve.attention.base import AttentionBackend
 from lserve.attention.block_sparse_prefill import sparse_prefill
 from lserve.attention.chunked import (
@@ -189,11 +190,14 @@ class CupyBackend(AttentionBackend):
         # keys written first (exact only unquantized); else past and chunk merged by LSE.
         self.flash = causal_impl(self.device, self.dtype, self.D) if self.dtype != torch.float32 else None
         self.one_call = self.flash is not None and self.kv_quant == "none"
+        # block lists go to the bsp kernel where its cost model says it is faster (None: never)
+        self.bsp_cost = bsp.PathCost() if bsp.supported(self.dtype, self.D) else None
         # Chunks of long prompts on this grid run cuDNN (chunked.chunk_impl); the engine aligns them.
         self.chunk_grid = chunk_grid(self.device, self.dtype, self.D)
         if self.chunk_grid % self.cache.page_size:  # the past's grid pieces are gathered by whole pages
             self.chunk_grid = 0
-        #: Dense-head attention calls of chunks with cached past, by kernel ("cudnn", "flash", "merge").
+        #: Dense-head attention calls of chunks with cached past, by kernel ("cudnn", "flash", "merge"),
+        #: and of block lists ("bsp": the paged_prefill kernel, "gathered": sparse_prefill).
         self.chunk_kernels: Counter = Counter()
 
     def chunk_align(self, prompt_tokens: int) -> int:
@@ -640,7 +644,12 @@ class CupyBackend(AttentionBackend):
                 kd = k[sl, :nd].transpose(0, 1)  # [Hd, n, D]
                 vd = v[sl, :nd].transpose(0, 1)
                 blocks = self.sparse_prefill_blocks(sp, qd, kd)
+                if blocks is not None and self.bsp_faster(blocks):  # dense heads read the step's rows
+                    p = bsp.plan([bsp.PrefillSeq(sp.t0, 0, sp.step.num_new, 0, blocks)], G, nd, self.device)
+                    bsp.run(q, k, v, out, p, nd, 0, nd, self.scale)
+                    continue
                 if blocks is not None:
+                    self.chunk_kernels["gathered"] += 1
                     o = sparse_prefill(qd, kd, vd, blocks, self.scale)
                 elif self.flash is not None and sp.step.num_new < CUDNN_MIN_TOKENS:
                     o = causal_attention(qd, kd, vd, self.scale)
@@ -652,6 +661,15 @@ class CupyBackend(AttentionBackend):
             self.prefill_kernel(q, k, v, out, st, head0=0, n_heads=nd * G, streaming=False)
         if hs:
             self.prefill_kernel(q, k, v, out, st, head0=nd * G, n_heads=hs * G, streaming=True)
+
+    def bsp_faster(self, blocks) -> bool:
+        """Whether :mod:`lserve.attention.paged_prefill`'s kernel runs this block list faster than
+        the gathered-cuDNN path (:attr:`bsp_cost`); counts the choice in :attr:`chunk_kernels`."""
+        ok = (self.bsp_cost is not None and blocks.block == bsp.BN
+              and self.bsp_cost.kernel_faster(blocks.attention_flops(self.group, self.D), blocks.n_rows))
+        if ok:
+            self.chunk_kernels["bsp"] += 1
+        return ok
 
     def prefill_cont(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      st: CupyStep) -> None:
@@ -675,6 +693,13 @@ class CupyBackend(AttentionBackend):
                         kd = torch.cat((kp, k[sl, :nd].transpose(0, 1)), 1)  # [Hd, start + n, D]
                         vd = torch.cat((vp, v[sl, :nd].transpose(0, 1)), 1)
                     blocks = self.sparse_prefill_blocks(sp, qd, kd)
+                    if self.one_call and self.bsp_faster(blocks):  # past and chunk read from the pool
+                        pool = self.cache.dense[layer]
+                        p = bsp.plan([bsp.PrefillSeq(sp.t0, start, sp.step.num_new, 0, blocks)], G, nd, self.device)
+                        bsp.run(q, k, v, out, p, nd, 0, nd, self.scale, pool=(pool.k, pool.v),
+                                pages=st.c_pages[off: off + npg])
+                        continue
+                    self.chunk_kernels["gathered"] += 1
                     out[sl, : nd * G] = sparse_prefill(qd, kd, vd, blocks, self.scale).transpose(0, 1)
                     continue
                 # cuDNN on the chunk grid (past and chunk merged by LSE: its plans repeat there),

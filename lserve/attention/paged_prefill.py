@@ -24,6 +24,31 @@ BN = 64  # key block of the kernel; block lists must use the same block
 MT, WARPS = 2, 4  # the tile shape kernels/bsp_prefill.cu ships with (16-row m-tiles per warp, warps)
 
 
+def supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Activations and head dims the kernel is built for (its accumulators fit registers to D 128)."""
+    return dtype in (torch.bfloat16, torch.float16) and head_dim in (64, 128)
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """Which path runs a block list faster: this kernel (time ~ FLOPs / ``kernel_rate``) or the
+    gathered-cuDNN path of :func:`lserve.attention.block_sparse_prefill.sparse_prefill` (FLOPs /
+    ``cudnn_rate`` plus ``row_cost`` seconds of gathers, launches and merge per query row).
+
+    Defaults fitted to one Llama-3-8B layer on the H200 (``benchmarks/bsp_prefill_h200.json``:
+    kernel 213-224 TFLOP/s on computed tiles; gathered 16.4-17 ms at 32k whatever the kept fraction,
+    45-90 ms at 128k for 10-50% kept): the kernel wins at every measured fraction at 32k, up to
+    ~20% kept at 128k and ~10% at 256k.
+    """
+
+    kernel_rate: float = 220e12
+    cudnn_rate: float = 600e12
+    row_cost: float = 0.6e-3
+
+    def kernel_faster(self, flops: float, n_rows: int) -> bool:
+        return flops / self.kernel_rate < flops / self.cudnn_rate + n_rows * self.row_cost
+
+
 def tile_rows(mt: int = MT, warps: int = WARPS) -> int:
     """Query rows ((position, query head) pairs) of one CTA."""
     return warps * 16 * mt
@@ -164,7 +189,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, n_d
     masks = []
     for h in range(hkv):
         if h < n_dense:
-            masks.append(blocks.token_mask()[h] if blocks is not None else causal)
+            masks.append(blocks.token_mask()[h].to(q.device) if blocks is not None else causal)
         else:
             masks.append(causal & ((kpos < sink) | (qpos - kpos < local)))
     mask = torch.stack(masks).repeat_interleave(g, 0)  # [H_q, n, L]

@@ -34,7 +34,6 @@ from lserve.attention import paged_prefill as bsp
 from lserve.attention.block_sparse_prefill import sparse_prefill
 from lserve.bench.kernels import median_events
 from lserve.bench.report import header, write_json
-from lserve.bench.sparse_prefill import computed_flops
 from lserve.plotting import pyplot
 from lserve.sparsity.prefill_blocks import fixed_fraction_blocks
 
@@ -145,7 +144,7 @@ def _row(context: int, fractions, variants, iters: int) -> dict:
     for frac in fractions:
         blocks = fixed_fraction_blocks(HD, 0, context, frac, bsp.BN, 2048, seed=1)
         r = {"target": frac, "kept_fraction": round(blocks.kept_fraction(), 4)}
-        fl = computed_flops(blocks, G, D)
+        fl = blocks.attention_flops(G, D)
         p = bsp.plan([bsp.PrefillSeq(0, 0, context, 0, blocks)], G, HD, "cuda", *best)
         r["bsp_dense_ms"] = median_events(lambda p=p: bsp.run(q, k, v, out, p, HD, 0, HD, scale, pool=pool,
                                                                pages=pages), iters)

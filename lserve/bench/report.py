@@ -35,7 +35,10 @@ def header() -> dict:
 
     prog = Path(sys.argv[0]).name
     prog = "lserve" if prog in ("__main__.py", "lserve") else prog  # python -m lserve ... is the lserve CLI
-    return {"command": " ".join(shlex.quote(a) for a in [prog, *sys.argv[1:]]),
+    command = " ".join(shlex.quote(a) for a in [prog, *sys.argv[1:]])
+    # a wrapper script names itself (scripts/gpu_run.sh sets it around the module it runs)
+    command = os.environ.get("LSERVE_BENCH_COMMAND", command)
+    return {"command": command,
             "device": device_name(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             # Other work on the machine skews CPU timings: keep the load next to the numbers.
             "load_average_1m": round(os.getloadavg()[0], 2)}

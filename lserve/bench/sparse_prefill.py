@@ -33,26 +33,12 @@ from lserve.attention.block_sparse_prefill import sparse_prefill
 from lserve.bench.kernels import LOCAL, median_events, prefill_backend, with_pages
 from lserve.bench.report import header, write_json
 from lserve.plotting import pyplot
-from lserve.sparsity.prefill_blocks import PrefillBlocks, prefill_blocks
+from lserve.sparsity.prefill_blocks import prefill_blocks
 
 CONTEXTS = (32768, 65536, 131072, 262144)
 TAUS = (0.75, 0.5, 0.25, 0.1)
 BLOCK, Q_BLOCK, STRIDE = 64, 2048, 16
 H, HKV, D, HD = 32, 8, 128, 4  # query heads, KV heads, head dim, dense KV heads
-
-
-def computed_flops(blocks: PrefillBlocks, group: int, d: int) -> float:
-    """Matmul FLOPs of the tiles :func:`sparse_prefill` computes (QK^T and PV, causal own span)."""
-    counts = (blocks.indptr[:, 1:] - blocks.indptr[:, :-1]).cpu()  # [H, R]
-    total = 0.0
-    for r in range(blocks.n_rows):
-        rs, re = blocks.row_span(r)
-        a = max(blocks.start, rs)
-        nq = re - a
-        n_past = int(counts[0, r]) - ((re - 1) // blocks.block - rs // blocks.block + 1)
-        keys = n_past * blocks.block + (a - rs)
-        total += group * nq * (keys + (nq + 1) / 2) * 4 * d
-    return total * counts.shape[0]
 
 
 def _row(context: int, taus, iters: int) -> dict:
@@ -83,7 +69,7 @@ def _row(context: int, taus, iters: int) -> dict:
         r["kept_fraction"] = round(blocks.kept_fraction(), 4)
         r["estimate_ms"] = median_events(
             lambda tau=tau: prefill_blocks(qd, kd, 0, BLOCK, scale, tau, "antidiagonal", STRIDE, Q_BLOCK), iters)
-        fl = computed_flops(blocks, G, D)
+        fl = blocks.attention_flops(G, D)
         for impl in ("flash", "cudnn"):
             torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -88,6 +88,20 @@ class PrefillBlocks:
         """Causal (query row, KV block) tiles of one head: the denominator of :meth:`kept_fraction`."""
         return sum((self.row_span(r)[1] - 1) // self.block + 1 for r in range(self.n_rows))
 
+    def attention_flops(self, group: int, head_dim: int) -> float:
+        """Matmul FLOPs (QK^T and PV) of the kept tiles over every head: the row's own span
+        causal (half), kept blocks before it whole. Reads ``indptr`` on the host."""
+        counts = (self.indptr[:, 1:] - self.indptr[:, :-1]).cpu()  # [H, R]
+        total = 0.0
+        for r in range(self.n_rows):
+            rs, re = self.row_span(r)
+            a = max(self.start, rs)
+            nq = re - a
+            own = (re - 1) // self.block - rs // self.block + 1
+            keys = (counts[:, r] - own).clamp(min=0).sum().item() * self.block + counts.shape[0] * (a - rs)
+            total += group * nq * (keys + counts.shape[0] * (nq + 1) / 2) * 4 * head_dim
+        return total
+
     def kept_fraction(self) -> float:
         """Kept tiles over causal tiles, over every head."""
         return self.indices.numel() / (self.causal_tiles() * self.indptr.shape[0])

@@ -86,6 +86,12 @@ def test_cupy_engine_prefill_sparsity(chunk, seed):
         print(f"n={d.numel() + 1} rel={rel:.4f} max={float((f - d).abs().max()):.4f} at {worst}")
         assert rel < 0.05, (rel, worst)
     assert full.backend.prefill_tiles[0] == full.backend.prefill_tiles[1] > 0
+    assert full.backend.chunk_kernels["bsp"] > 0  # short lists: the cost model picks the bsp kernel
+    gathered = _engine(loaded, 1.0, chunk=chunk)
+    gathered.backend.bsp_cost = None  # every list through the gathered-cuDNN path
+    for d, f in zip(prompt_lps(gathered), prompt_lps(full)):
+        assert float((f - d).norm() / (d - d.mean()).norm()) < 0.05
+    assert gathered.backend.chunk_kernels["bsp"] == 0 < gathered.backend.chunk_kernels["gathered"]
     params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in prompts]
     sparse = _engine(loaded, 0.8, chunk=chunk)
     outs = sparse.generate(prompts, params)
