@@ -64,9 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--adaptive-budgets", default=D["adaptive_budgets"],
                    help="per-layer decode budgets around the mean --token-budget: 'auto' (the model's shipped "
                         "calibration, see lserve calibrate-budgets), a calibration .json, or '' (off)")
-    s.add_argument("--prefill-sparsity", type=float, default=D["prefill_sparsity"],
+    s.add_argument("--prefill-sparsity", type=_prefill_tau, default=D["prefill_sparsity"],
                    help="dynamic block-sparse prefill of dense heads: estimated attention mass each query "
-                        "block keeps, in [0, 1] (0: off; torch and cupy backends)")
+                        "block keeps, in [0, 1] (0: off; torch and cupy backends), or 'auto': per-layer values "
+                        "calibrated for the model (lserve calibrate-prefill; off when none ships)")
     s.add_argument("--prefill-sparsity-min-len", type=int, default=D["prefill_sparsity_min_len"],
                    help="context (cached + chunk tokens) from which a prefill chunk is block-sparse "
                         "(-1: auto, from lserve bench profile-prefill-threshold's profile of this device)")
@@ -103,6 +104,19 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(f"[{m['prompt_tokens']} prompt + {m['completion_tokens']} generated tokens, "
               f"finish: {out.finish_reason}, ttft {m.get('ttft_s', 0):.2f}s]", file=sys.stderr)
     return 0
+
+
+def _prefill_tau(spec: str) -> float:
+    """``--prefill-sparsity``: a tau in [0, 1], or "auto" (-1: the model's calibrated per-layer taus)."""
+    if spec == "auto":
+        return -1.0
+    try:
+        tau = float(spec)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {spec!r}") from None
+    if not 0.0 <= tau <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {spec!r}")
+    return tau
 
 
 def _batched(spec: str) -> tuple[int, int] | None:

@@ -136,7 +136,8 @@ class SparsityConfig:
     prefill_sparsity : float
         Dynamic block-sparse prefill of dense heads (:mod:`lserve.sparsity.prefill_blocks`): the
         estimated attention mass each (KV head, query block) keeps, in [0, 1]; 0 is off, 1 keeps
-        every causal block.
+        every causal block; -1 (auto): per-layer values calibrated for the model (``lserve
+        calibrate-prefill``, :mod:`lserve.sparsity.prefill_calibration`), off without one.
     prefill_sparsity_min_len : int
         Context (cached + chunk tokens) from which a prefill chunk is block-sparse; -1 (auto):
         the length from which it paid on this device and model shape
@@ -182,8 +183,8 @@ class SparsityConfig:
         _check(self.dynamic_threshold >= -1,
                f"dynamic_threshold must be >= 0 (or -1: auto), got {self.dynamic_threshold}")
         _check(self.dense_layers >= 0, f"dense_layers must be >= 0, got {self.dense_layers}")
-        _check(0.0 <= self.prefill_sparsity <= 1.0,
-               f"prefill_sparsity must be in [0, 1] (0: off), got {self.prefill_sparsity}")
+        _check(0.0 <= self.prefill_sparsity <= 1.0 or self.prefill_sparsity == -1.0,
+               f"prefill_sparsity must be in [0, 1] (0: off) or -1 (auto), got {self.prefill_sparsity}")
         _check(self.prefill_sparsity_min_len >= -1,
                f"prefill_sparsity_min_len must be >= 0 (or -1: auto), got {self.prefill_sparsity_min_len}")
         _check(self.prefill_stride >= 1, f"prefill_stride must be >= 1, got {self.prefill_stride}")
@@ -337,8 +338,8 @@ class EngineConfig:
                 "sink": sp.sink_tokens, "local": sp.local_tokens, "dense_layers": sp.dense_layers,
                 "pattern_seed": sp.pattern_seed,
                 # block-sparse prefill changes later layers' K/V (only named when on: old hashes stay)
-                **({"prefill": [sp.prefill_sparsity, sp.prefill_sparsity_min_len, sp.prefill_block,
-                                sp.prefill_q_block, sp.prefill_estimator, sp.prefill_stride]} if sp.prefill_sparsity > 0 else {})}
+                **({"prefill": [sp.prefill_sparsity, sp.prefill_sparsity_min_len, sp.prefill_block, sp.prefill_q_block,
+                                sp.prefill_estimator, sp.prefill_stride]} if sp.prefill_sparsity != 0 else {})}
 
     def torch_dtype(self):
         """The activation/cache dtype: fp32 on CPU, bf16 on CUDA unless set."""

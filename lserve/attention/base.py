@@ -19,6 +19,7 @@ from lserve.sparsity.kv_read import KVReadMeter, ring_tokens, selected_tokens, s
 from lserve.sparsity.layer_select import resolve_select_layers
 from lserve.sparsity.plan import SeqPlan, SeqStep, StepPlan, StepPlanner
 from lserve.sparsity.prefill_blocks import PrefillBlocks, prefill_blocks
+from lserve.sparsity.prefill_calibration import resolve_layer_taus
 
 
 @dataclass
@@ -69,7 +70,10 @@ class AttentionBackend(ABC):
         self.layer_ratios = resolve_ratios(sparsity.adaptive_budgets, model.name, model.num_layers)
         if self.layer_ratios is not None and not self.supports_adaptive_budgets:
             raise ConfigError(f"adaptive_budgets runs on the torch and cupy backends only, not {self.name!r}")
-        if sparsity.prefill_sparsity > 0 and not self.supports_prefill_sparsity:
+        # Per-layer taus of prefill_sparsity "auto" (None: no calibration, or a fixed tau).
+        self.prefill_layer_taus, self.prefill_taus_source = resolve_layer_taus(
+            sparsity.prefill_sparsity, model.name, model.num_layers, model.num_kv_heads)
+        if sparsity.prefill_sparsity != 0 and not self.supports_prefill_sparsity:
             raise ConfigError(f"prefill_sparsity runs on the torch and cupy backends only, not {self.name!r}")
         #: Block-sparse prefill tiles: [kept, causal] over every dense KV head so far.
         self.prefill_tiles = [0, 0]
@@ -120,17 +124,22 @@ class AttentionBackend(ABC):
             return budget_pages
         return layer_pages(self.layer_ratios[layer], budget_pages, self.cache.page_size)
 
-    def prefill_tau(self, sp: SeqPlan) -> float:
-        """The estimated mass a prefill chunk's dense heads keep (0: the chunk runs dense): the
-        request's override, else the config, from ``prefill_sparsity_min_len`` tokens of context on."""
+    def prefill_tau(self, sp: SeqPlan, layer: int) -> float:
+        """The estimated mass a prefill chunk's dense heads keep in ``layer`` (0: the chunk runs
+        dense): the request's override, else the config ("auto": the layer's calibrated tau, a
+        layer calibrated to keep everything running dense), from ``prefill_sparsity_min_len``
+        tokens of context on."""
         tau = self.sp.request_prefill_sparsity(sp.step.prefill_sparsity)
+        if tau < 0:
+            taus = self.prefill_layer_taus
+            tau = taus[layer] if taus is not None and taus[layer] < 1.0 else 0.0
         return tau if sp.step.start + sp.step.num_new >= self.sp.prefill_sparsity_min_len else 0.0
 
-    def sparse_prefill_blocks(self, sp: SeqPlan, qd: torch.Tensor, kd: torch.Tensor) -> PrefillBlocks | None:
+    def sparse_prefill_blocks(self, sp: SeqPlan, layer: int, qd: torch.Tensor, kd: torch.Tensor) -> PrefillBlocks | None:
         """The dense heads' block list of a prefill chunk, or None where it runs dense
         (:meth:`prefill_tau`); rows holding the prompt's last ``prefill_q_block`` positions keep
         every causal tile. qd: [Hd*G, n, D] the chunk's queries; kd: [Hd, start + n, D]."""
-        tau = self.prefill_tau(sp)
+        tau = self.prefill_tau(sp, layer)
         if not tau:
             return None
         end = sp.step.prefill_end

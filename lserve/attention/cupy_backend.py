@@ -643,7 +643,7 @@ class CupyBackend(AttentionBackend):
                 qd = q[sl, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
                 kd = k[sl, :nd].transpose(0, 1)  # [Hd, n, D]
                 vd = v[sl, :nd].transpose(0, 1)
-                blocks = self.sparse_prefill_blocks(sp, qd, kd)
+                blocks = self.sparse_prefill_blocks(sp, layer, qd, kd)
                 if blocks is not None and self.bsp_faster(blocks):  # dense heads read the step's rows
                     p = bsp.plan([bsp.PrefillSeq(sp.t0, 0, sp.step.num_new, 0, blocks)], G, nd, self.device)
                     bsp.run(q, k, v, out, p, nd, 0, nd, self.scale)
@@ -685,14 +685,14 @@ class CupyBackend(AttentionBackend):
                 sl, start = slice(sp.t0, sp.t1), sp.step.start
                 pages = st.c_pages_long[off: off + npg]
                 qd = q[sl, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
-                if self.prefill_tau(sp):
+                if self.prefill_tau(sp, layer):
                     if self.one_call:  # the chunk's keys are in the pool already (attend)
                         kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new)
                     else:
                         kp, vp = self.cache.dense[layer].sequence_kv(pages, start)  # [Hd, start, D]
                         kd = torch.cat((kp, k[sl, :nd].transpose(0, 1)), 1)  # [Hd, start + n, D]
                         vd = torch.cat((vp, v[sl, :nd].transpose(0, 1)), 1)
-                    blocks = self.sparse_prefill_blocks(sp, qd, kd)
+                    blocks = self.sparse_prefill_blocks(sp, layer, qd, kd)
                     if self.one_call and self.bsp_faster(blocks):  # past and chunk read from the pool
                         pool = self.cache.dense[layer]
                         p = bsp.plan([bsp.PrefillSeq(sp.t0, start, sp.step.num_new, 0, blocks)], G, nd, self.device)

@@ -192,7 +192,7 @@ class TorchBackend(AttentionBackend):
                 kp, vp = self._dense_kv(layer, sp.pages[: -(-start // self.cache.page_size)], start)
                 kc, vc = torch.cat((kp, kc), 1), torch.cat((vp, vc), 1)
             qd = q[:, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
-            blocks = self.sparse_prefill_blocks(sp, qd, kc)
+            blocks = self.sparse_prefill_blocks(sp, layer, qd, kc)
             if blocks is not None:
                 out[:, : nd * G] = sparse_prefill(qd, kc, vc, blocks, self.scale).transpose(0, 1)
             else:

@@ -165,6 +165,12 @@ class LLMEngine:
         sp, self.prefill_threshold_source = resolve_prefill_min_len(config.sparsity, config.device, mc, dtype)
         self.cache = build_cache(config, mc, self.layout, dtype)
         self.backend = make_backend(config.backend, mc, sp, self.cache)
+        if sp.prefill_sparsity < 0:  # auto: say which taus are in effect
+            if self.backend.prefill_taus_source is None:
+                log.warning("prefill_sparsity auto: no prefill calibration ships for model %r; block-sparse "
+                            "prefill is off (lserve calibrate-prefill makes one)", mc.name)
+            else:
+                log.info("prefill_sparsity auto: per-layer taus from %s", self.backend.prefill_taus_source)
         self.threshold_source = None
         if sp.dynamic_threshold < 0:  # auto: the profile of this device and model shape, if any
             found = lookup_ratio(profile_key(config.device, mc, dtype))
@@ -244,7 +250,7 @@ class LLMEngine:
           the step budget says (the backend runs an off-grid chunk through flash).
         """
         sp = self.config.sparsity
-        if sp.request_prefill_sparsity(seq.params.prefill_sparsity) > 0:
+        if sp.request_prefill_sparsity(seq.params.prefill_sparsity) != 0:
             return sp.prefill_q_block
         return 0 if decoding else self.backend.chunk_align(len(seq.prompt_ids))
 

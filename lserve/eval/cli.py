@@ -55,6 +55,22 @@ def cmd_calibrate_selection(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate_prefill(a: argparse.Namespace) -> int:
+    from lserve.sparsity.prefill_calibration import PrefillCalibrationConfig, calibrate_prefill
+
+    _threads(a.threads, a.device)
+    cfg = PrefillCalibrationConfig(model=a.model, out=a.out, tasks=tuple(a.tasks), contexts=tuple(a.contexts),
+                                   depths=tuple(a.depths), samples=a.samples, seed=a.seed, target_mass=a.target_mass,
+                                   pattern=None if a.pattern == "none" else a.pattern,
+                                   static_sparsity=a.static_sparsity, device=a.device, dtype=a.dtype)
+    r = calibrate_prefill(cfg, progress=not a.quiet)
+    print("layer  tau   per KV head (dense ones starred)")
+    for i, (t, hts, dense) in enumerate(zip(r["layer_taus"], r["head_taus"], r["dense_heads"])):
+        print(f"{i:>5}  {t:<5g} " + " ".join(f"{x:g}{'*' if h in dense else ''}" for h, x in enumerate(hts)))
+    print(f"wrote {r['path']} (target mass {a.target_mass}, {r['prompts']} prompts, {r['seconds']} s)")
+    return 0
+
+
 def cmd_calibrate_budgets(a: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -217,6 +233,30 @@ def register(sub) -> None:
     k.add_argument("--threads", type=int, default=2, help="CPU threads (0: torch's default)")
     k.add_argument("--quiet", action="store_true", help="no progress bar")
     k.set_defaults(func=cmd_calibrate_selection)
+
+    kp = sub.add_parser("calibrate-prefill", help="per-layer thresholds of block-sparse prefill "
+                                                  "(--prefill-sparsity auto)",
+                        description="Prefill generated prompts densely, score each layer's key blocks with the "
+                                    "engine's estimator and find, per KV head, the smallest tau whose kept tiles "
+                                    "hold >= TARGET of the exact attention mass on every prompt; a layer's tau is "
+                                    "the largest over its dense heads. Writes the JSON --prefill-sparsity auto reads.")
+    kp.add_argument("--model", default="default")
+    kp.add_argument("--out", default=None, help="output JSON (default: prefill_taus.json beside the model's "
+                                                "shipped pattern)")
+    kp.add_argument("--tasks", nargs="+", default=["passkey", "niah"],
+                    choices=["passkey", "niah", "niah-multikey", "niah-multivalue", "vt", "cwe"])
+    kp.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
+    kp.add_argument("--depths", type=float, nargs="+", default=[0.5])
+    kp.add_argument("--samples", type=int, default=1, help="prompts per (task, context, depth)")
+    kp.add_argument("--seed", type=int, default=200, help="prompt seed (default: not one `lserve eval` uses)")
+    kp.add_argument("--target-mass", type=float, default=0.95, help="exact mass each dense head must keep")
+    kp.add_argument("--pattern", default="auto", help="head pattern deciding which heads are dense ('none': all)")
+    kp.add_argument("--static-sparsity", type=float, default=0.5)
+    kp.add_argument("--device", default="cpu")
+    kp.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    kp.add_argument("--threads", type=int, default=2, help="CPU threads (0: torch's default)")
+    kp.add_argument("--quiet", action="store_true", help="no progress lines")
+    kp.set_defaults(func=cmd_calibrate_prefill)
 
     cb = sub.add_parser("calibrate-budgets", help="per-layer decode budgets from a selection-mass report",
                         description="Split a mean token budget across layers from the mass curves of `lserve bench "

@@ -1,0 +1,95 @@
+"""Per-layer block-sparse prefill thresholds: ``lserve calibrate-prefill`` and ``--prefill-sparsity auto``."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from lserve.cli import main
+from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.engine import LLMEngine, SamplingParams
+from lserve.models.loader import load_model
+from lserve.sparsity.prefill_calibration import (
+    CALIBRATION_KIND,
+    TAU_GRID,
+    choose_taus,
+    default_calibration_for,
+    load_layer_taus,
+)
+
+
+def test_choose_taus_takes_the_smallest_tau_that_holds_on_every_prompt():
+    grid = (0.5, 0.9, 1.0)
+    curves = torch.tensor([[[0.90, 0.80], [0.96, 0.90], [1.0, 1.0]],     # prompt 1: [tau, head]
+                           [[0.97, 0.99], [0.94, 0.99], [1.0, 1.0]]])   # prompt 2
+    # head 0 reaches 0.95 on both prompts only at tau 1.0 (0.94 at 0.9 on prompt 2); head 1 at 1.0 too
+    assert choose_taus(curves, 0.95, grid) == [1.0, 1.0]
+    assert choose_taus(curves, 0.9, grid) == [0.5, 0.9]  # head 0: 0.90 and 0.97 at tau 0.5
+    assert choose_taus(curves, 0.8, grid) == [0.5, 0.5]
+
+
+def test_calibrate_prefill_cli_writes_taus_the_engine_refuses_for_another_model(tmp_path, capsys):
+    out = tmp_path / "taus.json"
+    rc = main(["calibrate-prefill", "--model", "tiny", "--contexts", "4500", "--tasks", "passkey", "--pattern",
+               "none", "--target-mass", "0.9", "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    tiny = load_model("tiny").config
+    assert data["kind"] == CALIBRATION_KIND and data["num_layers"] == tiny.num_layers
+    assert len(data["layer_taus"]) == tiny.num_layers and all(t in TAU_GRID for t in data["layer_taus"])
+    assert [max(h) for h in data["head_taus"]] == data["layer_taus"]  # every head dense (--pattern none)
+    # the chosen tau holds the target on the worst prompt, the grid step below it does not
+    for layer, taus in enumerate(data["head_taus"]):
+        for h, t in enumerate(taus):
+            i = TAU_GRID.index(t)
+            assert data["worst_mass"][layer][i][h] >= 0.9
+            assert i == 0 or data["worst_mass"][layer][i - 1][h] < 0.9
+    assert "wrote" in capsys.readouterr().out
+    assert load_layer_taus(out, tiny.num_layers, tiny.num_kv_heads) == tuple(data["layer_taus"])
+    with pytest.raises(ConfigError, match=f"is for {tiny.num_layers} layers"):
+        load_layer_taus(out, tiny.num_layers + 1, tiny.num_kv_heads)
+
+
+def test_cli_prefill_sparsity_takes_auto_or_a_tau(capsys):
+    assert main(["generate", "hi", "--model", "tiny", "--max-tokens", "1", "--prefill-sparsity", "auto"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--model", "tiny", "--prefill-sparsity", "1.5"])
+    assert e.value.code == 2 and "expected a number in [0, 1] or 'auto'" in capsys.readouterr().err
+
+
+def test_auto_without_a_calibration_is_off_and_says_so(caplog):
+    loaded = load_model("tiny")
+    with caplog.at_level(logging.WARNING):
+        eng = LLMEngine(EngineConfig(model="tiny", sparsity=SparsityConfig(pattern=None, token_budget=0,
+                                                                           prefill_sparsity=-1.0)), loaded)
+    assert eng.backend.prefill_layer_taus is None
+    assert "no prefill calibration ships" in caplog.text
+
+
+@pytest.mark.skipif(default_calibration_for("default") is None, reason="no shipped prefill calibration")
+def test_auto_uses_the_shipped_per_layer_taus():
+    """The default model's shipped calibration gives each layer its own tau: the engine keeps the
+    layers' tiles by their own thresholds (fewer kept tiles than every layer at the largest tau)."""
+    shipped = json.loads(default_calibration_for("default").read_text())
+    loaded = load_model("default")
+    mc = loaded.config
+    assert load_layer_taus(default_calibration_for("default"), mc.num_layers, mc.num_kv_heads) == tuple(
+        shipped["layer_taus"])
+    prompt = list(range(100, 100 + 1600))
+
+    def kept(tau):
+        sp = SparsityConfig(pattern="auto", token_budget=0, prefill_sparsity=tau, prefill_sparsity_min_len=256,
+                            prefill_q_block=256)
+        eng = LLMEngine(EngineConfig(model="default", sparsity=sp, cache=CacheConfig(max_tokens=2048),
+                                     max_batched_tokens=2048, prefix_cache=False), loaded)
+        eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        return eng, eng.backend.prefill_tiles
+
+    eng, (auto_kept, causal) = kept(-1.0)
+    assert eng.backend.prefill_layer_taus == tuple(shipped["layer_taus"])
+    assert 0 < auto_kept < causal
+    top = max(t for t in shipped["layer_taus"] if t < 1.0)
+    _, (top_kept, _) = kept(top)
+    if min(shipped["layer_taus"]) < top:
+        assert auto_kept < top_kept
