@@ -63,7 +63,7 @@ def run_prefill_sparsity(out_dir: str, contexts=CONTEXTS, taus=TAUS, block: int 
 
     from lserve.bench.report import header, write_json
     from lserve.config import CacheConfig, EngineConfig
-    from lserve.engine import LLMEngine, SamplingParams
+    from lserve.engine import LLMEngine
     from lserve.eval.tasks import make_passkey_case
     from lserve.models.loader import load_model
     from lserve.sparsity.prefill_blocks import (
@@ -73,6 +73,7 @@ def run_prefill_sparsity(out_dir: str, contexts=CONTEXTS, taus=TAUS, block: int 
         recalled_mass,
         select_blocks,
     )
+    from lserve.sparsity.prefill_calibration import capture_prefill_qk
 
     if q_block % block or block % stride:
         raise ValueError(f"need q_block % block == 0 and block % stride == 0, got {q_block}, {block}, {stride}")
@@ -88,26 +89,14 @@ def run_prefill_sparsity(out_dir: str, contexts=CONTEXTS, taus=TAUS, block: int 
         eng = LLMEngine(EngineConfig(model=model, sparsity=SparsityConfig(pattern=None, token_budget=0),
                                      cache=CacheConfig(max_tokens=max_len), max_num_seqs=1,
                                      max_batched_tokens=max_len, max_model_len=max_len), loaded)
-        captured = {}
-        orig = eng.backend.run
-
-        def run(layer, q, k, v, plan, _orig=orig, _cap=captured):
-            if q.shape[0] > 1:  # the prefill
-                _cap.setdefault(layer, []).append((q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous()))
-            return _orig(layer, q, k, v, plan)
-
-        eng.backend.run = run
-        eng.generate([case.prompt_ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        try:
+            captured = capture_prefill_qk(eng, case.prompt_ids)
+        except RuntimeError as e:  # the masses assume the whole prompt in one chunk from position 0
+            raise RuntimeError(f"context {ctx}: {e}") from None
         del eng
-        n = len(case.prompt_ids)
-        # The masses assume the whole prompt in one chunk from position 0 (a chunked prefill would
-        # leave only a chunk's queries here).
-        if sorted(captured) != list(range(mc.num_layers)) or any(
-                len(c) != 1 or c[0][0].shape[1] != n or c[0][1].shape[1] != n for c in captured.values()):
-            raise RuntimeError(f"context {ctx}: the {n}-token prompt was not prefilled in one chunk")
         for layer in sorted(captured):
             tl = time.perf_counter()
-            q, k = captured.pop(layer)[0]  # [Hq, L, D], [Hkv, L, D]
+            q, k = captured.pop(layer)  # [Hq, L, D], [Hkv, L, D]
             L, hkv = k.shape[1], k.shape[0]
             exact_q = estimate_masses(q, k, 0, block, scale, "oracle", stride, q_block)  # [Hq, R, nkb]
             exact = combine_group(exact_q, g)  # [Hkv, R, nkb]
