@@ -37,10 +37,14 @@ FAMILIES = {
     "selector_tc": ("selector_tc.cu", ("ls_page_scores_tc",)),  # page scores on tensor cores
     "prefill": ("prefill.cu", ("ls_prefill",)),
     "bsp_prefill": ("bsp_prefill.cu", ("ls_bsp_prefill",)),  # block-sparse prefill over paged KV
+    "bsp_prefill_wg": ("bsp_prefill_wg.cu", ("ls_bsp_prefill_wg",)),  # the same on Hopper wgmma (sm_90a)
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }
-TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "decode_tc", "selector_tc")
+TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "bsp_prefill_wg", "decode_tc", "selector_tc")
+# Families built for sm_90a exactly (architecture-specific instructions: wgmma); NVRTC is asked for
+# that target directly, since CuPy's RawModule picks the plain compute capability.
+SM90A_FAMILIES = ("bsp_prefill_wg",)
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
 QUANTS = {"none": 0, "int8": 1, "int4": 2}
 HEAD_DIMS = (64, 128, 256)
@@ -113,11 +117,50 @@ def options_of(variant: Variant) -> tuple[str, ...]:
     return BASE_OPTIONS + (f"-I{KERNEL_DIR}",) + variant.defines()
 
 
+def _load_sm90a(variant: Variant):
+    """NVRTC with ``-arch=sm_90a`` (a cubin; else PTX for the driver to finish), written under
+    ``$LSERVE_CACHE_DIR/kernels`` (named by a hash of source and options) and loaded from there as
+    a ``cupy.RawModule``."""
+    import hashlib
+    import os
+
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+
+    cc = cupy.cuda.Device().compute_capability
+    if cc != "90":
+        raise KernelError(f"the {variant.family} kernel needs an sm_90 GPU (Hopper), this one is sm_{cc}")
+    src, opts = source_of(variant.family), options_of(variant)
+    key = hashlib.sha1((src + "\0".join(opts)).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("LSERVE_CACHE_DIR", Path.home() / ".cache" / "lserve")) / "kernels"
+    errors = []
+    for arch, getter, suffix in (("sm_90a", "getCUBIN", "cubin"), ("compute_90a", "getPTX", "ptx")):
+        path = folder / f"{variant.family}-{key}.{suffix}"
+        if not path.is_file():
+            prog = nvrtc.createProgram(src, f"{variant.family}.cu", (), ())
+            try:
+                nvrtc.compileProgram(prog, [*opts, f"-arch={arch}"])
+                code = getattr(nvrtc, getter)(prog)
+            except Exception as e:  # keep NVRTC's log, which names file:line
+                errors.append(f"{arch}: {e}\n{nvrtc.getProgramLog(prog)}")
+                continue
+            finally:
+                nvrtc.destroyProgram(prog)
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(code if isinstance(code, bytes) else code.encode())
+            tmp.replace(path)
+        return cupy.RawModule(path=str(path))
+    raise KernelError(f"compiling {variant} for sm_90a:\n" + "\n".join(errors))
+
+
 @functools.lru_cache(maxsize=512)
 def load_module(variant: Variant):
     """Compile (once per process and variant) and return the ``cupy.RawModule``."""
     import cupy
 
+    if variant.family in SM90A_FAMILIES:
+        return _load_sm90a(variant)
     try:
         mod = cupy.RawModule(code=source_of(variant.family), options=options_of(variant), backend="nvrtc")
         mod.compile()
@@ -215,6 +258,7 @@ def all_variants() -> list[Variant]:
             if dt != "fp32":
                 out.append(Variant("prefill", dt, d))
                 out.append(Variant("bsp_prefill", dt, d))
+                out.append(Variant("bsp_prefill_wg", dt, d))
             out.append(Variant("fused", dt, d))
     return out
 
@@ -226,7 +270,8 @@ def nvcc_check(arch: str = "sm_90", variants: list[Variant] | None = None, verbo
         for var in variants or all_variants():
             src = Path(tmp) / f"{var.family}.cu"
             src.write_text(source_of(var.family))
-            cmd = ["nvcc", f"-arch={arch}", "-cubin", "-o", str(Path(tmp) / "out.cubin"), "-Xptxas", "-v",
+            target = "sm_90a" if var.family in SM90A_FAMILIES else arch
+            cmd = ["nvcc", f"-arch={target}", "-cubin", "-o", str(Path(tmp) / "out.cubin"), "-Xptxas", "-v",
                    *options_of(var), str(src)]
             res = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in res.stderr.splitlines() if "registers" in ln or "spill" in ln or "error" in ln]

@@ -12,7 +12,7 @@ def test_tiles_cover_each_query_once_inside_rows_heaviest_first():
     a = fixed_fraction_blocks(2, 700, 3000, 0.4, bsp.BN, 512, seed=1)
     seqs = [bsp.PrefillSeq(0, 700, 2300, 0, a), bsp.PrefillSeq(2300, 0, 1000, 40, None)]
     p = bsp.plan(seqs, group=7, n_dense=2, device="cpu")
-    npos = bsp.tile_rows() // 7
+    npos = bsp.MMA.rows // 7
     tiles = p.tiles.tolist()
     assert [t[2] for t in tiles] == sorted((t[2] for t in tiles), reverse=True)
     for i, s in enumerate(seqs):
@@ -37,7 +37,7 @@ def test_plan_refuses_a_list_of_another_chunk():
     with pytest.raises(ValueError, match="does not match the chunk"):
         bsp.plan([bsp.PrefillSeq(0, 0, 999, 0, b)], 4, 2, "cpu")
     with pytest.raises(ValueError, match="does not fit"):
-        bsp.plan([bsp.PrefillSeq(0, 0, 10, 0, None)], bsp.tile_rows() + 1, 1, "cpu")
+        bsp.plan([bsp.PrefillSeq(0, 0, 10, 0, None)], bsp.MMA.rows + 1, 1, "cpu")
 
 
 def test_reference_is_blocked_prefill_on_dense_heads_and_the_window_on_streaming():

@@ -20,8 +20,51 @@ import torch
 
 from lserve.sparsity.prefill_blocks import PrefillBlocks
 
-BN = 64  # key block of the kernel; block lists must use the same block
-MT, WARPS = 2, 4  # the tile shape kernels/bsp_prefill.cu ships with (16-row m-tiles per warp, warps)
+BN = 64  # key block of the kernels; block lists must use the same block
+
+
+@dataclass(frozen=True)
+class TileShape:
+    """Which kernel runs a launch and with what CTA shape.
+
+    ``impl`` "mma": ``kernels/bsp_prefill.cu`` (mma.sync; any sm_80+ GPU), ``mt`` 16-row m-tiles
+    per warp; "wg": ``kernels/bsp_prefill_wg.cu`` (Hopper warpgroup MMA, sm_90a), ``warps / 4``
+    warpgroups of 64 rows (``mt`` 1).
+    """
+
+    impl: str = "mma"
+    mt: int = 2
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        ok = self.impl == "mma" or (self.impl == "wg" and self.mt == 1 and self.warps % 4 == 0)
+        if not ok or self.mt < 1 or self.warps < 1:
+            raise ValueError(f"bad tile shape {self}")
+
+    @property
+    def rows(self) -> int:
+        """Query rows ((position, query head) pairs) of one CTA."""
+        return self.warps * 16 * self.mt
+
+    @property
+    def name(self) -> str:
+        return f"{self.impl}_mt{self.mt}_w{self.warps}"
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory of one CTA: the Q tile and two stages of K and V blocks."""
+        if self.impl == "wg":
+            return 4 * BN * head_dim * 2 + self.rows * (head_dim + 8) * 2
+        return (self.rows + 4 * BN) * (head_dim + 8) * 2
+
+    def variant(self, dtype: str, head_dim: int):
+        from lserve.kernels.loader import Variant
+
+        if self.impl == "wg":
+            return Variant("bsp_prefill_wg", dtype, head_dim, tuning=(f"LS_BSP_WG={self.warps // 4}",))
+        return Variant("bsp_prefill", dtype, head_dim, tuning=(f"LS_BSP_MT={self.mt}", f"LS_BSP_WARPS={self.warps}"))
+
+
+MMA = TileShape()  # the measured default (benchmarks/bsp_prefill_h200.json)
 
 
 def supported(dtype: torch.dtype, head_dim: int) -> bool:
@@ -47,16 +90,6 @@ class PathCost:
 
     def kernel_faster(self, flops: float, n_rows: int) -> bool:
         return flops / self.kernel_rate < flops / self.cudnn_rate + n_rows * self.row_cost
-
-
-def tile_rows(mt: int = MT, warps: int = WARPS) -> int:
-    """Query rows ((position, query head) pairs) of one CTA."""
-    return warps * 16 * mt
-
-
-def smem_bytes(head_dim: int, mt: int = MT, warps: int = WARPS) -> int:
-    """Dynamic shared memory of one CTA: the Q tile and two stages of K and V blocks."""
-    return (tile_rows(mt, warps) + 4 * BN) * (head_dim + 8) * 2
 
 
 @dataclass
@@ -94,8 +127,7 @@ class BspPlan:
     indices: torch.Tensor | None  # int32 kept block ids
     n_rows: int
     group: int
-    mt: int = MT
-    warps: int = WARPS
+    shape: TileShape = MMA
 
     @property
     def n_tiles(self) -> int:
@@ -103,12 +135,12 @@ class BspPlan:
 
 
 def plan(seqs: list[PrefillSeq], group: int, n_dense: int, device: torch.device | str,
-         mt: int = MT, warps: int = WARPS) -> BspPlan:
-    """Cut every sequence's queries into tiles of ``tile_rows() // group`` positions that never
+         shape: TileShape = MMA) -> BspPlan:
+    """Cut every sequence's queries into tiles of ``shape.rows // group`` positions that never
     straddle a block-list row, heaviest (latest) tiles first, and concatenate the block lists."""
-    npos = tile_rows(mt, warps) // group
+    npos = shape.rows // group
     if npos < 1:
-        raise ValueError(f"a GQA group of {group} does not fit a tile of {tile_rows(mt, warps)} rows")
+        raise ValueError(f"a GQA group of {group} does not fit a tile of {shape.rows} rows")
     tiles, rowptrs, idx = [], [], []
     n_rows = nnz = 0
     for i, s in enumerate(seqs):
@@ -132,7 +164,7 @@ def plan(seqs: list[PrefillSeq], group: int, n_dense: int, device: torch.device 
     seq_t = torch.tensor([[s.t0, s.start, s.n_new, s.page_off] for s in seqs], dtype=torch.int32)
     tile_t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 4)
     return BspPlan(tile_t.to(device), seq_t.to(device), torch.cat(rowptrs, 1) if rowptrs else None,
-                   torch.cat(idx) if idx else None, n_rows, group, mt, warps)
+                   torch.cat(idx) if idx else None, n_rows, group, shape)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p: BspPlan, n_dense: int,
@@ -154,22 +186,22 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
         Dense K and V pools [P, n_dense, page_size, D]; ``pages`` int32 holds each sequence's pages
         from its ``page_off``.
     """
-    from lserve.kernels.loader import Variant, f32, get_kernel, i32, i64, launch, ptr
+    from lserve.kernels.loader import FAMILIES, f32, get_kernel, i32, i64, launch, ptr
 
     d = q.shape[-1]
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype)
     if dtype is None:
         raise ValueError(f"bsp_prefill runs bf16/fp16 activations, got {q.dtype}")
-    tuning = () if (p.mt, p.warps) == (MT, WARPS) else (f"LS_BSP_MT={p.mt}", f"LS_BSP_WARPS={p.warps}")
-    kern = get_kernel(Variant("bsp_prefill", dtype, d, tuning=tuning), "ls_bsp_prefill")
+    var = p.shape.variant(dtype, d)
+    kern = get_kernel(var, FAMILIES[var.family][1][0])
     pk, pv = pool if pool is not None else (None, None)
     pool_heads, page_size = (pk.shape[1], pk.shape[2]) if pk is not None else (0, 1)
-    launch(kern, (p.n_tiles, n_heads), (32 * p.warps,),
+    launch(kern, (p.n_tiles, n_heads), (32 * p.shape.warps,),
            (ptr(q), i64(q.stride(0)), ptr(out), i64(out.stride(0)), ptr(k), ptr(v), i64(k.stride(0)),
             ptr(pk), ptr(pv), i32(pool_heads), i32(page_size), ptr(pages), ptr(p.tiles), ptr(p.seqs),
             ptr(p.rowptr), ptr(p.indices), i32(p.n_rows), i32(head0), i32(n_dense), i32(p.group),
             i32(sink), i32(local), f32(scale * 1.4426950408889634)),
-           shared_mem=smem_bytes(d, p.mt, p.warps))
+           shared_mem=p.shape.smem_bytes(d))
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, n_dense: int, scale: float,

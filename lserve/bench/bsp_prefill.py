@@ -39,7 +39,8 @@ from lserve.sparsity.prefill_blocks import fixed_fraction_blocks
 
 CONTEXTS = (32768, 131072, 262144)
 FRACTIONS = (0.1, 0.2, 0.3, 0.5)
-VARIANTS = ((2, 4), (1, 8), (1, 4))  # (16-row m-tiles per warp, warps)
+VARIANTS = (bsp.TileShape("mma", 2, 4), bsp.TileShape("mma", 1, 8), bsp.TileShape("wg", 1, 8),
+            bsp.TileShape("wg", 1, 4))
 H, HKV, D, HD, SINK, LOCAL = 32, 8, 128, 4, 128, 256
 TOL = 2e-2
 
@@ -71,7 +72,7 @@ def _case(name: str, group: int, d: int, hkv: int, n_dense: int, start: int, n: 
     blocks = fixed_fraction_blocks(n_dense, start, L, frac, bsp.BN, q_block, seed) if frac is not None else None
     streaming = start == 0
     scale = d ** -0.5
-    p = bsp.plan([bsp.PrefillSeq(0, start, n, 0, blocks)], group, n_dense, dev, *variant)
+    p = bsp.plan([bsp.PrefillSeq(0, start, n, 0, blocks)], group, n_dense, dev, variant)
     out = torch.full_like(q, float("nan"))
     kn, vn = k[start:], v[start:]  # the step's own rows
     heads = hkv if streaming else n_dense
@@ -83,7 +84,7 @@ def _case(name: str, group: int, d: int, hkv: int, n_dense: int, start: int, n: 
     err = float((got - ref).abs().max() / ref.abs().max()) if not got.isnan().any() else float("nan")
     return {"case": name, "group": group, "head_dim": d, "kv_heads": hkv, "dense_kv_heads": n_dense, "start": start,
             "new": n, "page_size": page, "kept_fraction": None if blocks is None else round(blocks.kept_fraction(), 3),
-            "variant": list(variant), "max_rel_err": round(err, 5), "ok": err < TOL}
+            "variant": variant.name, "max_rel_err": round(err, 5), "ok": err < TOL}
 
 
 def parity(variants=VARIANTS, seed: int = 0) -> list[dict]:
@@ -131,13 +132,14 @@ def _row(context: int, fractions, variants, iters: int) -> dict:
     seq = [bsp.PrefillSeq(0, 0, context, 0, None)]
     row["variants"] = {}
     for var in variants:
-        p = bsp.plan(seq, G, HD, "cuda", *var)
+        p = bsp.plan(seq, G, HD, "cuda", var)
         ms = median_events(lambda p=p: bsp.run(q, k, v, out, p, HD, 0, HD, scale, pool=pool, pages=pages), iters)
         tf = _flops_dense(HD * G, context) / (ms * 1e-3) / 1e12
-        row["variants"][f"mt{var[0]}_w{var[1]}"] = {"dense_ms": ms, "tflops": tf, "vs_cudnn": tf / peer}
-    best = min(variants, key=lambda var: row["variants"][f"mt{var[0]}_w{var[1]}"]["dense_ms"])
-    row["best_variant"] = list(best)
-    p_all = bsp.plan(seq, G, HD, "cuda", *best)
+        row["variants"][var.name] = {"dense_ms": ms, "tflops": tf, "vs_cudnn": tf / peer}
+        print(f"  {context} {var.name}: {ms:.2f} ms, {tf:.0f} TF/s", file=sys.stderr, flush=True)
+    best = min(variants, key=lambda var: row["variants"][var.name]["dense_ms"])
+    row["best_variant"] = best.name
+    p_all = bsp.plan(seq, G, HD, "cuda", best)
     row["streaming_ms"] = median_events(lambda: bsp.run(q, k, v, out, p_all, HD, HD, HKV - HD, scale, SINK, LOCAL),
                                         iters)
     row["fractions"] = []
@@ -145,7 +147,7 @@ def _row(context: int, fractions, variants, iters: int) -> dict:
         blocks = fixed_fraction_blocks(HD, 0, context, frac, bsp.BN, 2048, seed=1)
         r = {"target": frac, "kept_fraction": round(blocks.kept_fraction(), 4)}
         fl = blocks.attention_flops(G, D)
-        p = bsp.plan([bsp.PrefillSeq(0, 0, context, 0, blocks)], G, HD, "cuda", *best)
+        p = bsp.plan([bsp.PrefillSeq(0, 0, context, 0, blocks)], G, HD, "cuda", best)
         r["bsp_dense_ms"] = median_events(lambda p=p: bsp.run(q, k, v, out, p, HD, 0, HD, scale, pool=pool,
                                                                pages=pages), iters)
         r["bsp_tflops"] = fl / (r["bsp_dense_ms"] * 1e-3) / 1e12
@@ -200,7 +202,7 @@ def run(out_dir: str, contexts=CONTEXTS, fractions=FRACTIONS, variants=VARIANTS,
         bad = [c for c in report["parity"] if not c["ok"]]
         if bad:
             print(f"PARITY FAILED in {len(bad)} cases: {[(c['case'], c['variant']) for c in bad]}", flush=True)
-            ok_vars = [v for v in variants if not any(c["variant"] == list(v) for c in bad)]
+            ok_vars = [v for v in variants if not any(c["variant"] == v.name for c in bad)]
             if not ok_vars:
                 return report
             variants = tuple(ok_vars)

@@ -3,14 +3,17 @@ poisoned with NaN): groups 1/4/5/7/8, head dims 64/128, page sizes 16/32/64, rag
 with cached past, dense and streaming heads in one launch, block lists and every block kept."""
 
 import pytest
+import torch
 
 from lserve.bench.bsp_prefill import TOL, VARIANTS, parity
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_bsp_prefill_matches_reference(variant, seed):
+    if variant.impl == "wg" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA kernel: sm_90 only")
     cases = parity((variant,), seed)
     bad = [(c["case"], c["max_rel_err"]) for c in cases if not c["ok"]]
     assert len(cases) == 8 and not bad, f"max rel err above {TOL}: {bad}"
