@@ -39,37 +39,85 @@
 #define QCH (D / 8)  // 16-byte chunks per row
 
 #include "mma.cuh"
-#include "bsp_tile.cuh"
 
-extern "C" __global__ void __launch_bounds__(NTHREADS) ls_bsp_prefill(BSP_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+ls_bsp_prefill(const act_t* __restrict__ q, i64 q_tok_stride,         // [T, Hq, D]
+               act_t* __restrict__ out, i64 out_tok_stride,           // [T, Hq, D]
+               const act_t* __restrict__ k, const act_t* __restrict__ v, i64 kv_tok_stride,  // [T, Hkv, D]
+               const act_t* __restrict__ pool_k, const act_t* __restrict__ pool_v,  // [P, pool_heads, NP, D]
+               int pool_heads, int page_size, const int* __restrict__ pages,
+               const int* __restrict__ tiles,    // [n_tiles, 4]: sequence, q0, q1 (absolute), list row or -1
+               const int* __restrict__ seqs,     // [n_seq, 4]: t0 (first step row), start, n_new, page_off
+               const int* __restrict__ rowptr,   // [n_dense, n_rows, 2]: (first, end) into indices, or null
+               const int* __restrict__ indices,  // kept KV block ids, ascending within a row
+               int n_rows, int head0, int n_dense, int group, int sink, int local, float qscale) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);  // [BM][ROWP]
     u16* sK = sQ + BM * ROWP;                    // [2][BN][ROWP]
     u16* sV = sK + 2 * BN * ROWP;                // [2][BN][ROWP]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const BspTile tile(q, q_tok_stride, out, out_tok_stride, k, v, kv_tok_stride, pool_k, pool_v, pool_heads,
-                       page_size, pages, tiles, seqs, rowptr, indices, n_rows, head0, n_dense, group, sink, local,
-                       qscale);
-    const int nblk = tile.nblk;
+    const int* tl = tiles + 4 * blockIdx.x;
+    const int si = tl[0], q0 = tl[1], q1 = tl[2], lrow = tl[3];
+    const int t0 = seqs[4 * si], start = seqs[4 * si + 1], page_off = seqs[4 * si + 3];
+    const int kvh = head0 + blockIdx.y;
+    const bool dense = kvh < n_dense;
+    const bool paged = dense && pool_k != nullptr;
+    const int G = group;
+    const int rows_used = min(BM / G, q1 - q0) * G;  // rows of whole positions inside [q0, q1)
+
+    // ---- the key blocks this tile visits -------------------------------------------------------
+    int nblk, rs1 = 0, nb0 = 0;  // streaming: blocks [0, nb0) from 0, then from rs1
+    const int* list = nullptr;
+    if (dense && lrow >= 0) {
+        const int* ip = rowptr + ((i64)kvh * n_rows + lrow) * 2;
+        list = indices + ip[0];
+        nblk = ip[1] - ip[0];
+        while (nblk > 0 && list[nblk - 1] * BN >= q1) --nblk;  // blocks past the tile's last position
+    } else if (dense) {
+        nblk = (q1 + BN - 1) / BN;
+    } else {
+        const int a_end = min(sink, q1);
+        const int b_start = max(a_end, q0 - local + 1);
+        nb0 = (a_end + BN - 1) / BN;
+        rs1 = max(b_start / BN * BN, nb0 * BN);
+        nblk = nb0 + (q1 > rs1 ? (q1 - rs1 + BN - 1) / BN : 0);
+    }
+    auto block_start = [&](int j) -> int {
+        if (list) return list[j] * BN;
+        if (dense) return j * BN;
+        return j < nb0 ? j * BN : rs1 + (j - nb0) * BN;
+    };
+    // element offset of key t's row for this head (t < q1)
+    auto key_off = [&](int t) -> i64 {
+        if (paged) {
+            const int pg = pages[page_off + t / page_size];
+            return ((i64)pg * pool_heads + kvh) * page_size * D + (i64)(t % page_size) * D;
+        }
+        return (i64)(t0 + t - start) * kv_tok_stride + (i64)kvh * D;
+    };
+    const act_t* kbase = paged ? pool_k : k;
+    const act_t* vbase = paged ? pool_v : v;
 
     // ---- Q tile -> shared (rows past the tile's positions zero-filled) --------------------------
     for (int c = tid; c < BM * QCH; c += NTHREADS) {
         const int m = c / QCH, col = (c % QCH) * 8;
-        const bool ok = m < tile.rows_used;
-        cp_async16(smem_u32(sQ + m * ROWP + col), q + tile.row_off(ok ? m : 0, q_tok_stride) + col, ok ? 16 : 0);
+        const bool ok = m < rows_used;
+        const int pos = q0 + (ok ? m / G : 0);
+        const i64 src = (i64)(t0 + pos - start) * q_tok_stride + (i64)(kvh * G + (ok ? m % G : 0)) * D + col;
+        cp_async16(smem_u32(sQ + m * ROWP + col), q + src, ok ? 16 : 0);
     }
     auto load_block = [&](int j, int stage) {
-        const int kb = tile.block_start(j);
+        const int kb = block_start(j);
         u16* dK = sK + stage * BN * ROWP;
         u16* dV = sV + stage * BN * ROWP;
         for (int c = tid; c < BN * QCH; c += NTHREADS) {
             const int row = c / QCH, col = (c % QCH) * 8;
             const int t = kb + row;
-            const bool ok = t < tile.q1;
-            const i64 off = tile.key_off(ok ? t : kb, pages, pool_heads, page_size, kv_tok_stride) + col;
-            cp_async16(smem_u32(dK + row * ROWP + col), (tile.paged ? pool_k : k) + off, ok ? 16 : 0);
-            cp_async16(smem_u32(dV + row * ROWP + col), (tile.paged ? pool_v : v) + off, ok ? 16 : 0);
+            const bool ok = t < q1;
+            const i64 off = key_off(ok ? t : kb) + col;
+            cp_async16(smem_u32(dK + row * ROWP + col), kbase + off, ok ? 16 : 0);
+            cp_async16(smem_u32(dV + row * ROWP + col), vbase + off, ok ? 16 : 0);
         }
     };
     if (nblk > 0) load_block(0, 0);
@@ -82,7 +130,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ls_bsp_prefill(BSP_PARAMS
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-            prow[mt][hr] = tile.row_pos(wrow + mt * 16 + (lane >> 2) + 8 * hr);
+            const int m = wrow + mt * 16 + (lane >> 2) + 8 * hr;
+            prow[mt][hr] = m < rows_used ? q0 + m / G : -1;
         }
 
     float o[MT][DT][4];
@@ -107,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ls_bsp_prefill(BSP_PARAMS
         __syncthreads();
         const u16* Ks = sK + (j & 1) * BN * ROWP;
         const u16* Vs = sV + (j & 1) * BN * ROWP;
-        const int kb = tile.block_start(j);
+        const int kb = block_start(j);
 
         // S = Q K^T: this warp's 16 * MT rows x BN keys
         float s[MT][NT][4];
@@ -134,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ls_bsp_prefill(BSP_PARAMS
             }
         }
         // masks only where a key can be invisible to some row of the tile
-        if (tile.needs_mask(kb)) {
+        if (!dense || kb + BN - 1 > q0) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -143,7 +192,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ls_bsp_prefill(BSP_PARAMS
                     for (int e = 0; e < 4; ++e) {
                         const int p = prow[mt][e >> 1];
                         const int t = kb + nt * 8 + cq + (e & 1);
-                        if (!tile.visible(t, p, sink, local)) s[mt][nt][e] = LS_NEG_INF;
+                        const bool ok = t <= p && (dense || t < sink || p - t < local);
+                        if (!ok) s[mt][nt][e] = LS_NEG_INF;
                     }
         }
         // online softmax in base 2 (qscale = softmax scale * log2 e); a quad shares a row
@@ -206,9 +256,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ls_bsp_prefill(BSP_PARAMS
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const int m = wrow + mt * 16 + (lane >> 2) + 8 * hr;
-            if (m >= tile.rows_used) continue;
+            if (m >= rows_used) continue;
             const float inv = l > 0.f ? 1.f / l : 0.f;
-            u32* dst = reinterpret_cast<u32*>(out + tile.row_off(m, out_tok_stride));
+            const int pos = q0 + m / G;
+            u32* dst = reinterpret_cast<u32*>(out + (i64)(t0 + pos - start) * out_tok_stride + (i64)(kvh * G + m % G) * D);
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) dst[(dt * 8 + cq) >> 1] = pack2(o[mt][dt][2 * hr] * inv, o[mt][dt][2 * hr + 1] * inv);
         }

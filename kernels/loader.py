@@ -258,7 +258,8 @@ def all_variants() -> list[Variant]:
             if dt != "fp32":
                 out.append(Variant("prefill", dt, d))
                 out.append(Variant("bsp_prefill", dt, d))
-                out.append(Variant("bsp_prefill_wg", dt, d))
+                if d == 128:
+                    out.append(Variant("bsp_prefill_wg", dt, d))
             out.append(Variant("fused", dt, d))
     return out
 

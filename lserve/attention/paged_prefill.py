@@ -29,7 +29,8 @@ class TileShape:
 
     ``impl`` "mma": ``kernels/bsp_prefill.cu`` (mma.sync; any sm_80+ GPU), ``mt`` 16-row m-tiles
     per warp; "wg": ``kernels/bsp_prefill_wg.cu`` (Hopper warpgroup MMA, sm_90a), ``warps / 4``
-    warpgroups of 64 rows (``mt`` 1).
+    warpgroups of 64 rows (``mt`` 1), head dim 128 only (at 64 it failed parity on the H200, and it
+    is not faster than "mma" at 128: ``benchmarks/bsp_prefill_notes.md``), a tuning sandbox.
     """
 
     impl: str = "mma"
@@ -60,6 +61,8 @@ class TileShape:
         from lserve.kernels.loader import Variant
 
         if self.impl == "wg":
+            if head_dim != 128:
+                raise ValueError(f"the wgmma prefill kernel is checked for head_dim 128 only, not {head_dim}")
             return Variant("bsp_prefill_wg", dtype, head_dim, tuning=(f"LS_BSP_WG={self.warps // 4}",))
         return Variant("bsp_prefill", dtype, head_dim, tuning=(f"LS_BSP_MT={self.mt}", f"LS_BSP_WARPS={self.warps}"))
 

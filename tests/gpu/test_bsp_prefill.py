@@ -16,4 +16,4 @@ def test_bsp_prefill_matches_reference(variant, seed):
         pytest.skip("warpgroup MMA kernel: sm_90 only")
     cases = parity((variant,), seed)
     bad = [(c["case"], c["max_rel_err"]) for c in cases if not c["ok"]]
-    assert len(cases) == 8 and not bad, f"max rel err above {TOL}: {bad}"
+    assert len(cases) == (8 if variant.impl == "mma" else 6) and not bad, f"max rel err above {TOL}: {bad}"
