@@ -13,7 +13,7 @@ from lserve.config import (  # noqa: F401 - engine_config_from_args: the CLI's f
     engine_config_from_args,
     engine_flag_defaults,
 )
-from lserve.serve.settings import DEFAULT_SHUTDOWN_GRACE_S
+from lserve.serve.settings import DEFAULT_SHUTDOWN_GRACE_S, DEFAULT_SSE_KEEPALIVE_S
 
 DEMO_PROMPT = "The three most important ideas in computer science are"
 
@@ -26,10 +26,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="'default' (SmolLM2-135M-Instruct), a preset (llama3-8b, llama2-7b, minitron-4b, tiny), "
                         "a .gguf file or a Hugging Face directory")
     g.add_argument("--device", default=D["device"], help="cpu or cuda[:N]")
-    g.add_argument("--dtype", default=D["dtype"], choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--dtype", default=D["dtype"], choices=["auto", "float32", "float16", "bfloat16"],
+                   help="activations and KV cache (auto: float32 on a CPU, bfloat16 on a GPU)")
     g.add_argument("--backend", default=D["backend"], choices=["torch", "cupy"], help="attention backend")
     g.add_argument("--max-model-len", type=int, default=D["max_model_len"], help="context limit (0: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=D["max_num_seqs"])
+    g.add_argument("--allow-long-max-model-len", action="store_true", default=D["allow_long_max_model_len"],
+                   help="accept a --max-model-len past the model's context (its trained length, stretched by its "
+                        "rope scaling), whose outputs there are unreliable")
+    g.add_argument("--max-num-seqs", type=int, default=D["max_num_seqs"], help="sequences decoded together at most")
     g.add_argument("--max-batched-tokens", type=int, default=D["max_batched_tokens"],
                    help="token-equivalents per step at most (long prompts are prefilled in chunks)")
     g.add_argument("--step-time-target", type=float, default=D["step_time_target"],
@@ -57,7 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context below which selection is off (-1: the profiled length for this device, "
                         "see lserve bench profile-threshold)")
     s.add_argument("--dense-layers", type=int, default=D["dense_layers"], help="first N layers stay fully dense")
-    s.add_argument("--select-mode", default=D["select_mode"], choices=["kv", "query"])
+    s.add_argument("--select-mode", default=D["select_mode"], choices=["kv", "query"],
+                   help="dynamic selection once per KV head (kv) or per query head (query)")
     s.add_argument("--select-layers", default=D["select_layers"],
                    help="layers where dense heads select pages: 'auto' (the model's shipped calibration, see "
                         "lserve calibrate-selection; else all), 'all', 'none', indices '0,5,7' or a calibration .json")
@@ -80,7 +85,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=D["page_size"], help="physical page N_P")
     c.add_argument("--logical-page-size", type=int, default=D["logical_page_size"], help="logical page N_L")
-    c.add_argument("--kv-quant", default=D["kv_quant"], choices=["none", "int8", "int4"])
+    c.add_argument("--kv-quant", default=D["kv_quant"], choices=["none", "int8", "int4"], help="KV cache quantization")
     c.add_argument("--max-cache-tokens", type=int, default=D["max_cache_tokens"], help="dense-pool capacity in tokens")
     c.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=D["prefix_cache"],
                    help="reuse the KV pages of prompt prefixes seen before (--no-prefix-cache: recompute every prompt)")
@@ -91,7 +96,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.sample_seed, stop=a.stop or [])
-    engine = LLMEngine(engine_config_from_args(a))
+    from lserve.models.loader import load_model_config
+
+    config = engine_config_from_args(a)
+    if config.max_model_len:
+        config.check_max_model_len(load_model_config(config.model))
+    engine = LLMEngine(config)
     engine.add_request(a.prompt, params, chat=a.chat)
     out = None
     while engine.has_unfinished():
@@ -288,14 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill-sparsity: antidiagonal stride (default: SparsityConfig.prefill_stride)")
     b.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
     s.add_argument("--replicas", type=int, default=1, help="engine replicas (the initial count with --autoscaling)")
     s.add_argument("--autoscaling", action="store_true",
                    help="let Ray Serve scale engine replicas between --min-replicas and --max-replicas")
-    s.add_argument("--min-replicas", type=int, default=1)
-    s.add_argument("--max-replicas", type=int, default=1)
+    s.add_argument("--min-replicas", type=int, default=1, help="with --autoscaling: fewest engine replicas")
+    s.add_argument("--max-replicas", type=int, default=1, help="with --autoscaling: most engine replicas")
     s.add_argument("--max-ongoing-requests", type=int, default=0,
                    help="requests one engine replica holds at once (0: 2 x --max-num-seqs)")
     s.add_argument("--max-queued-requests", type=int, default=64,
@@ -303,7 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model value)")
     s.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    help="on Ctrl-C/SIGTERM: refuse new requests (503), give running ones this long to finish, "
-                        "then end them with an error event (default: %(default)s)")
+                        "then end them with an error event")
+    s.add_argument("--sse-keepalive-s", type=float, default=DEFAULT_SSE_KEEPALIVE_S,
+                   help="a stream silent this long (queued, prefilling) sends an SSE comment line ': keep-alive' "
+                        "(0: never)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve, device="auto")  # serving: one GPU per replica when there is one
 

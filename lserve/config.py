@@ -72,6 +72,18 @@ class ModelConfig:
         """Query heads per KV head (GQA ratio)."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def context_limit(self) -> int:
+        """The longest context the model is made for: its trained length, stretched by a
+        ``linear`` or ``dynamic`` rope scaling (``factor`` times the original length; a
+        ``llama3`` scaling is already counted in ``max_position_embeddings``, as in Hugging
+        Face configs)."""
+        rs = self.rope_scaling or {}
+        if rs.get("rope_type", rs.get("type")) in ("linear", "dynamic"):
+            original = int(rs.get("original_max_position_embeddings", self.max_position_embeddings))
+            return max(self.max_position_embeddings, int(original * float(rs["factor"])))
+        return self.max_position_embeddings
+
 
 SELECT_LAYER_WORDS = ("auto", "all", "none")
 
@@ -296,6 +308,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_batched_tokens: int = 2048
     max_model_len: int = 0  # 0 -> model's max_position_embeddings
+    allow_long_max_model_len: bool = False
     seed: int = 0
     cuda_graphs: bool = True
     fused_ops: bool = True
@@ -313,7 +326,7 @@ class EngineConfig:
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
         _check(0 <= self.step_time_target <= 60, f"step_time_target must be in [0, 60] seconds, got {self.step_time_target}")
         _check(self.decode_stall > 0, f"decode_stall must be > 0, got {self.decode_stall}")
-        for flag in ("cuda_graphs", "fused_ops", "async_decode", "prefix_cache"):
+        for flag in ("cuda_graphs", "fused_ops", "async_decode", "prefix_cache", "allow_long_max_model_len"):
             _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":
             _check(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
@@ -325,6 +338,22 @@ class EngineConfig:
             _check(sp.token_budget >= 2 * cc.page_size,
                    f"token_budget ({sp.token_budget}) must be 0 (off) or at least two pages "
                    f"({2 * cc.page_size} tokens)")
+
+    def check_max_model_len(self, mc: ModelConfig) -> None:
+        """Refuse a ``max_model_len`` past what model ``mc`` is made for (:attr:`ModelConfig.context_limit`)
+        unless ``allow_long_max_model_len`` accepts that (outputs there are unreliable). The command
+        line and the serve settings call it before starting; the Python API leaves it to its caller.
+
+        Raises
+        ------
+        ConfigError
+        """
+        limit = mc.context_limit
+        _check(self.max_model_len <= limit or self.allow_long_max_model_len,
+               f"max_model_len {self.max_model_len} is longer than the {limit} tokens model {self.model!r} "
+               f"supports ({'its rope scaling included' if mc.rope_scaling else 'no rope scaling configured'}); "
+               f"use at most {limit}, or --allow-long-max-model-len (allow_long_max_model_len: true) "
+               "to accept unreliable outputs past it")
 
     def prefix_namespace(self) -> dict[str, Any]:
         """What, besides the tokens, decides a KV page's contents: the prefix cache's hash seed
@@ -369,6 +398,7 @@ def engine_config_from_args(a) -> EngineConfig:
     return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
                         max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
                         max_model_len=a.max_model_len, seed=a.seed,
+                        allow_long_max_model_len=getattr(a, "allow_long_max_model_len", False),
                         cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode,
                         step_time_target=a.step_time_target, decode_stall=a.decode_stall,
                         prefix_cache=getattr(a, "prefix_cache", True))
@@ -390,7 +420,8 @@ def engine_flag_defaults() -> dict[str, Any]:
     values with :data:`CLI_OVERRIDES` applied. The CLI and the serve settings read theirs here."""
     objs = {"engine": EngineConfig(), "sparsity": SparsityConfig(), "cache": CacheConfig()}
     flags = ("model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
-             "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache")
+             "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache",
+             "allow_long_max_model_len")
     out = {f: getattr(objs["engine"], f) for f in flags}
     for f in ("pattern", "static_sparsity", "token_budget", "reuse_interval", "dynamic_threshold", "dense_layers",
               "select_mode", "select_layers", "adaptive_budgets", "prefill_sparsity", "prefill_sparsity_min_len",

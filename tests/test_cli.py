@@ -76,3 +76,30 @@ def test_engine_flag_defaults_have_one_source():
     assert set(serve) == set(table)
     assert {k: v for k, v in serve.items() if v != table[k]} == {"device": "auto"}
     assert table["sink"] == SparsityConfig().sink_tokens and table["pattern"] == CLI_OVERRIDES["pattern"]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_model_folder_without_tokenizer_is_one_line(tmp_path, command):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"model.embed_tokens.weight": torch.zeros(300, 64)}, str(tmp_path / "model.safetensors"))
+    r = lserve(command, "--model", str(tmp_path), "--device", "cpu")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("lserve: error: no tokenizer in") and "tokenizer.json" in lines[0], r.stderr
+
+
+def test_serve_help_shows_defaults():
+    r = lserve("serve", "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "--host HOST address to listen on" in text and "(default: 127.0.0.1)" in text
+    assert "--port PORT HTTP port" in text and "(default: 8000)" in text
+    assert "(default: 30.0)" in text and "(default: 10.0)" in text  # --shutdown-grace-s, --sse-keepalive-s

@@ -43,6 +43,10 @@ class LoadedModel:
     source: str
 
 
+#: Files that hold a tokenizer in a Hugging Face directory (one of them is needed).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def cache_root() -> Path:
     """Where dequantized weights are kept (``$LSERVE_CACHE_DIR``, default ~/.cache/lserve)."""
     return Path(os.environ.get("LSERVE_CACHE_DIR", Path.home() / ".cache" / "lserve"))
@@ -82,7 +86,7 @@ def config_from_hf(hf, name: str) -> ModelConfig:
 def load_hf_dir(path: Path) -> LoadedModel:
     """A Hugging Face directory: config.json + *.safetensors + tokenizer files."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -91,8 +95,20 @@ def load_hf_dir(path: Path) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(str(f)))
-    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
-    return LoadedModel(cfg, weights, tok, str(path))
+    return LoadedModel(cfg, weights, hf_dir_tokenizer(path), str(path))
+
+
+def hf_dir_tokenizer(path: Path) -> HFTokenizer:
+    """The tokenizer of a Hugging Face directory; :class:`ConfigError` (one line) when it has none."""
+    from transformers import AutoTokenizer
+
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"no tokenizer in {path}: it needs the model's {' or '.join(TOKENIZER_FILES)}, and "
+                          "tokenizer_config.json, next to its config.json")
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
+    except (ValueError, OSError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"cannot load the tokenizer in {path}: {' '.join(str(e).split())[:300]}") from None
 
 
 def _say(msg: str) -> None:
@@ -167,6 +183,27 @@ def load_gguf(path: Path) -> LoadedModel:
     return LoadedModel(cfg, weights, tok, str(path))
 
 
+def load_model_config(spec: str) -> ModelConfig:
+    """The :class:`ModelConfig` of model ``spec`` (as :func:`load_model` would give it), read
+    without its weights: to check settings against the model before starting anything."""
+    from transformers import AutoConfig
+
+    if spec in presets.PRESETS:
+        return presets.preset_config(spec)
+    path = default_model_path() if spec == "default" else Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        cached = _gguf_cache_dir(path) / "model_config.json"
+        if cached.is_file():
+            return ModelConfig(**json.loads(cached.read_text()))
+        try:
+            return config_from_hf(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name), path.stem)
+        except (ValueError, OSError, KeyError) as e:
+            raise ConfigError(f"cannot read GGUF file {path}: {e}") from None
+    if path.is_dir() and (path / "config.json").is_file():
+        return config_from_hf(AutoConfig.from_pretrained(str(path)), path.name)
+    raise ConfigError(f"model {spec!r} not found")
+
+
 def load_tokenizer(spec: str):
     """The tokenizer of model ``spec`` (as :func:`load_model` would give it) without its weights."""
     from transformers import AutoTokenizer
@@ -180,7 +217,7 @@ def load_tokenizer(spec: str):
             return HFTokenizer(AutoTokenizer.from_pretrained(str(cached)))
         return HFTokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
     if path.is_dir() and (path / "config.json").is_file():
-        return HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
+        return hf_dir_tokenizer(path)
     raise ConfigError(f"model {spec!r} not found")
 
 

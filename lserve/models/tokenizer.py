@@ -27,8 +27,8 @@ class HFTokenizer:
         self.eos_token_ids = () if eos is None else (int(eos),)
         self.has_chat_template = bool(getattr(tok, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -56,8 +56,8 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_ids = (self.EOS,)
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS] + list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.BOS] * add_special_tokens + list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

@@ -6,8 +6,9 @@ engine each, routed by :class:`~lserve.serve.ray_router.PrefixAwareRequestRouter
 
 * ``serve run deploy/serve_config.yaml`` calls :func:`build_app` with the YAML's ``args``.
 * ``lserve serve`` calls :func:`serve_main`, which starts a local Ray, runs the app and blocks until
-  Ctrl-C (or SIGTERM), then drains (new requests get 503, running ones get ``shutdown_grace_s`` to
-  finish, the rest end with an SSE error event) and shuts everything down.
+  SIGINT or SIGTERM (sent to it or to its process group), then drains (new requests get 503,
+  running ones get ``shutdown_grace_s`` to finish, the rest end with an SSE error event) and shuts
+  everything down.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from lserve.config import ConfigError
 from lserve.serve.metrics import MULTIPROC_ENV, new_metrics_dir
+from lserve.serve.ray_head import RayHead
 from lserve.serve.settings import API_KEY_ENV, ServeSettings
 
 log = logging.getLogger("lserve.serve")
@@ -155,7 +157,9 @@ def build_app(args: dict[str, Any] | None = None):
         :class:`ServeSettings` fields (the YAML ``args`` block, or ``key=value`` pairs given to
         ``serve run``); missing ones take their defaults.
     """
-    return build_app_from_settings(ServeSettings.from_dict(args))
+    settings = ServeSettings.from_dict(args)
+    settings.check_model_available()
+    return build_app_from_settings(settings)
 
 
 def _drain(settings: ServeSettings) -> None:
@@ -183,26 +187,37 @@ def _drain(settings: ServeSettings) -> None:
         print(f"lserve: {out['in_flight']} running request(s) finished", file=sys.stderr, flush=True)
 
 
-def _shutdown(settings: ServeSettings) -> None:
-    """Stop Serve and Ray without being interrupted half-way (a third Ctrl-C would print tracebacks)."""
+def _shutdown(settings: ServeSettings, head: RayHead | None) -> None:
+    """Stop Serve, then Ray's head, without being interrupted half-way (a third Ctrl-C would print tracebacks)."""
     import ray
     from ray import serve
 
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        serve.shutdown()
+        if head is not None and head.alive() and ray.is_initialized():
+            serve.shutdown()
     finally:
         ray.shutdown()
+        if head is not None:
+            head.stop()
         if settings.metrics_dir:
             shutil.rmtree(settings.metrics_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def serve_main(args: argparse.Namespace) -> int:
-    """``lserve serve``: start Ray and the app, print where it listens, block until Ctrl-C or SIGTERM.
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
-    Then drain (:func:`_drain`) and shut everything down.
+
+def serve_main(args: argparse.Namespace) -> int:
+    """``lserve serve``: start Ray and the app, print where it listens, block until SIGINT or SIGTERM.
+
+    Then drain (:func:`_drain`) and shut everything down. SIGINT and SIGTERM are handled alike,
+    SIGINT even when it was inherited as ignored (a server started with ``cmd &`` from a script).
+    Ray's head runs in a session of its own (:class:`~lserve.serve.ray_head.RayHead`), so a
+    signal sent to this process's whole group reaches this process only and the drain still
+    works; Ray is stopped after it, and with this process if it dies.
 
     Parameters
     ----------
@@ -212,7 +227,7 @@ def serve_main(args: argparse.Namespace) -> int:
     Returns
     -------
     int
-        Process exit status (0 after a signal, drained or not).
+        Process exit status (0 after a signal, drained or not; 1 if the app or Ray failed).
     """
     settings = ServeSettings.from_args(args)
     settings.check_model_available()
@@ -232,23 +247,26 @@ def serve_main(args: argparse.Namespace) -> int:
             raise ConfigError(f"{settings.replicas} GPU replicas asked for but {gpus} CUDA GPU(s) are visible")
     quiet = os.environ.get("LSERVE_LOG", "WARNING").upper()
     logging.getLogger("ray.serve").setLevel(quiet)
-    print(f"lserve: starting Ray and {settings.replicas} engine replica(s) of {settings.model_name}", file=sys.stderr,
-          flush=True)
-    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, namespace="lserve",
-             logging_level=quiet, configure_logging=True)
-
-    def _terminate(signum, frame):  # SIGTERM shuts down like Ctrl-C
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    logs = {"log_level": quiet, "enable_access_log": quiet in ("DEBUG", "INFO")}
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    head = None
     running = False
     try:
+        print(f"lserve: starting Ray and {settings.replicas} engine replica(s) of {settings.model_name}",
+              file=sys.stderr, flush=True)
+        try:
+            head = RayHead.start(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, logging_level=quiet)
+        except RuntimeError as e:
+            print(f"lserve: error: {e}", file=sys.stderr)
+            return 1
+        ray.init(address=head.address, namespace="lserve", logging_level=quiet, configure_logging=True)
+        for sig in previous:  # ray.init installs a SIGTERM handler of its own (Ray's C++ core)
+            signal.signal(sig, _interrupt)
         serve.start(http_options={"host": settings.host, "port": settings.port,
-                                  "request_timeout_s": settings.request_timeout_s},
-                    logging_config={"log_level": quiet, "enable_access_log": quiet in ("DEBUG", "INFO")})
+                                  "request_timeout_s": settings.request_timeout_s}, logging_config=logs)
         try:
             serve.run(build_app_from_settings(settings, total_cpus=cpus), name=settings.app_name, route_prefix="/",
-                      logging_config={"log_level": quiet, "enable_access_log": quiet in ("DEBUG", "INFO")})
+                      logging_config=logs)
         except RuntimeError as e:
             print(f"lserve: error: the deployment failed to start: {e}", file=sys.stderr)
             return 1
@@ -256,8 +274,11 @@ def serve_main(args: argparse.Namespace) -> int:
         key = " (API key required)" if os.environ.get(API_KEY_ENV) else ""
         print(f"lserve: serving {settings.model_name} at http://{settings.host}:{settings.port}/v1 with "
               f"{settings.replicas} engine replica(s){key}; Ctrl-C to stop", flush=True)
-        while True:
+        while head.alive():
             time.sleep(1.0)
+        print(f"lserve: error: Ray's head process ended (status {head.proc.returncode}); stopping",
+              file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         if running:
             _drain(settings)
@@ -265,5 +286,6 @@ def serve_main(args: argparse.Namespace) -> int:
             print("lserve: shutting down", file=sys.stderr, flush=True)
         return 0
     finally:
-        _shutdown(settings)
-        signal.signal(signal.SIGTERM, previous)
+        _shutdown(settings, head)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

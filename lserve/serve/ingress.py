@@ -44,12 +44,16 @@ from lserve.serve.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
     ModelCard,
     ModelList,
     OpenAIError,
     PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
     bad_request,
 )
@@ -64,6 +68,10 @@ _FINISH = {"stop": "stop", "length": "length"}
 GREEDY_BELOW = 1e-5
 MIN_TOP_P = 1e-6
 NEUTRAL_RESPONSE_FORMAT = {"type": "text"}
+#: What :meth:`OpenAIServer.keepalives` puts between events after a silent interval, and the SSE
+#: comment line sent for it (clients ignore comment lines).
+KEEPALIVE = object()
+SSE_KEEPALIVE = ": keep-alive\n\n"
 
 
 def check_unicode(texts, param: str) -> None:
@@ -423,6 +431,32 @@ class OpenAIServer:
                 nxt.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody reads it now
 
     @staticmethod
+    async def keepalives(events: AsyncIterator, interval_s: float) -> AsyncIterator:
+        """``events``, with :data:`KEEPALIVE` in between each time ``interval_s`` passes without one
+        (0: never): a stream waiting in the engine's queue or for a long prefill still sends bytes,
+        so proxies and load balancers with idle timeouts keep the connection."""
+        if interval_s <= 0:
+            async for item in events:
+                yield item
+            return
+        it = events.__aiter__()
+        nxt: asyncio.Future | None = None
+        try:
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                while not (await asyncio.wait((nxt,), timeout=interval_s))[0]:
+                    yield KEEPALIVE
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            if nxt is not None and not nxt.done():  # our consumer was cancelled (client gone)
+                nxt.cancel()
+                nxt.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    @staticmethod
     def stream_error(e: BaseException) -> dict[str, Any]:
         """The in-band SSE error event for a stream that fails after its 200 was sent."""
         if isinstance(e, OpenAIError):
@@ -570,7 +604,11 @@ class OpenAIServer:
                         yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}])
                 try:
-                    async for sub, ev in self.until_cut(self.events(subs)):
+                    async for item in self.keepalives(self.until_cut(self.events(subs)), self.settings.sse_keepalive_s):
+                        if item is KEEPALIVE:
+                            yield SSE_KEEPALIVE
+                            continue
+                        sub, ev = item
                         text = self._apply(sub, ev)
                         finish = _FINISH.get(sub.finish_reason) if ev.get("finished") else None
                         if text or finish or (logprobs and sub.new_logprobs):
@@ -588,6 +626,49 @@ class OpenAIServer:
 
         headers = {REPLICA_HEADER: subs[0].first.get("replica", ""), "Cache-Control": "no-cache"}
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    async def _engine_call(self, method: str, arg) -> dict[str, Any]:
+        """One short call to some engine replica (tokenizer work); 503 when none answers."""
+        try:
+            out = await asyncio.wait_for(getattr(self.engine, method).remote(arg), timeout=30)
+        except Exception:  # noqa: BLE001 - no replica, or it died
+            raise OpenAIError(503, "no engine replica answered; retry later", "service_unavailable", None,
+                              "service_unavailable",
+                              {"Retry-After": str(max(1, round(self.settings.retry_after_s)))}) from None
+        if "error" in out:
+            raise bad_request(out["error"], "messages" if method == "tokenize" and isinstance(arg, dict)
+                              and "messages" in arg else ("tokens" if method == "detokenize" else "prompt"))
+        return out
+
+    async def tokenize(self, req: TokenizeRequest, request: Request) -> TokenizeResponse:
+        """``POST /tokenize`` (vLLM's): the engine's token ids of a prompt or a chat."""
+        self.authorize(request)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give either prompt or messages", "prompt")
+        if req.messages is not None:
+            if req.add_special_tokens:
+                raise bad_request("add_special_tokens is not supported with messages (the chat template adds "
+                                  "its own)", "add_special_tokens")
+            if not req.add_generation_prompt:
+                raise bad_request("add_generation_prompt false is not supported", "add_generation_prompt")
+            messages = []
+            for i, m in enumerate(req.messages):
+                content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+                check_unicode([content], f"messages.{i}.content")
+                messages.append({"role": m.role, "content": content})
+            payload: dict[str, Any] = {"messages": messages}
+        else:
+            check_unicode([req.prompt], "prompt")
+            payload = {"prompt": req.prompt, "add_special_tokens": req.add_special_tokens is not False}
+        out = await self._engine_call("tokenize", payload)
+        return TokenizeResponse(count=len(out["tokens"]), max_model_len=out["max_model_len"], tokens=out["tokens"])
+
+    async def detokenize(self, req: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        """``POST /detokenize`` (vLLM's): the text of token ids, decoded as generated text is."""
+        self.authorize(request)
+        self.check_model(req.model)
+        return DetokenizeResponse(prompt=(await self._engine_call("detokenize", req.tokens))["prompt"])
 
     async def max_model_len(self) -> int | None:
         """The engine's context length (configured, or asked of a replica once; None if none answers)."""
@@ -736,7 +817,7 @@ class BodyLimitMiddleware:
 #: Probes and scrapes: open without the API key, served while draining, not counted as traffic.
 PROBE_PATHS = ("/health", "/metrics")
 #: Path prefixes that need the API key (when one is configured).
-PROTECTED_PREFIXES = ("/v1", "/admin")
+PROTECTED_PREFIXES = ("/v1", "/admin", "/tokenize", "/detokenize")
 #: Status counted for a request whose client went away before its response was complete
 #: (nginx's "client closed request"): not a server error.
 CLIENT_CLOSED = 499
@@ -834,6 +915,10 @@ class GuardMiddleware:
         if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
             await self.app(scope, receive, send)
             return
+        if scope.get("method") == "POST":  # every body here is JSON, whatever the client's content type says
+            # (curl -d sends application/x-www-form-urlencoded)
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
         err = self._refusal(scope)
         if err is not None:
             response = JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
@@ -927,6 +1012,14 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
               responses={**_ERRORS, 200: {"content": _STREAMING_200}})
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(req, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(req: TokenizeRequest, request: Request) -> TokenizeResponse:
+        return await server.tokenize(req, request)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(req: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        return await server.detokenize(req, request)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models(request: Request) -> ModelList:

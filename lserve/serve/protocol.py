@@ -158,6 +158,36 @@ class ChatCompletionRequest(_SamplingRequest):
     function_call: str | dict[str, Any] | None = Field(None, description='Not supported (null or "none" only).')
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's shape): a text ``prompt`` or chat ``messages``, not both."""
+
+    model: str | None = Field(None, description="The served model id; default: that model.")
+    prompt: str | None = Field(None, description="Text to tokenize as a completion prompt.")
+    messages: list[ChatMessage] | None = Field(None, min_length=1,
+                                               description="A chat, tokenized with the model's chat template.")
+    add_special_tokens: bool | None = Field(None, description="Prompt: add BOS and the like (default true). Messages: "
+                                                              "only false (the template adds its own).")
+    add_generation_prompt: bool = Field(True, description="Messages: open the assistant's turn (only true).")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = Field(None, description="The served model id; default: that model.")
+    tokens: list[int] = Field(..., description="Token ids to turn back into text (special tokens are left out).")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # -- responses --------------------------------------------------------------------------------
 class ErrorDetail(BaseModel):
     message: str

@@ -236,6 +236,26 @@ class EngineReplica:
                 "queued_prompt_tokens": sum(self._queued.values()), "num_preemptions": st.num_preemptions,
                 "aborted": self.aborted, "steps": st.steps, "step_kinds": st.step_kinds}
 
+    def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``{"prompt": text, "add_special_tokens": bool}`` or ``{"messages": chat}`` -> ``{"tokens": ids}``
+        with this engine's own tokenizer (as :meth:`generate` encodes), or ``{"error": message}``."""
+        try:
+            if "messages" in request:
+                ids = self.engine.encode(request["messages"], True)
+            else:
+                ids = self.engine.tokenizer.encode(request["prompt"], request.get("add_special_tokens", True))
+        except (ValueError, TypeError) as e:  # no chat template
+            return {"error": str(e)}
+        return {"tokens": [int(t) for t in ids], "max_model_len": self.max_model_len}
+
+    def detokenize(self, tokens: list[int]) -> dict[str, Any]:
+        """Token ids -> ``{"prompt": text}`` (as generated text is decoded), or ``{"error": message}``."""
+        vocab = self.engine.tokenizer.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            return {"error": f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"}
+        return {"prompt": self.engine.tokenizer.decode(tokens)}
+
     def info(self) -> dict[str, Any]:
         """Model facts the ingress shows in ``/v1/models``."""
         return {"replica": self.replica_id, "model": self.model_name, "max_model_len": self.max_model_len,

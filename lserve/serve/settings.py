@@ -22,6 +22,7 @@ ENGINE_FIELDS = (
     "prefill_block", "prefill_q_block", "prefill_estimator", "page_size", "logical_page_size", "kv_quant",
     "max_cache_tokens",
     "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache",
+    "allow_long_max_model_len",
 )
 
 _D = engine_flag_defaults()
@@ -29,6 +30,9 @@ API_KEY_ENV = "LSERVE_API_KEY"
 #: Seconds a shutdown lets running requests finish (Kubernetes' default termination grace period;
 #: vLLM-style servers drain for about as long). The one default of ``--shutdown-grace-s``.
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
+#: Seconds of silence after which a stream sends an SSE comment line (well under the 60 s idle
+#: timeout common in proxies and load balancers). The one default of ``--sse-keepalive-s``.
+DEFAULT_SSE_KEEPALIVE_S = 10.0
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -103,6 +107,9 @@ class ServeSettings:
         At shutdown, new requests get 503 at once; running ones get this long to finish, then
         streams end with an SSE error event (``lserve serve``). Engine replicas stopped by Ray
         Serve (``serve run``, Kubernetes) wait as long for their requests.
+    sse_keepalive_s : float
+        A stream silent for this long (waiting in the engine's queue, a long prefill) sends an SSE
+        comment line ``: keep-alive``, so idle timeouts of proxies keep the connection (0: never).
     metrics_dir : str or None
         ``PROMETHEUS_MULTIPROC_DIR`` shared by the ingress and engine replicas on one host (None: a
         fresh temporary folder per deployment).
@@ -145,6 +152,7 @@ class ServeSettings:
     step_time_target: float = _D["step_time_target"]
     decode_stall: float = _D["decode_stall"]
     prefix_cache: bool = _D["prefix_cache"]
+    allow_long_max_model_len: bool = _D["allow_long_max_model_len"]
     # -- serving ------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
@@ -176,6 +184,7 @@ class ServeSettings:
     default_max_tokens: int = 1024
     request_timeout_s: float | None = None
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S
     metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -212,6 +221,7 @@ class ServeSettings:
         _check(self.default_max_tokens >= 1, "default_max_tokens must be >= 1")
         _check(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        _check(self.sse_keepalive_s >= 0, f"sse_keepalive_s must be >= 0 (0: off), got {self.sse_keepalive_s}")
         self.engine_config()  # validates the engine fields with the engine's own messages
 
     # -- construction -------------------------------------------------------------------------
@@ -239,20 +249,24 @@ class ServeSettings:
         return asdict(self)
 
     def check_model_available(self) -> None:
-        """Fail fast (:class:`ConfigError`) when ``model`` names nothing loadable on this machine."""
+        """Fail fast (:class:`ConfigError`) when ``model`` names nothing loadable on this machine (a
+        Hugging Face directory without a tokenizer included), or when ``max_model_len`` is past the
+        model's context (:meth:`EngineConfig.check_max_model_len`)."""
         from pathlib import Path
 
         from lserve.models import presets
-        from lserve.models.loader import default_model_path
+        from lserve.models.loader import default_model_path, hf_dir_tokenizer, load_model_config
 
-        if self.model in presets.PRESETS:
-            return
         if self.model == "default":
             default_model_path()
-            return
-        path = Path(self.model).expanduser()
-        _check((path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()),
-               f"model {self.model!r} not found: give a .gguf file, a Hugging Face directory, 'default' or a preset")
+        elif self.model not in presets.PRESETS:
+            path = Path(self.model).expanduser()
+            _check((path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()),
+                   f"model {self.model!r} not found: give a .gguf file, a Hugging Face directory, 'default' or a preset")
+            if path.is_dir():
+                hf_dir_tokenizer(path)
+        if self.max_model_len:
+            self.engine_config().check_max_model_len(load_model_config(self.model))
 
     # -- derived ------------------------------------------------------------------------------
     def engine_config(self) -> EngineConfig:

@@ -113,7 +113,7 @@ def serve_app():
         max_cache_tokens=8192, max_model_len=2048, token_budget=0,
         health_check_period_s=1.0, health_check_timeout_s=2.0, routing_stats_period_s=0.5,
         prefix_block_chars=256, min_prefix_blocks=2, imbalance_tokens=1024, imbalance_ratio=1.0,
-        max_body_bytes=256 * 1024, default_max_tokens=32, app_name=APP_NAME)
+        max_body_bytes=256 * 1024, default_max_tokens=32, sse_keepalive_s=0.25, app_name=APP_NAME)
     tmp = tempfile.mkdtemp(prefix="lsr-", dir="/tmp")
     port = _free_port()
     old_key = os.environ.get(API_KEY_ENV)

@@ -92,7 +92,7 @@ def test_raw_sse_format_ends_with_done(app):
     with httpx.stream("POST", f"{app.url}/v1/completions", json=body, headers=app.headers, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers.get("x-lserve-replica")
-        events = [line for line in r.iter_lines() if line]
+        events = [line for line in r.iter_lines() if line and line != ": keep-alive"]  # SSE comments
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]

@@ -1,9 +1,13 @@
 """``lserve serve`` shuts down by draining: signals sent to a real server process, streams read as a client.
 
-One server (the default model, one CPU replica, a short grace period) and one SIGTERM cover the
-whole sequence: new requests and ``/health`` get 503 at once, a stream that can finish within the
-grace period ends normally with ``data: [DONE]``, one that cannot is ended at the grace period's end
-with an error event then ``data: [DONE]``, and the process exits 0 without a traceback.
+For each way a signal arrives (SIGTERM to the process; SIGTERM to its whole process group, as
+``timeout``, ``kill -- -PGID`` and container inits send it; SIGINT to a server that inherited
+SIGINT as ignored, as one started with ``cmd &`` from a script does), one server (the default
+model, one CPU replica, a short grace period) and one signal cover the whole sequence: new requests
+and ``/health`` get 503 at once, a stream that can finish within the grace period ends normally
+with ``data: [DONE]``, one that cannot is ended at the grace period's end with an error event then
+``data: [DONE]``, the process exits 0 without a traceback, and none of the processes it started
+(Ray's daemons and workers) is left running.
 """
 
 from __future__ import annotations
@@ -69,14 +73,43 @@ class Stream(threading.Thread):
             time.sleep(0.02)
 
 
-def _start_server(port: int, log: Path, ray_tmp: str) -> subprocess.Popen:
+def _start_server(port: int, log: Path, ray_tmp: str, how: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("LSERVE_API_KEY", "RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, LSERVE_LOG="WARNING")
     cmd = [sys.executable, "-m", "lserve.cli", "serve", "--port", str(port), "--device", "cpu", "--replicas", "1",
            "--max-num-seqs", "4", "--max-cache-tokens", "4096", "--max-model-len", "2048", "--token-budget", "0",
            "--shutdown-grace-s", str(GRACE_S)]
+    def ignore_sigint():  # what a non-interactive shell does to `cmd &`
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     with open(log, "wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # a group of its own, so that the group signal reaches the server's processes only
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=ignore_sigint if how == "sigint-inherited-ignored" else None)
+
+
+def _process_tree(pid: int) -> dict[int, bytes]:
+    """``pid`` and its descendants, each with its start time (to tell a reused pid apart)."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and fields[0] != b"Z":
+            stats[int(entry)] = (int(fields[1]), fields[19])  # ppid, start time
+    tree, frontier = {}, [pid]
+    while frontier:
+        p = frontier.pop()
+        if p in stats:
+            tree[p] = stats[p][1]
+            frontier += [c for c, (ppid, _) in stats.items() if ppid == p]
+    return tree
+
+
+def _still_running(tree: dict[int, bytes]) -> list[int]:
+    return [pid for pid, start in tree.items() if _process_tree(pid).get(pid) == start]
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
@@ -99,23 +132,40 @@ def _wait_for(cond, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def server(tmp_path):
-    port, log = _free_port(), tmp_path / "server.log"
+WAYS = ("sigterm-process", "sigterm-process-group", "sigint-inherited-ignored")
+
+
+def _signal(proc: subprocess.Popen, how: str) -> None:
+    if how == "sigterm-process":
+        proc.send_signal(signal.SIGTERM)
+    elif how == "sigterm-process-group":
+        os.killpg(proc.pid, signal.SIGTERM)  # the server leads its group (start_new_session)
+    else:
+        proc.send_signal(signal.SIGINT)
+
+
+@pytest.fixture(params=WAYS)
+def server(request, tmp_path):
+    how, port, log = request.param, _free_port(), tmp_path / "server.log"
     ray_tmp = tempfile.mkdtemp(prefix="lsd-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    proc = _start_server(port, log, ray_tmp)
+    proc = _start_server(port, log, ray_tmp, how)
+    tree = {}
     try:
         _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
-        yield proc, f"http://127.0.0.1:{port}", log
+        tree = _process_tree(proc.pid)
+        yield proc, f"http://127.0.0.1:{port}", log, how, tree
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+        for pid in _still_running(tree):
+            os.kill(pid, signal.SIGKILL)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def test_sigterm_drains_running_streams_then_cuts_the_rest(server):
-    proc, url, log = server
+def test_signal_drains_running_streams_then_cuts_the_rest(server):
+    proc, url, log, how, tree = server
+    assert len(tree) > 5, tree  # lserve, Ray's daemons, the Serve controller, proxy and replicas
     cut = Stream(url, max_tokens=1900)  # cannot finish within the grace period on this machine
     cut.start()
     cut.wait_tokens(6)
@@ -126,7 +176,7 @@ def test_sigterm_drains_running_streams_then_cuts_the_rest(server):
     drained.start()
     drained.wait_tokens(1)
     signalled = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    _signal(proc, how)
 
     def health_status() -> int:
         try:
@@ -159,3 +209,5 @@ def test_sigterm_drains_running_streams_then_cuts_the_rest(server):
     assert rc == 0, out
     assert "Traceback" not in out and "ActorDiedError" not in out, out
     assert "1 request(s) still running" in out, out
+    # nothing it started is left running (Ray's workers notice their raylet is gone within seconds)
+    _wait_for(lambda: not _still_running(tree), 15, f"left running: {_still_running(tree)}")
