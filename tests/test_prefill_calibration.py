@@ -76,20 +76,21 @@ def test_auto_uses_the_shipped_per_layer_taus():
     mc = loaded.config
     assert load_layer_taus(default_calibration_for("default"), mc.num_layers, mc.num_kv_heads) == tuple(
         shipped["layer_taus"])
-    prompt = list(range(100, 100 + 1600))
-
-    def kept(tau):
-        sp = SparsityConfig(pattern="auto", token_budget=0, prefill_sparsity=tau, prefill_sparsity_min_len=256,
-                            prefill_q_block=256)
-        eng = LLMEngine(EngineConfig(model="default", sparsity=sp, cache=CacheConfig(max_tokens=2048),
-                                     max_batched_tokens=2048, prefix_cache=False), loaded)
-        eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        return eng, eng.backend.prefill_tiles
-
-    eng, (auto_kept, causal) = kept(-1.0)
+    prompt = list(range(100, 100 + 1100))
+    sp = SparsityConfig(pattern="auto", token_budget=0, prefill_sparsity=-1.0, prefill_sparsity_min_len=256,
+                        prefill_q_block=256)
+    eng = LLMEngine(EngineConfig(model="default", sparsity=sp, cache=CacheConfig(max_tokens=1280),
+                                 max_batched_tokens=1280, prefix_cache=False), loaded)
     assert eng.backend.prefill_layer_taus == tuple(shipped["layer_taus"])
+
+    def kept(tau):  # tiles kept by one prefill (tau None: the engine's per-layer taus)
+        before = list(eng.backend.prefill_tiles)
+        eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prefill_sparsity=tau))
+        return [a - b for a, b in zip(eng.backend.prefill_tiles, before)]
+
+    auto_kept, causal = kept(None)
     assert 0 < auto_kept < causal
     top = max(t for t in shipped["layer_taus"] if t < 1.0)
-    _, (top_kept, _) = kept(top)
+    top_kept, _ = kept(top)  # one request: every layer at the largest calibrated tau
     if min(shipped["layer_taus"]) < top:
         assert auto_kept < top_kept
