@@ -34,9 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token-equivalents per step at most (long prompts are prefilled in chunks)")
     g.add_argument("--step-time-target", type=float, default=D["step_time_target"],
                    help="seconds a step with prefill should take, from measured speed (0: token cap only)")
-    g.add_argument("--decode-stall", type=float, default=D["decode_stall"],
-                   help="prefill time in a step with decodes, as a multiple of a decode step's time (or of the "
-                        "rest of such a step, if longer)")
+    g.add_argument("--itl-slo-ms", type=float, default=D["itl_slo_ms"],
+                   help="ms a step that carries decodes may take (the ITL of running requests while prompts are "
+                        "prefilled); prefill gets the rest, never less than --min-prefill-share (0: the step target)")
+    g.add_argument("--min-prefill-share", type=float, default=D["min_prefill_share"],
+                   help="least fraction of the time of steps with decodes that prefill gets (at its own speed), "
+                        "however many requests decode")
     g.add_argument("--seed", type=int, default=D["seed"], help="seed for random-weight presets")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=D["cuda_graphs"],
                    help="replay decode steps as CUDA graphs (cupy backend)")
@@ -257,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--engine-ttft", action=argparse.BooleanOptionalAction, default=True,
                    help="serve: time the engine's own one-step TTFT at the contexts >= 32k first")
     b.add_argument("--server-flags", default="",
-                   help="serve: more `lserve serve` flags for every configuration, one string (e.g. \"--decode-stall 2\")")
+                   help="serve: more `lserve serve` flags for every configuration, one string (e.g. \"--itl-slo-ms 50\")")
     b.add_argument("--point-time", type=float, default=40.0,
                    help="serve: seconds per load point (2.5x that above 32k context)")
     b.add_argument("--prefix-contexts", type=int, nargs="+", default=None,
