@@ -30,13 +30,14 @@ from load_tests.datasets import (
     load_tokenizer,
     passkey_dataset,
     random_dataset,
+    reasoning_dataset,
     shared_prefix_dataset,
 )
 from load_tests.report import write_json, write_png
 from load_tests.runner import LoadShape, run_load
 from load_tests.stats import parse_slos, summarize
 
-DATASETS = ("random", "shared-prefix", "doc-qa", "chat", "passkey")
+DATASETS = ("random", "shared-prefix", "doc-qa", "chat", "reasoning", "passkey")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=DATASETS, default="random",
                    help="random prompts; long prompts sharing prefixes; document QA (N docs x M questions); "
-                        "multi-turn chats; passkey prompts with checked answers")
+                        "multi-turn chats; reasoning (long prompts, long outputs); passkey prompts with checked answers")
     d.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     d.add_argument("--input-len", type=int, default=256,
                    help="prompt tokens (random) or unique suffix tokens after the prefix (shared-prefix)")
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--user-len", type=int, default=64, help="chat: tokens per user message")
     d.add_argument("--reply-len", type=int, default=128, help="chat: tokens per (fixed) assistant reply in the history")
     d.add_argument("--think-time", type=float, default=1.0, help="chat: seconds between a reply and the next turn")
+    d.add_argument("--reasoning-prompt-len", type=int, default=16384, help="reasoning: mean prompt tokens")
+    d.add_argument("--reasoning-output-len", type=int, default=2048, help="reasoning: mean output tokens")
+    d.add_argument("--reasoning-range", type=float, default=0.5,
+                   help="reasoning: output lengths uniform in len*(1 +- r) (prompts: len*(1 +- r/2))")
     d.add_argument("--tokenizer", default="default",
                    help="'default' (the bundled model's), a tokenizer.json, a model directory, a .gguf file or "
                         "preset:VOCAB (LServe's random-weight presets, e.g. preset:128256 for llama3-8b)")
@@ -190,6 +195,11 @@ def make_dataset(a: argparse.Namespace):
                              a.think_time, a.seed, a.send_text)
         info.update(num_prompts=len(specs), conversations=a.conversations, turns=a.turns, system_len=a.system_len,
                     user_len=a.user_len, reply_len=a.reply_len, think_time=a.think_time)
+    elif a.dataset == "reasoning":
+        specs = reasoning_dataset(tok, a.num_prompts, a.reasoning_prompt_len, a.reasoning_output_len,
+                                  a.reasoning_range / 2, a.reasoning_range, a.seed, a.send_text)
+        info.update(output_len=a.reasoning_output_len, prompt_len=a.reasoning_prompt_len,
+                    output_range=a.reasoning_range, prompt_range=a.reasoning_range / 2)
     else:
         specs = passkey_dataset(tok, a.num_prompts, a.context_len, a.output_len, a.seed, a.send_text)
         info.update(context_len=a.context_len)

@@ -1,5 +1,5 @@
 """Request datasets: random prompts, long prompts with shared prefixes, document QA (N documents x
-M questions), multi-turn chats, and passkey prompts.
+M questions), multi-turn chats, reasoning (long prompts, long outputs), and passkey prompts.
 
 Every dataset is a list of :class:`RequestSpec`, built up front from a seeded RNG so a run is
 reproducible. Prompts are token ids (the OpenAI completions API accepts them), so an input
@@ -334,6 +334,39 @@ def chat_dataset(tok: Tokenizer, conversations: int, turns: int, system_len: int
             specs.append(RequestSpec(list(history), len(history), output_len, "chat", group=c,
                                      meta={"conversation": c, "turn": t}, after=after, think_s=think_s if t else 0.0))
             history = history + _random_ids(rng, tok, reply_len)
+    return _finish(specs, tok, as_text)
+
+
+def reasoning_dataset(tok: Tokenizer, num: int, prompt_len: int, output_len: int, prompt_range: float = 0.25,
+                      output_range: float = 0.5, seed: int = 0, as_text: bool = False) -> list[RequestSpec]:
+    """Reasoning traces: a long prompt each (a document, a codebase, a problem with its context)
+    answered with a long, variable-length output (the chain of thought), the decode-heavy load
+    LServe's sparse decoding is for.
+
+    Every request has its own prompt (no shared prefix: a prefix cache cannot shorten it) and
+    asks for exactly its ``output_len`` tokens (``ignore_eos``); both lengths are uniform in
+    ``len * (1 +- range)``. ``meta["output_len"]`` records the asked length.
+
+    Parameters
+    ----------
+    tok : Tokenizer
+    num : int
+    prompt_len, output_len : int
+        Mean prompt and output lengths in tokens.
+    prompt_range, output_range : float
+        Relative spread of the lengths, in [0, 1).
+    seed : int
+    as_text : bool
+
+    Returns
+    -------
+    list of RequestSpec
+    """
+    _check_common(num, prompt_len, output_len, prompt_range)
+    _check_common(num, prompt_len, output_len, output_range)
+    rng = random.Random(seed)
+    ins, outs = _lengths(rng, prompt_len, prompt_range, num), _lengths(rng, output_len, output_range, num)
+    specs = [RequestSpec(_random_ids(rng, tok, i), i, o, "reasoning", meta={"output_len": o}) for i, o in zip(ins, outs)]
     return _finish(specs, tok, as_text)
 
 

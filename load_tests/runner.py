@@ -9,7 +9,8 @@ Three ways to offer load:
 * ``burst``: every request at once.
 
 A run is bounded twice: by the number of requests and by ``time_limit_s``, after which no new
-request is sent and the ones in flight are cancelled (recorded as failed). A request with
+request is sent and the ones in flight are cancelled (recorded as failed). ``send_for_s`` ends
+sending earlier (once ``min_requests`` were sent) and lets the requests in flight finish. A request with
 ``after`` set (a chat's next turn) is sent when that request has finished, plus its think time
 (in the closed loop, by the client that picks it up in dataset order).
 """
@@ -83,7 +84,8 @@ class LoadShape:
 
 
 async def run_load(specs: list[RequestSpec], opts: RequestOptions, shape: LoadShape, time_limit_s: float,
-                   progress: bool = True) -> tuple[list[RequestResult], float, int]:
+                   progress: bool = True, send_for_s: float | None = None,
+                   min_requests: int = 0) -> tuple[list[RequestResult], float, int]:
     """Send ``specs`` as ``shape`` says, within ``time_limit_s``.
 
     Parameters
@@ -95,6 +97,11 @@ async def run_load(specs: list[RequestSpec], opts: RequestOptions, shape: LoadSh
         Wall-clock cap of the whole run.
     progress : bool
         Show a tqdm progress bar (on stderr).
+    send_for_s : float, optional
+        Send no new request after this many seconds once ``min_requests`` were sent; the ones in
+        flight run on (to ``time_limit_s``). None: send until the specs or the time limit run out.
+    min_requests : int
+        Requests sent whatever ``send_for_s`` says (within the time limit).
 
     Returns
     -------
@@ -117,6 +124,12 @@ async def run_load(specs: list[RequestSpec], opts: RequestOptions, shape: LoadSh
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
 
+    def may_send(at: float) -> bool:
+        """Whether a request may still be sent at ``at`` (perf_counter seconds)."""
+        if at >= deadline:
+            return False
+        return send_for_s is None or len(results) < min_requests or at < t0 + send_for_s
+
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def one(i: int) -> None:
@@ -136,7 +149,7 @@ async def run_load(specs: list[RequestSpec], opts: RequestOptions, shape: LoadSh
             queue = list(range(len(specs)))[::-1]
 
             async def client() -> None:
-                while queue and time.perf_counter() < deadline:
+                while queue and may_send(time.perf_counter()):
                     i = queue.pop()
                     if specs[i].after is not None:  # popped in order: the previous turn is sent or done
                         await done[specs[i].after].wait()
@@ -152,20 +165,20 @@ async def run_load(specs: list[RequestSpec], opts: RequestOptions, shape: LoadSh
                     await one(i)
                     return
                 async with cap:
-                    if time.perf_counter() < deadline:
+                    if may_send(time.perf_counter()):
                         await one(i)
 
             async def dependent(i: int) -> None:
                 await done[specs[i].after].wait()
                 await asyncio.sleep(specs[i].think_s)
-                if time.perf_counter() < deadline and results.get(specs[i].after, None) is not None:
+                if may_send(time.perf_counter()) and results.get(specs[i].after, None) is not None:
                     await capped(i)
 
             free = [i for i, s in enumerate(specs) if s.after is None]
             tasks += [asyncio.create_task(dependent(i)) for i, s in enumerate(specs) if s.after is not None]
             for i, at in zip(free, shape.arrival_times(len(free))):
                 delay = t0 + at - time.perf_counter()
-                if t0 + at >= deadline:
+                if not may_send(t0 + at):
                     break
                 if delay > 0:
                     await asyncio.sleep(delay)

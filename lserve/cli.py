@@ -38,9 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token-equivalents per step at most (long prompts are prefilled in chunks)")
     g.add_argument("--step-time-target", type=float, default=D["step_time_target"],
                    help="seconds a step with prefill should take, from measured speed (0: token cap only)")
-    g.add_argument("--decode-stall", type=float, default=D["decode_stall"],
-                   help="prefill time in a step with decodes, as a multiple of a decode step's time (or of the "
-                        "rest of such a step, if longer)")
+    g.add_argument("--itl-slo-ms", type=float, default=D["itl_slo_ms"],
+                   help="ms a step that carries decodes may take (the ITL of running requests while prompts are "
+                        "prefilled); prefill gets the rest, never less than --min-prefill-share (0: the step target)")
+    g.add_argument("--min-prefill-share", type=float, default=D["min_prefill_share"],
+                   help="least fraction of the time of steps with decodes that prefill gets (at its own speed), "
+                        "however many requests decode")
     g.add_argument("--seed", type=int, default=D["seed"], help="seed for random-weight presets")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=D["cuda_graphs"],
                    help="replay decode steps as CUDA graphs (cupy backend)")
@@ -210,12 +213,33 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if a.merge:
             merge_reports(a.merge, a.out, a.name or "serve_h200")
             return 0
+        from lserve.bench.serve import CONFIG_FLAGS, parse_plan
+
+        configs = tuple(a.configs.split(","))
+        bad = [c for c in configs if c not in CONFIG_FLAGS]
+        if bad:
+            raise ConfigError(f"--configs: unknown configuration {bad[0]!r} (choose from {', '.join(CONFIG_FLAGS)})")
+        try:
+            plan = parse_plan(a.plan or [], a.decode_tokens or 64)
+        except ValueError as e:
+            raise ConfigError(f"--plan: {e}") from None
+        if a.point_time < 0 or a.requests_per_c < 1 or a.slo_ttft_ms <= 0 or a.slo_itl_ms <= 0:
+            raise ConfigError("--point-time must be >= 0, --requests-per-c >= 1, --slo-ttft-ms and --slo-itl-ms > 0")
+        if any(v < 0 for v in a.itl_slo_sweep or ()):
+            raise ConfigError("--itl-slo-sweep values must be >= 0 ms (0: no ITL SLO)")
+        if a.sweep_point is not None and not (len(a.sweep_point.split(":")) == 2
+                                              and all(x.isdigit() for x in a.sweep_point.split(":"))):
+            raise ConfigError(f"--sweep-point must look like 131072:4 (context:concurrency), got {a.sweep_point!r}")
+        contexts = tuple(a.contexts or (2048, 32768, 131072))
+        planned = {ctx for _, ctx, _, _ in plan} or set(contexts)
         run_serve_bench(a.out, name=a.name or "serve_h200", model=a.model or "llama3-8b", device=a.device or "cuda",
-                        backend=a.backend or "cupy", contexts=tuple(a.contexts or (2048, 32768, 131072)),
+                        backend=a.backend or "cupy", contexts=contexts,
                         output_len=a.decode_tokens or 64, deadline_s=a.deadline, point_time_s=a.point_time,
                         prefix_contexts=tuple(a.prefix_contexts or ()), extra_flags=tuple(a.server_flags.split()),
-                        configs=tuple(a.configs.split(",")), engine_contexts=tuple(
-                            c for c in (a.contexts or (2048, 32768, 131072)) if c >= 32768 and a.engine_ttft))
+                        configs=configs, engine_contexts=tuple(sorted(c for c in planned if c >= 32768 and a.engine_ttft)),
+                        workload=a.workload, plan=tuple(a.plan or ()), requests_per_c=a.requests_per_c,
+                        point_limit_s=a.point_limit, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
+                        itl_slo_sweep=tuple(a.itl_slo_sweep or ()), sweep_point=a.sweep_point, port=a.port)
     return 0
 
 
@@ -281,9 +305,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--engine-ttft", action=argparse.BooleanOptionalAction, default=True,
                    help="serve: time the engine's own one-step TTFT at the contexts >= 32k first")
     b.add_argument("--server-flags", default="",
-                   help="serve: more `lserve serve` flags for every configuration, one string (e.g. \"--decode-stall 2\")")
-    b.add_argument("--point-time", type=float, default=40.0,
-                   help="serve: seconds per load point (2.5x that above 32k context)")
+                   help="serve: more `lserve serve` flags for every configuration, one string (e.g. \"--itl-slo-ms 50\")")
+    b.add_argument("--point-time", type=float, default=30.0,
+                   help="serve: seconds a load point sends for at least (then its requests in flight finish)")
+    b.add_argument("--requests-per-c", type=int, default=8,
+                   help="serve: requests a load point sends at least, per client")
+    b.add_argument("--point-limit", type=float, default=600.0,
+                   help="serve: seconds after which a load point's requests in flight are cancelled")
+    b.add_argument("--workload", default="random", choices=["random", "doc-qa", "reasoning", "chat"],
+                   help="serve: random (--decode-tokens out), doc-qa (long in, 128 out), reasoning (long in, 2048 out), "
+                        "chat (multi-turn, 256 out)")
+    b.add_argument("--plan", nargs="+", default=None, metavar="WORKLOAD:CONTEXT:C1,C2[:OUT]",
+                   help="serve: load points instead of --contexts/--workload, e.g. reasoning:131072:4 random:2048:1,16,32:512")
+    b.add_argument("--slo-ttft-ms", type=float, default=30000.0, help="serve: TTFT SLO of the goodput column")
+    b.add_argument("--slo-itl-ms", type=float, default=200.0,
+                   help="serve: ITL SLO of the goodput column (a request's worst gap between tokens)")
+    b.add_argument("--itl-slo-sweep", type=float, nargs="+", default=None, metavar="MS",
+                   help="serve: after the plan, serve --sweep-point once per --itl-slo-ms value (0: none), per "
+                        "configuration, and plot TTFT p50 against ITL p99 (<name>_itl_slo.png)")
+    b.add_argument("--sweep-point", default=None, metavar="CONTEXT:C",
+                   help="serve: the sweep's load point (default: the longest context at concurrency 4)")
+    b.add_argument("--port", type=int, default=8321, help="serve: the port of the servers it starts")
     b.add_argument("--prefix-contexts", type=int, nargs="+", default=None,
                    help="serve: also time a first and a second question on one document of each length (LServe)")
     b.add_argument("--merge", nargs="+", default=None, metavar="JSON",

@@ -289,10 +289,15 @@ class EngineConfig:
         Seconds a step with prefill should take (0: no time model, ``max_batched_tokens`` alone
         bounds a step). The prefill budget then follows measured speed and an attention-aware
         cost per chunk (:mod:`lserve.engine.step_budget`), so steps stay short at any context.
-    decode_stall : float
-        With a time target: prefill time in a step with decodes, as a multiple of the longer of a
-        decode-only step and the rest of such a step (bounds the inter-token latency of running
-        requests; :mod:`lserve.engine.step_budget`).
+    itl_slo_ms : float
+        Milliseconds a step that carries decodes should take at most (the inter-token latency
+        running requests see while prompts are prefilled); 0: ``step_time_target`` bounds such
+        steps too. Prefill gets what the decodes leave, never less than ``min_prefill_share``
+        (:mod:`lserve.engine.step_budget` states the rule).
+    min_prefill_share : float
+        The least fraction of the time of steps that carry decodes that goes to prefill, counted
+        at the prefill-only rate, in (0, 1): a waiting prompt's TTFT stays within about its
+        prefill time alone over this, however many decodes run.
     prefix_cache : bool
         Keep full prompt pages after their request and reuse them for later prompts that start
         the same way (:mod:`lserve.cache.prefix_cache`); idle cached pages are evicted, least
@@ -314,7 +319,8 @@ class EngineConfig:
     fused_ops: bool = True
     async_decode: bool = True
     step_time_target: float = 0.0
-    decode_stall: float = 1.0
+    itl_slo_ms: float = 0.0
+    min_prefill_share: float = 0.3
     prefix_cache: bool = True
 
     def __post_init__(self) -> None:
@@ -325,7 +331,8 @@ class EngineConfig:
         _check(self.max_batched_tokens >= 16, f"max_batched_tokens must be >= 16, got {self.max_batched_tokens}")
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
         _check(0 <= self.step_time_target <= 60, f"step_time_target must be in [0, 60] seconds, got {self.step_time_target}")
-        _check(self.decode_stall > 0, f"decode_stall must be > 0, got {self.decode_stall}")
+        _check(0 <= self.itl_slo_ms <= 60000, f"itl_slo_ms must be in [0, 60000] ms, got {self.itl_slo_ms}")
+        _check(0 < self.min_prefill_share < 1, f"min_prefill_share must be in (0, 1), got {self.min_prefill_share}")
         for flag in ("cuda_graphs", "fused_ops", "async_decode", "prefix_cache", "allow_long_max_model_len"):
             _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":
@@ -400,16 +407,17 @@ def engine_config_from_args(a) -> EngineConfig:
                         max_model_len=a.max_model_len, seed=a.seed,
                         allow_long_max_model_len=getattr(a, "allow_long_max_model_len", False),
                         cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode,
-                        step_time_target=a.step_time_target, decode_stall=a.decode_stall,
+                        step_time_target=a.step_time_target, itl_slo_ms=a.itl_slo_ms,
+                        min_prefill_share=a.min_prefill_share,
                         prefix_cache=getattr(a, "prefix_cache", True))
 
 
 #: Where the command line (``lserve generate`` / ``lserve serve`` flags, the serve settings)
 #: departs from the dataclasses' library defaults: the model's shipped head pattern, and steps
-#: that aim at 0.25 s within 8192 token-equivalents, a prefill next to decodes taking up to 4x a
-#: decode step (see :mod:`lserve.engine.step_budget`; the library keeps the deterministic
+#: that aim at 0.25 s within 8192 token-equivalents, steps that carry decodes at most 100 ms (issue
+#: 40's default ITL bound; see :mod:`lserve.engine.step_budget`; the library keeps the deterministic
 #: 2048-token cap).
-CLI_OVERRIDES = {"pattern": "auto", "max_batched_tokens": 8192, "step_time_target": 0.25, "decode_stall": 4.0}
+CLI_OVERRIDES = {"pattern": "auto", "max_batched_tokens": 8192, "step_time_target": 0.25, "itl_slo_ms": 100.0}
 #: Engine flag name -> (config object, field) where its default lives.
 _FLAG_FIELDS = {"sink": ("sparsity", "sink_tokens"), "local": ("sparsity", "local_tokens"),
                 "max_cache_tokens": ("cache", "max_tokens")}
@@ -420,8 +428,8 @@ def engine_flag_defaults() -> dict[str, Any]:
     values with :data:`CLI_OVERRIDES` applied. The CLI and the serve settings read theirs here."""
     objs = {"engine": EngineConfig(), "sparsity": SparsityConfig(), "cache": CacheConfig()}
     flags = ("model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
-             "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache",
-             "allow_long_max_model_len")
+             "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "itl_slo_ms", "min_prefill_share",
+             "prefix_cache", "allow_long_max_model_len")
     out = {f: getattr(objs["engine"], f) for f in flags}
     for f in ("pattern", "static_sparsity", "token_budget", "reuse_interval", "dynamic_threshold", "dense_layers",
               "select_mode", "select_layers", "adaptive_budgets", "prefill_sparsity", "prefill_sparsity_min_len",

@@ -49,6 +49,8 @@ def test_generate_with_adaptive_budgets_file(tmp_path):
     (["--backend", "cupy"], "needs a CUDA device"),
     (["--max-tokens", "0"], "max_tokens must be"),
     (["--adaptive-budgets", "auto"], "no shipped adaptive budgets"),
+    (["--itl-slo-ms", "-5"], "itl_slo_ms must be in [0, 60000]"),
+    (["--min-prefill-share", "1"], "min_prefill_share must be in (0, 1)"),
 ])
 def test_bad_settings_print_one_line(args, message):
     r = lserve("generate", "hi", "--model", "tiny", *args) if "--model" not in args else lserve("generate", "hi", *args)

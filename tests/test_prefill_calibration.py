@@ -10,13 +10,8 @@ from lserve.cli import main
 from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
-from lserve.sparsity.prefill_calibration import (
-    CALIBRATION_KIND,
-    TAU_GRID,
-    choose_taus,
-    default_calibration_for,
-    load_layer_taus,
-)
+from lserve.sparsity.prefill_calibration import choose_taus
+from lserve.sparsity.prefill_taus import CALIBRATION_KIND, TAU_GRID, default_calibration_for, load_layer_taus
 
 
 def test_choose_taus_takes_the_smallest_tau_that_holds_on_every_prompt():

@@ -64,7 +64,7 @@ def simulate(budget: StepBudget, steps: int, overhead_mixed: float, decode_s: fl
         if i % 3 == 0:
             budget.observe(0, 4, decode_s)
             continue
-        room = budget.prefill_budget(4)
+        room = max(budget.prefill_budget(4), budget.min_chunk)  # the scheduler's first chunk always progresses
         budgets.append(room)
         prefill_s = room / mixed_rate
         budget.observe(room, 4, overhead_mixed + prefill_s, prefill_s if timed else None)
@@ -74,31 +74,55 @@ def simulate(budget: StepBudget, steps: int, overhead_mixed: float, decode_s: fl
 
 
 def test_mixed_step_overhead_is_not_taken_for_prefill_time():
-    """An eager mixed step costs 40 ms before any prefill: the prefill share stays sized by that
-    overhead (decode_stall x 40 ms of prefill) instead of collapsing to the minimum chunk; where
-    the parts were not timed apart it still keeps half the prefill-only rate's share."""
-    b = StepBudget(8192, target_s=0.25, decode_stall=1.0, min_chunk=32)
-    budgets = simulate(b, 60, overhead_mixed=0.04, decode_s=0.005, rate=60000.0)
-    assert budgets[-1] == pytest.approx(0.04 * 60000, rel=0.1)
-    assert min(budgets[5:]) > 1000
-    b = StepBudget(8192, target_s=0.25, decode_stall=1.0, min_chunk=32)
-    budgets = simulate(b, 60, overhead_mixed=0.04, decode_s=0.005, rate=60000.0, timed=False)
-    assert min(budgets) >= 0.5 * 0.005 * 60000 * 0.99
-
-
-def test_slower_prefill_next_to_decodes_does_not_grow_the_stall():
-    """Prefill next to decodes 1.5x slower than in prefill-only steps (the H200's flash chunks
-    against cuDNN ones): mixed steps settle at about (1 + decode_stall) decode steps, instead of
-    the slower prefill being taken for overhead, raising the next budget, up to the time target
-    (the H200 served 128k at concurrency 4 with 200-330 ms inter-token gaps that way)."""
+    """An eager mixed step costs 40 ms before any prefill: with a 100 ms ITL SLO its prefill gets
+    what is left of 90 ms (the SLO's aim) instead of collapsing to the minimum chunk, timed apart
+    or not (then the overhead is counted as slow prefill, and the budget still settles there)."""
     for timed in (True, False):
-        b = StepBudget(8192, target_s=0.25, decode_stall=4.0, min_chunk=32)
+        b = StepBudget(8192, target_s=0.25, itl_slo_s=0.1, min_chunk=32)
+        secs: list[float] = []
+        budgets = simulate(b, 90, overhead_mixed=0.04, decode_s=0.005, rate=60000.0, timed=timed, seconds=secs)
+        assert budgets[-1] == pytest.approx((0.09 - 0.04) * 60000, rel=0.1), timed
+        assert min(budgets[5:]) > 1000
+        assert max(secs[-20:]) == pytest.approx(0.09, rel=0.05)
+
+
+def test_slower_prefill_next_to_decodes_does_not_grow_the_step():
+    """Prefill next to decodes 1.5x slower than in prefill-only steps (the H200's flash chunks
+    against cuDNN ones): mixed steps settle within the ITL SLO, instead of the slower prefill
+    being taken for overhead, raising the next budget, up to the time target (the H200 served
+    128k at concurrency 4 with 200-330 ms inter-token gaps that way)."""
+    for timed in (True, False):
+        b = StepBudget(8192, target_s=0.25, itl_slo_s=0.05, min_chunk=32)
         secs: list[float] = []
         simulate(b, 90, overhead_mixed=0.004, decode_s=0.006, rate=60000.0, mixed_rate=40000.0, timed=timed,
                  seconds=secs)
-        assert b.mixed_rate == pytest.approx(40000.0 if timed else 60000.0, rel=0.3)
-        assert max(secs[-20:]) == pytest.approx(0.004 + 4 * 0.006, rel=0.15), timed  # ~28 ms, not 0.25 s
+        assert b.mixed_rate == pytest.approx(40000.0, rel=0.3)
+        assert max(secs[-20:]) == pytest.approx(0.045, rel=0.1), timed  # the SLO's aim, not 0.25 s
         assert max(secs[len(secs) // 3:]) < 0.05
+
+
+def test_slow_decodes_leave_prefill_its_share():
+    """Decodes alone take longer than the ITL SLO (many long requests): the SLO leaves prefill
+    nothing, and the floor still gives it min_prefill_share of those steps' time, counted at the
+    prefill-only rate, whatever their fixed cost (here 0.2 s, and prefill 1.5x slower there)."""
+    for share in (0.3, 0.5):
+        b = StepBudget(10**6, target_s=0.25, itl_slo_s=0.1, min_prefill_share=share, min_chunk=32)
+        secs: list[float] = []
+        budgets = simulate(b, 120, overhead_mixed=0.2, decode_s=0.15, rate=60000.0, mixed_rate=40000.0, seconds=secs)
+        got = [room / 60000.0 / s for room, s in zip(budgets[-20:], secs[-20:])]
+        assert min(got) > 0.9 * share and max(got) < 1.3 * share, (share, got)
+
+
+def test_itl_slo_needs_no_step_target():
+    """``itl_slo_s`` alone turns the time model on for steps with decodes; prefill-only steps keep
+    the token cap (a prompt of max_tokens tokens is one step)."""
+    b = StepBudget(4096, target_s=0.0, itl_slo_s=0.05)
+    assert b.timed and b.prefill_budget(0) == b.cap
+    b.observe(4096, 0, 4096 / 60000.0)
+    assert b.prefill_budget(0) == b.cap
+    assert b.prefill_budget(2) < 0.05 * 60000
+    with pytest.raises(ValueError):
+        StepBudget(4096, min_prefill_share=1.0)
 
 
 def test_prefill_only_steps_follow_the_time_target():

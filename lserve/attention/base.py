@@ -19,7 +19,7 @@ from lserve.sparsity.kv_read import KVReadMeter, ring_tokens, selected_tokens, s
 from lserve.sparsity.layer_select import resolve_select_layers
 from lserve.sparsity.plan import SeqPlan, SeqStep, StepPlan, StepPlanner
 from lserve.sparsity.prefill_blocks import PrefillBlocks, prefill_blocks
-from lserve.sparsity.prefill_calibration import resolve_layer_taus
+from lserve.sparsity.prefill_taus import resolve_layer_taus
 
 
 @dataclass

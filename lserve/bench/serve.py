@@ -3,8 +3,14 @@
 For each configuration a real ``lserve serve`` process is started (Ray Serve, the OpenAI
 ingress, one engine replica) and driven through HTTP by ``load_tests`` (streaming
 ``/v1/completions``, closed-loop clients, exactly ``output_len`` tokens per request), as
-``vllm bench serve`` measures a server: TTFT, ITL and output tokens/s per (context,
-concurrency). Also, per run:
+``vllm bench serve`` measures a server: TTFT, ITL and output tokens/s per (workload, context,
+concurrency). A load point sends for at least ``point_time_s`` (30 s by default) and at least
+``requests_per_c`` (8) requests per client, then lets the requests in flight finish. Workloads
+(:data:`WORKLOADS`): ``random`` (``--decode-tokens`` per request), ``doc-qa`` (a long document and
+question, 128 output tokens), ``reasoning`` (a long prompt, 2048 output tokens), ``chat``
+(multi-turn: each turn resends the history, 256 output tokens). Each row also has
+``bound_tok_s`` (:func:`bound_tok_s`), the SLOs it was judged against (``slo``) and its goodput.
+Also, per run:
 
 * ``engine_ttft_s``: the engine's own TTFT of the LServe configuration at the long contexts
   (``lserve bench e2e``'s measurement, whole prompt in one step, the second prompt of its length,
@@ -16,7 +22,10 @@ concurrency). Also, per run:
   on one document and the prompt tokens the second got from the prefix cache (also written as
   the ``rows`` of ``<prefix_name>.json``);
 * ``steps``: per configuration, how the engine ran its steps (CUDA-graph replays, eager decode
-  steps, steps with prefill), read from ``/admin/engines`` after the load.
+  steps, steps with prefill), read from ``/admin/engines`` after the load;
+* ``itl_sweep`` (``--itl-slo-sweep``): rows of one (workload, context, concurrency) point served
+  with each ``--itl-slo-ms`` value, per configuration, plotted as TTFT p50 against ITL p99
+  (``<name>_itl_slo.png``): the trade-off the SLO sets.
 
 The JSON is rewritten after every point, so a run cut short keeps what it measured.
 """
@@ -54,6 +63,57 @@ def engine_sparsity(config: str):
         return next(iter(prefill_sparse_configs((SPARSE_TAU,)).values()))
     return CONFIGS[config]
 SHORT_LEN = 256  # the head-of-line probe's short prompt
+#: Workload -> output tokens per request (None: ``--decode-tokens``).
+WORKLOADS = {"random": None, "doc-qa": 128, "reasoning": 2048, "chat": 256}
+CHAT_TURNS = 4  # turns per conversation of the chat workload (its last turn is ``context`` tokens long)
+
+
+def parse_plan(items: list[str], default_output: int) -> list[tuple[str, int, list[int], int]]:
+    """``WORKLOAD:CONTEXT:C1,C2[:OUTPUT]`` strings -> (workload, context, concurrencies, output_len).
+
+    Raises
+    ------
+    ValueError
+        For a malformed entry, an unknown workload or a count below 1.
+    """
+    out = []
+    for item in items:
+        parts = item.split(":")
+        if len(parts) not in (3, 4) or parts[0] not in WORKLOADS:
+            raise ValueError(f"a plan entry is WORKLOAD:CONTEXT:C1,C2[:OUTPUT] with WORKLOAD one of "
+                             f"{', '.join(WORKLOADS)}; got {item!r}")
+        try:
+            ctx, concs = int(parts[1]), [int(c) for c in parts[2].split(",")]
+            output = int(parts[3]) if len(parts) == 4 else (WORKLOADS[parts[0]] or default_output)
+        except ValueError:
+            raise ValueError(f"plan entry {item!r}: context, concurrencies and output must be integers") from None
+        if ctx < 16 or output < 1 or min(concs) < 1:
+            raise ValueError(f"plan entry {item!r}: context must be >= 16, output and concurrencies >= 1")
+        out.append((parts[0], ctx, concs, output))
+    return out
+
+
+def bound_tok_s(rows: list[dict], engine_ttft: dict | None = None) -> None:
+    """Set each row's ``bound_tok_s``: the output tokens/s its closed loop could reach at most on
+    this server, from the measured prefill time and decode step.
+
+    One GPU does one thing at a time, so a round of ``C`` requests of ``n`` output tokens takes at
+    least ``C * P + (n - 1) * d``: each prompt's prefill ``P``, and ``n - 1`` decode steps of the
+    batch of ``C``, ``d`` each, even if every decode were folded into a prefill step. ``P`` is the
+    TTFT p50 of the concurrency-1 row of the same (configuration, workload, context, output) (a
+    prefill with nothing beside it), else the engine's own one-step TTFT at that context; ``d`` is
+    the row's own ITL p50 (most gaps at a load point are decode steps of its batch). Hence
+    ``bound = C * n / (C * P + (n - 1) * d)``; None where ``P`` or ``d`` is missing.
+    """
+    alone = {(r["config"], r.get("workload"), r["context"], r["output_len"]): r["ttft_p50_s"]
+             for r in rows if r["concurrency"] == 1 and r.get("ttft_p50_s")}
+    for r in rows:
+        p = alone.get((r["config"], r.get("workload"), r["context"], r["output_len"]))
+        if p is None and engine_ttft:
+            p = engine_ttft.get(r["config"], {}).get(str(r["context"]))
+        d = r.get("itl_p50_ms")
+        c, n = r["concurrency"], r["output_len"]
+        r["bound_tok_s"] = None if p is None or not d else round(c * n / (c * p + (n - 1) * d / 1e3), 2)
 
 
 def _log(msg: str) -> None:
@@ -179,33 +239,63 @@ def _tokenizer(vocab: int):
     return load_tokenizer(f"preset:{vocab}")
 
 
-def run_point(base_url: str, tok, context: int, concurrency: int, num: int, output_len: int,
-              time_limit_s: float, seed: int = 0) -> dict:
-    """One closed-loop load point through ``load_tests``; its ``results`` summary."""
+def served_itl_slo_ms(flags: list[str]) -> float:
+    """The ``--itl-slo-ms`` a server started with ``flags`` runs with (the last one given, else the default)."""
+    from lserve.config import engine_flag_defaults
+
+    at = [i for i, f in enumerate(flags) if f == "--itl-slo-ms"]
+    return float(flags[at[-1] + 1]) if at else float(engine_flag_defaults()["itl_slo_ms"])
+
+
+def workload_specs(tok, workload: str, context: int, num: int, output_len: int, seed: int):
+    """The requests of a load point: ``num`` prompts of ``context`` tokens (chat: conversations
+    whose last turn is ``context`` tokens long, ``num`` turns in all)."""
+    from load_tests.datasets import chat_dataset, random_dataset
+
+    if workload != "chat":
+        return random_dataset(tok, num, context, output_len, 0.0, seed)
+    user = min(64, max(1, context // 16))
+    system = max(0, context - CHAT_TURNS * user - (CHAT_TURNS - 1) * output_len)
+    return chat_dataset(tok, -(-num // CHAT_TURNS), CHAT_TURNS, system, user, output_len, output_len, 0.0, seed)
+
+
+def run_point(base_url: str, tok, context: int, concurrency: int, output_len: int, time_limit_s: float,
+              seed: int = 0, workload: str = "random", min_time_s: float = 30.0, requests_per_c: int = 8,
+              slos_ms: dict | None = None) -> dict:
+    """One closed-loop load point through ``load_tests``: it sends for ``min_time_s`` and at least
+    ``requests_per_c * concurrency`` requests, then lets those in flight finish (all within
+    ``time_limit_s``); its ``results`` summary, goodput under ``slos_ms``."""
     from load_tests.client import RequestOptions
-    from load_tests.datasets import random_dataset
     from load_tests.runner import LoadShape, run_load
     from load_tests.stats import summarize
 
-    specs = random_dataset(tok, num, context, output_len, 0.0, seed)
+    least = requests_per_c * concurrency
+    pool = least if context > 4096 else max(least, 64 * concurrency)  # short requests: enough for min_time_s
+    specs = workload_specs(tok, workload, context, pool, output_len, seed)
     opts = RequestOptions(url=base_url + "/v1/completions", model=None, temperature=0.0, ignore_eos=True,
                           timeout_s=time_limit_s + 60)
     shape = LoadShape("concurrency", concurrency=concurrency, seed=seed)
-    results, duration, not_sent = asyncio.run(run_load(specs, opts, shape, time_limit_s, progress=False))
-    return summarize(results, duration, None, not_sent)
+    results, duration, _ = asyncio.run(run_load(specs, opts, shape, time_limit_s, progress=False,
+                                                send_for_s=min_time_s, min_requests=least))
+    return summarize(results, duration, slos_ms, max(0, least - len(results)))
 
 
-def _row(config: str, context: int, concurrency: int, s: dict, output_len: int) -> dict:
+def _row(config: str, context: int, concurrency: int, s: dict, output_len: int, workload: str = "random",
+         itl_slo_ms: float | None = None) -> dict:
     def q(key, stat, scale):
         v = s[key].get(stat)
         return None if v is None else round(v * scale, 4)
 
     # requests still running when the point's time ran out (the budget was short, not a failure)
     cut = sum(e["count"] for e in s["errors"] if e["error"] == "cancelled at the time limit")
-    return {"config": config, "context": context, "concurrency": concurrency, "output_len": output_len,
-            "output_tok_s": s["output_token_throughput"], "ttft_p50_s": q("ttft_ms", "p50", 1e-3),
+    g = s["goodput"]
+    return {"config": config, "workload": workload, "context": context, "concurrency": concurrency,
+            "output_len": output_len, "itl_slo_ms": itl_slo_ms,
+            "output_tok_s": s["output_token_throughput"], "bound_tok_s": None, "ttft_p50_s": q("ttft_ms", "p50", 1e-3),
             "ttft_p99_s": q("ttft_ms", "p99", 1e-3), "itl_p50_ms": q("itl_ms", "p50", 1),
             "itl_p99_ms": q("itl_ms", "p99", 1), "tpot_p50_ms": q("tpot_ms", "p50", 1),
+            "slo": {f"{k}_ms": v for k, v in g["slos_ms"].items()}, "good_requests": g["good_requests"],
+            "goodput_rps": g["goodput_rps"], "good_fraction": g["good_fraction"],
             "completed": s["successful"], "failed": s["failed"] - cut, "cancelled_at_limit": cut,
             "not_sent": s["not_sent"],
             "duration_s": s["duration_s"], "errors": s["errors"][:3]}
@@ -303,37 +393,61 @@ def engine_ttft(model: str, contexts: list[int], device: str, backend: str,
     return out
 
 
-def plan_points(contexts: list[int], concurrencies: dict[int, list[int]]) -> list[tuple[int, int]]:
-    return [(ctx, c) for ctx in contexts for c in concurrencies[ctx]]
-
-
 def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200", model: str = "llama3-8b",
                     device: str = "cuda", backend: str = "cupy", configs: tuple[str, ...] = ("lserve", "dense"),
                     contexts: tuple[int, ...] = (2048, 32768, 131072), short_concurrency=(1, 4, 16, 32),
-                    long_concurrency=(1, 4), output_len: int = 64, point_time_s: float = 40.0,
+                    long_concurrency=(1, 4), output_len: int = 64, point_time_s: float = 30.0,
                     extra_flags: tuple[str, ...] = (), port: int = 8321, hol: bool = True,
                     engine_contexts: tuple[int, ...] = (32768, 131072), deadline_s: float | None = None,
-                    prefix_contexts: tuple[int, ...] = (), prefix_name: str = "prefix_cache_h200") -> dict:
-    """Run the served benchmark and write ``<out_dir>/<name>.json`` + ``.png``; returns the report."""
+                    prefix_contexts: tuple[int, ...] = (), prefix_name: str = "prefix_cache_h200",
+                    workload: str = "random", plan: tuple[str, ...] = (), requests_per_c: int = 8,
+                    point_limit_s: float = 600.0, slo_ttft_ms: float = 30000.0, slo_itl_ms: float = 200.0,
+                    itl_slo_sweep: tuple[float, ...] = (), sweep_point: str | None = None) -> dict:
+    """Run the served benchmark and write ``<out_dir>/<name>.json`` + ``.png``; returns the report.
+
+    Load points come from ``plan`` (``WORKLOAD:CONTEXT:C1,C2[:OUTPUT]``, :func:`parse_plan`), else
+    from ``contexts`` x (``short_concurrency`` up to 4k, else ``long_concurrency``) with
+    ``workload``. ``itl_slo_sweep``: serve ``sweep_point`` (``CONTEXT:C``, the same workload as
+    the plan's entry at that context, or the longest context at concurrency 4) once per
+    ``--itl-slo-ms`` value, per configuration, after the plan.
+    """
     t_start = time.monotonic()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
+    default_out = WORKLOADS[workload] or output_len
+    if plan:
+        points = parse_plan(list(plan), default_out)
+    else:
+        points = [(workload, ctx, list(short_concurrency if ctx <= 4096 else long_concurrency), default_out)
+                  for ctx in contexts]
+    sweep = None
+    if itl_slo_sweep:
+        sctx, sc = (int(x) for x in (sweep_point or f"{max(p[1] for p in points)}:4").split(":"))
+        wl, out = next(((w, o) for w, c, _, o in points if c == sctx), (workload, default_out))
+        sweep = (wl, sctx, [sc], out)
+    everything = points + ([sweep] if sweep else [])
+    contexts = tuple(sorted({p[1] for p in everything}))
     longest = max((*contexts, *prefix_contexts))
-    conc = {ctx: list(short_concurrency if ctx <= 4096 else long_concurrency) for ctx in contexts}
-    max_c = max(max(v) for v in conc.values())
-    cache_tokens = max(max(c * (ctx + output_len + 64) for c in conc[ctx]) for ctx in contexts)
+    max_out = max(p[3] for p in everything)
+    max_c = max(max(p[2]) for p in everything)
+    cache_tokens = max(max(c * (ctx + out + 64) for c in cs) for _, ctx, cs, out in everything)
     cache_tokens = max([cache_tokens] + [2 * ctx + 1024 for ctx in prefix_contexts])  # a document + a question
     common = ["--model", model, "--device", device, "--backend", backend, "--max-model-len",
-              str(longest + output_len + 64), "--max-cache-tokens", str(cache_tokens), "--max-num-seqs",
+              str(longest + max_out + 64), "--max-cache-tokens", str(cache_tokens), "--max-num-seqs",
               str(max_c), "--max-ongoing-requests", str(2 * max_c), *extra_flags]
-    report = {**header(), "model": model, "backend": backend, "output_len": output_len, "server_flags": common,
-              "config_flags": CONFIG_FLAGS, "rows": [], "engine_ttft_s": {}, "hol": None, "steps": {},
-              "startup_s": {}}
+    slos = {"ttft": slo_ttft_ms, "itl": slo_itl_ms}
+    report = {**header(), "model": model, "backend": backend, "output_len": default_out, "server_flags": common,
+              "config_flags": CONFIG_FLAGS, "point_time_s": point_time_s, "requests_per_c": requests_per_c,
+              "slo_ms": slos, "rows": [], "engine_ttft_s": {}, "hol": None, "steps": {}, "startup_s": {},
+              "itl_sweep": []}
 
     def save():
+        bound_tok_s(report["rows"], report.get("engine_ttft_by_config"))
         write_json(path, report)
         plot_serve(report, path.with_suffix(".png"))
+        if report["itl_sweep"]:
+            plot_itl_sweep(report, out_dir / f"{name}_itl_slo.png")
 
     def time_left() -> float:
         return float("inf") if deadline_s is None else deadline_s - (time.monotonic() - t_start)
@@ -345,22 +459,21 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
         report["engine_ttft_s"] = by_config.get("lserve", next(iter(by_config.values())))
         save()
     tok = _tokenizer(_vocab(model))
-    for config in configs:
-        if time_left() < 60:
-            _log(f"skipping {config}: out of time")
-            continue
-        srv = Server(common + CONFIG_FLAGS[config], port, out_dir / f"{name}_{config}_server.log")
+
+    def serve(config: str, flags: list[str], tag: str, pts, rows: list, probes: bool) -> None:
+        srv = Server(common + CONFIG_FLAGS[config] + flags, port, out_dir / f"{name}_{tag}_server.log")
+        slo_flag = served_itl_slo_ms(common + CONFIG_FLAGS[config] + flags)
         try:
-            report["startup_s"][config] = round(srv.wait_healthy(300), 1)
-            _log(f"{config}: healthy after {report['startup_s'][config]} s")
+            report["startup_s"][tag] = round(srv.wait_healthy(300), 1)
+            _log(f"{tag}: healthy after {report['startup_s'][tag]} s")
             for ctx in sorted({min(c, 32768) for c in contexts}):  # warm-up: kernels, graphs, allocator
-                w = run_point(srv.base_url, tok, ctx, 1, 1, 8, 90)
-                _log(f"{config}: warm-up at {ctx}: {w['successful']} ok, TTFT {w['ttft_ms']['p50']} ms, "
+                w = run_point(srv.base_url, tok, ctx, 1, 8, 90, min_time_s=0.0, requests_per_c=1)
+                _log(f"{tag}: warm-up at {ctx}: {w['successful']} ok, TTFT {w['ttft_ms']['p50']} ms, "
                      f"errors {w['errors']}")
                 if not w["successful"]:
-                    dump_stacks(out_dir / f"{name}_{config}_stacks.txt")
-                    raise RuntimeError(f"{config}: the warm-up request did not complete; stacks dumped")
-            if prefix_contexts and config == "lserve":
+                    dump_stacks(out_dir / f"{name}_{tag}_stacks.txt")
+                    raise RuntimeError(f"{tag}: the warm-up request did not complete; stacks dumped")
+            if probes and prefix_contexts and config == "lserve":
                 prefix_probe(srv.base_url, _vocab(model), 8192, seed=99)  # warm-up: the cached-prefix path once
                 report["prefix_cache"] = [prefix_probe(srv.base_url, _vocab(model), ctx) for ctx in prefix_contexts]
                 _log(f"prefix cache: {report['prefix_cache']}")
@@ -368,28 +481,43 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                                                              "config_flags": CONFIG_FLAGS["lserve"],
                                                              "server_flags": common, "rows": report["prefix_cache"]})
                 save()
-            if hol and config == "lserve" and max(contexts) >= 32768:
+            if probes and hol and config == "lserve" and max(contexts) >= 32768:
                 report["hol"] = hol_probe(srv.base_url, tok, max(contexts), delay_s=1.0)
                 _log(f"hol: {report['hol']}")
                 save()
-            for ctx, c in plan_points(list(contexts), conc):
-                budget = min(point_time_s if ctx <= 32768 else 2.5 * point_time_s, time_left() - 30)
-                if budget < 5:
-                    _log(f"skipping {config} ctx {ctx} C={c}: out of time")
-                    continue
-                num = max(2 * c, 4) if ctx <= 4096 else max(c, 2)
-                m0 = srv.histogram_totals()
-                s = run_point(srv.base_url, tok, ctx, c, num, output_len, budget, seed=ctx + c)
-                row = {**_row(config, ctx, c, s, output_len), "replica": replica_means(m0, srv.histogram_totals())}
-                report["rows"].append(row)
-                _log(f"{config} ctx {ctx} C={c}: {row['completed']} ok / {row['failed']} failed, "
-                     f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL p50/p99 "
-                     f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms; replica {row['replica']}")
-                save()
-            report["steps"][config] = srv.get_json("/admin/engines")
+            for wl, ctx, concs, out in pts:
+                for c in concs:
+                    limit = min(point_limit_s, time_left() - 30)
+                    if limit < 5:
+                        _log(f"skipping {tag} {wl} ctx {ctx} C={c}: out of time")
+                        continue
+                    m0 = srv.histogram_totals()
+                    s = run_point(srv.base_url, tok, ctx, c, out, limit, seed=ctx + c, workload=wl,
+                                  min_time_s=point_time_s, requests_per_c=requests_per_c, slos_ms=slos)
+                    row = {**_row(config, ctx, c, s, out, wl, slo_flag),
+                           "replica": replica_means(m0, srv.histogram_totals())}
+                    rows.append(row)
+                    _log(f"{tag} {wl} ctx {ctx} C={c} out {out}: {row['completed']} ok / {row['failed']} failed, "
+                         f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL p50/p99 "
+                         f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms, good {row['good_requests']}; "
+                         f"replica {row['replica']}")
+                    save()
+            report["steps"][tag] = srv.get_json("/admin/engines")
         finally:
             srv.stop()
         save()
+
+    for config in configs:
+        if time_left() < 60:
+            _log(f"skipping {config}: out of time")
+            continue
+        serve(config, [], config, points, report["rows"], probes=True)
+    for ms in itl_slo_sweep:
+        for config in configs:
+            if time_left() < 60:
+                _log(f"skipping the ITL SLO sweep of {config} at {ms} ms: out of time")
+                continue
+            serve(config, ["--itl-slo-ms", str(ms)], f"{config}@itl{ms:g}", [sweep], report["itl_sweep"], probes=False)
     report["wall_s"] = round(time.monotonic() - t_start, 1)
     save()
     _log(summary(report))
@@ -406,6 +534,7 @@ def merge_reports(paths: list[str | Path], out_dir: str | Path, name: str) -> di
     report = dict(parts[0])
     report["runs"] = [{k: r.get(k) for k in ("command", "date", "device", "wall_s", "output_len")} for r in parts]
     report["rows"] = [row for r in parts for row in r["rows"]]
+    report["itl_sweep"] = [row for r in parts for row in r.get("itl_sweep") or []]
     for key in ("engine_ttft_s", "steps", "startup_s"):
         report[key] = {f"{k}" if key == "engine_ttft_s" else f"{k}@{i}": v for i, r in enumerate(parts)
                        for k, v in (r.get(key) or {}).items()}
@@ -415,8 +544,11 @@ def merge_reports(paths: list[str | Path], out_dir: str | Path, name: str) -> di
             report["engine_ttft_by_config"].setdefault(config, {}).update(ttfts)
     report["hol"] = next((r["hol"] for r in parts if r.get("hol")), None)
     path = Path(out_dir) / f"{name}.json"
+    bound_tok_s(report["rows"], report["engine_ttft_by_config"])
     write_json(path, report)
     plot_serve(report, path.with_suffix(".png"))
+    if report["itl_sweep"]:
+        plot_itl_sweep(report, Path(out_dir) / f"{name}_itl_slo.png")
     _log(summary(report))
     return report
 
@@ -428,14 +560,48 @@ def _vocab(model: str) -> int:
 
 
 def summary(report: dict) -> str:
-    """A short text table of the rows."""
-    lines = ["config        context  C   tok/s    TTFT p50/p99 s   ITL p50/p99 ms  ok/failed"]
-    for r in report["rows"]:
-        lines.append(f"{r['config']:13s} {r['context']:7d} {r['concurrency']:3d} {r['output_tok_s']:8.1f} "
-                     f"{r['ttft_p50_s']}/{r['ttft_p99_s']}  {r['itl_p50_ms']}/{r['itl_p99_ms']}  "
-                     f"{r['completed']}/{r['failed']}")
+    """A short text table of the rows (and of the ITL SLO sweep)."""
+    def line(r: dict) -> str:
+        return (f"{r['config']:13s} {r.get('workload', 'random'):9s} {r['context']:7d} {r['output_len']:5d} "
+                f"{r['concurrency']:3d} {r['output_tok_s']:8.1f} {r.get('bound_tok_s')!s:>8s}  "
+                f"{r['ttft_p50_s']}/{r['ttft_p99_s']}  {r['itl_p50_ms']}/{r['itl_p99_ms']}  "
+                f"{r['completed']}/{r['failed']}  {r.get('good_requests')}  {r.get('itl_slo_ms')}")
+    head = ("config        workload  context   out   C    tok/s    bound  TTFT p50/p99 s  ITL p50/p99 ms  "
+            "ok/failed  good  itl-slo")
+    lines = [head, *(line(r) for r in report["rows"])]
+    if report.get("itl_sweep"):
+        lines += ["ITL SLO sweep:", head, *(line(r) for r in report["itl_sweep"])]
+    lines.append(f"SLOs for goodput: {report.get('slo_ms')}")
     lines.append(f"engine TTFT: {report.get('engine_ttft_by_config') or report['engine_ttft_s']}  hol: {report['hol']}")
     return "\n".join(lines)
+
+
+def plot_itl_sweep(report: dict, path: Path) -> None:
+    """TTFT p50 against ITL p99 of the ITL SLO sweep, one line per configuration, each point
+    labelled with its ``--itl-slo-ms`` (0: none)."""
+    plt = pyplot()
+    rows = [r for r in report.get("itl_sweep") or [] if r["ttft_p50_s"] is not None and r["itl_p99_ms"] is not None]
+    if plt is None or not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for config, style in (("lserve", "o-"), ("lserve-sparse", "^-"), ("dense", "s--")):
+        rs = sorted((r for r in rows if r["config"] == config), key=lambda r: r["itl_p99_ms"])
+        if not rs:
+            continue
+        ax.plot([r["itl_p99_ms"] for r in rs], [r["ttft_p50_s"] for r in rs], style, label=config)
+        for r in rs:
+            ax.annotate(f"{r['itl_slo_ms']:g}", (r["itl_p99_ms"], r["ttft_p50_s"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, 4))
+    r0 = rows[0]
+    ax.set_title(f"{r0.get('workload')} {r0['context']} in / {r0['output_len']} out, C={r0['concurrency']}: "
+                 "--itl-slo-ms sweep", fontsize=9)
+    ax.set_xlabel("ITL p99 (ms)")
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_serve(report: dict, path: Path) -> None:
@@ -447,19 +613,25 @@ def plot_serve(report: dict, path: Path) -> None:
     rows = report["rows"]
     if not rows:
         return
-    contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(2, len(contexts), figsize=(4.2 * len(contexts), 7), squeeze=False)
-    for j, ctx in enumerate(contexts):
+    def key(r):
+        return r.get("workload", "random"), r["context"], r["output_len"]
+
+    panels = sorted({key(r) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7), squeeze=False)
+    for j, panel in enumerate(panels):
         for config, style in (("lserve", "o-"), ("lserve-sparse", "^-"), ("dense", "s--")):
-            rs = sorted((r for r in rows if r["context"] == ctx and r["config"] == config),
+            rs = sorted((r for r in rows if key(r) == panel and r["config"] == config),
                         key=lambda r: r["concurrency"])
             if not rs:
                 continue
             cs = [r["concurrency"] for r in rs]
             axes[0][j].plot(cs, [r["output_tok_s"] for r in rs], style, label=config)
+            bound = [(r["concurrency"], r["bound_tok_s"]) for r in rs if r.get("bound_tok_s")]
+            if bound:
+                axes[0][j].plot(*zip(*bound), style[0] + ":", alpha=0.4, label=f"{config} bound")
             axes[1][j].plot(cs, [r["itl_p50_ms"] or 0 for r in rs], style, label=f"{config} ITL p50")
             axes[1][j].plot(cs, [r["itl_p99_ms"] or 0 for r in rs], style, alpha=0.4, label=f"{config} ITL p99")
-        axes[0][j].set_title(f"context {ctx}")
+        axes[0][j].set_title(f"{panel[0]}: {panel[1]} in / {panel[2]} out", fontsize=9)
         axes[0][j].set_xlabel("concurrency")
         axes[0][j].set_ylabel("output tokens/s")
         axes[1][j].set_xlabel("concurrency")

@@ -184,8 +184,7 @@ class LLMEngine:
         self.graphs = None
         if config.cuda_graphs and self.backend.name == "cupy" and DecodeGraphs.supported(self.model, self.max_model_len):
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
-        budget = StepBudget(config.max_batched_tokens, step_alpha(mc, self.layout), config.step_time_target,
-                            config.decode_stall)
+        budget = StepBudget.for_engine(config, step_alpha(mc, self.layout))
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, budget, self.backend.release, self._row_align)
         self.eos_ids = tuple(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self._seqs: dict[str, Sequence] = {}
@@ -351,12 +350,12 @@ class LLMEngine:
         n_decode = sum(1 for b in launched.batch if b.decode)
         budget = self.scheduler.budget
         prefill_s = None
-        if budget.target_s > 0 and prefill_cost and self.config.device.startswith("cuda"):
+        if budget.timed and prefill_cost and self.config.device.startswith("cuda"):
             torch.cuda.synchronize(self.config.device)  # a chunk that samples nothing is not waited for otherwise
             if launched.prefill_marks is not None:
                 prefill_s = launched.prefill_marks[0].elapsed_time(launched.prefill_marks[1]) / 1e3
         seconds = time.perf_counter() - t0
-        if budget.target_s > 0:
+        if budget.timed:
             budget.observe(prefill_cost, n_decode, seconds, prefill_s)
         self.steps += 1
         n_prefill = len(launched.batch) - n_decode
@@ -391,7 +390,7 @@ class LLMEngine:
             # the prefill part between two CUDA events: a time-targeted step budget learns its own rate
             parts = [self._forward_part(batch[:n_dec], None)]
             marks = None
-            if self.scheduler.budget.target_s > 0:
+            if self.scheduler.budget.timed:
                 marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 marks[0].record()
             parts.append(self._forward_part(batch[n_dec:], None))

@@ -14,26 +14,42 @@ long prompt is prefilled in chunks whose *cost* is bounded, not only their token
   ``max_batched_tokens`` tokens and at most the cost of prefilling that many from an empty cache
   (decodes included, deterministically): a prompt of ``max_batched_tokens`` tokens is one step,
   as in vLLM, and chunks deeper into a longer prompt carry fewer tokens for the same cost.
-* With one (``lserve serve``'s default), the budget follows measured speed. A step is modelled
-  as ``overhead + cost / rate``: ``rate`` (token-equivalents per second) is learnt from steps
-  that only prefill, times the target gives their budget. A step that also decodes is timed in
-  two parts where the engine can (CUDA events around its prefill forward, which runs after the
-  decodes' graph replay): its prefill's own rate, and the rest of the step (decodes, launches).
-  Its prefill may take ``decode_stall`` times the larger of that rest and a decode-only step's
-  time, at the rate prefill runs next to decodes, which differs from a prefill-only step's (on
-  the H200 a long prompt's chunks next to decodes run flash, its grid-aligned prefill-only
-  chunks cuDNN, ~1.5x faster). Running requests then see inter-token gaps of about
-  ``1 + decode_stall`` step times while a prompt is prefilled, and the prompt still moves in
-  sizeable chunks. Where the parts cannot be timed apart (one eager forward, e.g. on a CPU) the
-  rest is taken to be a decode-only step, and the prefill share never falls below what the
-  prefill-only rate gives for ``decode_stall`` decode steps. Rules that failed before: counting
-  the rest as prefill time shrank every mixed step's prefill to ``min_chunk`` tokens (32-token
-  chunks and 10 s TTFT at 2k context, concurrency 4, on the H200); taking the prefill-only rate
-  for mixed steps made their slower prefill look like overhead, which raised the next budget,
-  a loop that grew mixed steps to the time target (ITL p50 327 ms for dense at 128k,
-  concurrency 4); a least-squares line through mixed steps' (cost, seconds) could not split
-  the two when the costs barely varied and still reached ~200 ms steps there.
-  Each step still carries at least ``min_chunk`` prefill tokens, so every prompt progresses.
+* With one (``lserve serve``'s default), or with an ITL SLO, the budget follows measured speed.
+  A step is modelled as ``overhead + cost / rate``: ``rate`` (token-equivalents per second) is
+  learnt from steps that only prefill, times the target gives their budget. A step that also
+  decodes is timed in two parts where the engine can (CUDA events around its prefill forward,
+  which runs after the decodes' graph replay): its prefill's own rate (``mixed_rate``, which
+  differs from a prefill-only step's: on the H200 a long prompt's chunks next to decodes run
+  flash, its grid-aligned prefill-only chunks cuDNN, ~1.5x faster), and the rest of the step
+  (``mixed_rest``: decodes, scheduling, sampling). Where the parts cannot be timed apart (one
+  eager forward, e.g. on a CPU) the rest is taken to be a decode-only step.
+
+**The rule for a step that carries decodes** (:meth:`StepBudget.prefill_budget`, the one place
+it lives): such a step should take at most ``itl_slo_s`` (``--itl-slo-ms``; without one,
+``target_s``). Its prefill gets the seconds that leave after the rest of the step, aimed at 0.9 of
+the limit (a margin for the averages' noise), at ``mixed_rate``: ``mixed_rate * (0.9 * limit -
+rest)`` token-equivalents, *but never less than* ``floor_cost``. That floor is learnt so that such
+steps spend at least ``min_prefill_share`` of their wall time on prefill *counted at the
+prefill-only rate*: a step that spent less raises it at once (up to 2x a step), one that spent
+more lowers it slowly. Counting at the prefill-only rate makes the floor see every loss of a
+small chunk (the fixed cost of planning and launching it, a GPU that small chunks do not fill,
+slower kernels next to decodes), not only the decodes' time. So while the decodes and a chunk's
+fixed costs leave room, the steps that carry decodes stay within the SLO; where they do not (a
+long past, many decodes), the SLO gives way and a waiting prompt still gets ``share`` of the
+GPU: its TTFT is at most about its prefill time alone over ``share`` (3.3x at the default 0.3),
+whatever else runs. Each step also carries at least ``min_chunk`` prefill tokens.
+
+Rules that failed before: counting the rest as prefill time shrank every mixed step's prefill to
+``min_chunk`` tokens (32-token chunks and 10 s TTFT at 2k context, concurrency 4, on the H200);
+taking the prefill-only rate for mixed steps made their slower prefill look like overhead, which
+raised the next budget, a loop that grew mixed steps to the time target (ITL p50 327 ms for dense
+at 128k, concurrency 4); a least-squares line through mixed steps' (cost, seconds) could not split
+the two when the costs barely varied and still reached ~200 ms steps there; sizing the prefill as
+``decode_stall`` (4) times the rest of a step starved prefill at long contexts (issue 40): at 128k,
+concurrency 4, the rest was ~14 ms, so the prefill got ~55 ms, of which a fixed ~33 ms (planning and
+launching a chunk, in a fit of the measurements: ``tests/sim_device.py``) did no prefill, and
+~250-token chunks in 65 ms steps prefilled at a fifth of the one-step rate (no request of 4
+finished in 100 s).
 """
 
 from __future__ import annotations
@@ -41,6 +57,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EMA = 0.3  # weight of the newest measurement
+# steps that carry decodes aim at this fraction of their limit: the budget predicts them from
+# averages, and the limit is an SLO on the tail
+SLO_AIM = 0.9
 
 
 def attention_alpha(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -72,10 +91,13 @@ class StepBudget:
     alpha : float
         :func:`attention_alpha` of the model.
     target_s : float
-        Seconds a prefill step should take; 0 turns the time model off.
-    decode_stall : float
-        With decodes in the step, prefill time at most this multiple of the longer of a
-        decode-only step and the rest of such a step.
+        Seconds a prefill-only step should take; 0: ``max_tokens`` alone sizes them.
+    itl_slo_s : float
+        Seconds a step that carries decodes should take at most (0: ``target_s``); the time
+        model is on when either is set (:attr:`timed`).
+    min_prefill_share : float
+        The least fraction of the wall time of steps that carry decodes their prefill gets,
+        counted at the prefill-only rate, in (0, 1).
     min_chunk : int
         Prefill tokens every step may carry, whatever the measurements say.
     """
@@ -83,12 +105,32 @@ class StepBudget:
     max_tokens: int
     alpha: float = 0.0
     target_s: float = 0.0
-    decode_stall: float = 1.0
+    itl_slo_s: float = 0.0
+    min_prefill_share: float = 0.3
     min_chunk: int = 32
     rate: float | None = None  # token-equivalents per second (prefill-only steps)
     decode_s: float | None = None  # seconds of a decode-only step
     mixed_rate: float | None = None  # token-equivalents per second of prefill next to decodes
     mixed_rest: float | None = None  # seconds of a step that decodes and prefills, beyond its prefill
+    floor_cost: float = 0.0  # token-equivalents a step with decodes carries at least (_learn_floor)
+    offered: float = 0.0  # the budget prefill_budget gave last
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_prefill_share < 1:
+            raise ValueError(f"min_prefill_share must be in (0, 1), got {self.min_prefill_share}")
+        if self.target_s < 0 or self.itl_slo_s < 0:
+            raise ValueError("target_s and itl_slo_s must be >= 0")
+
+    @classmethod
+    def for_engine(cls, config, alpha: float) -> StepBudget:
+        """The budget an engine with :class:`~lserve.config.EngineConfig` ``config`` schedules with."""
+        return cls(config.max_batched_tokens, alpha, config.step_time_target, config.itl_slo_ms / 1000.0,
+                   config.min_prefill_share)
+
+    @property
+    def timed(self) -> bool:
+        """Whether budgets follow measured step times (the engine then reports them to :meth:`observe`)."""
+        return self.target_s > 0 or self.itl_slo_s > 0
 
     @property
     def cap(self) -> float:
@@ -111,23 +153,25 @@ class StepBudget:
         # the root in floats can land just below an exact fit (a prompt of max_tokens tokens)
         return n + 1 if n < remaining and self.cost(n + 1, start) <= budget else n
 
+    def mixed_prefill_s(self) -> float:
+        """Seconds of prefill the ITL SLO (else the step target), aimed at with a margin, leaves a
+        step that carries decodes after the rest of such a step (the module docstring's rule)."""
+        rest = self.mixed_rest if self.mixed_rest is not None else (self.decode_s or 0.0)
+        return max(SLO_AIM * (self.itl_slo_s or self.target_s) - rest, 0.0)
+
     def prefill_budget(self, n_decode: int) -> float:
         """Token-equivalents of prefill the next step may carry next to ``n_decode`` decodes."""
         cap = self.cap - n_decode
-        if self.target_s <= 0:
-            return cap
-        if self.rate is None:  # nothing measured yet: a small first step to learn from
-            return min(cap, 8.0 * self.min_chunk)
-        if not n_decode:
-            return min(cap, self.rate * self.target_s)
-        d = self.decode_s or 0.0
-        share = min(self.target_s, self.decode_stall * d) if d > 0 else self.target_s
-        if self.mixed_rate is None:  # no such step seen yet: the prefill-only rate
-            return min(cap, self.rate * share)
-        seconds = min(self.target_s, self.decode_stall * max(d, self.mixed_rest))
-        # at least half the prefill-only rate's share: where the parts were not timed apart, an
-        # overhead counted as slow prefill must not shrink the next chunks towards nothing
-        return min(cap, max(self.mixed_rate * seconds, 0.5 * self.rate * share))
+        if not self.timed or (not n_decode and self.target_s <= 0):
+            room = cap
+        elif self.rate is None:  # nothing measured yet: a small first step to learn from
+            room = min(cap, 8.0 * self.min_chunk)
+        elif not n_decode:
+            room = min(cap, self.rate * self.target_s)
+        else:  # no such step seen yet: half the prefill-only rate (chunks next to decodes run slower)
+            room = min(cap, max((self.mixed_rate or 0.5 * self.rate) * self.mixed_prefill_s(), self.floor_cost))
+        self.offered = room
+        return room
 
     def observe(self, prefill_cost: float, n_decode: int, seconds: float, prefill_s: float | None = None) -> None:
         """Learn from a finished step: its prefill cost, its decodes, its wall time and, for a step
@@ -144,6 +188,8 @@ class StepBudget:
             prefill_s = min(seconds, max(prefill_s, 0.1 * seconds))
             self.mixed_rate = _ema(self.mixed_rate, prefill_cost / prefill_s)
             self.mixed_rest = _ema(self.mixed_rest, seconds - prefill_s)
+            if prefill_cost >= 0.5 * self.offered:  # the step had prompt work for its budget
+                self._learn_floor(prefill_cost, seconds)
             return
         # A prefill-only step (or the first one seen): it measures the rate. One slow step (a
         # first-time compile) halves the rate at most.
@@ -151,6 +197,15 @@ class StepBudget:
         if self.rate is not None:
             rate = max(rate, self.rate / 2)
         self.rate = _ema(self.rate, rate)
+
+    def _learn_floor(self, prefill_cost: float, seconds: float) -> None:
+        """Move :attr:`floor_cost` towards the prefill that makes a step carrying decodes spend
+        ``min_prefill_share`` of its time prefilling at the prefill-only rate: up at once where
+        this step spent less (a fixed cost per chunk makes small chunks waste the step), down
+        slowly where it spent more."""
+        share = prefill_cost / self.rate / seconds
+        want = prefill_cost * min(max(self.min_prefill_share / share, 0.5), 2.0)
+        self.floor_cost = want if want > self.floor_cost else _ema(self.floor_cost, want)
 
 
 def _ema(old: float | None, new: float) -> float:

@@ -21,8 +21,8 @@ ENGINE_FIELDS = (
     "dense_layers", "select_mode", "select_layers", "adaptive_budgets", "prefill_sparsity", "prefill_sparsity_min_len",
     "prefill_block", "prefill_q_block", "prefill_estimator", "page_size", "logical_page_size", "kv_quant",
     "max_cache_tokens",
-    "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "decode_stall", "prefix_cache",
-    "allow_long_max_model_len",
+    "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "itl_slo_ms", "min_prefill_share",
+    "prefix_cache", "allow_long_max_model_len",
 )
 
 _D = engine_flag_defaults()
@@ -150,7 +150,8 @@ class ServeSettings:
     fused_ops: bool = _D["fused_ops"]
     async_decode: bool = _D["async_decode"]
     step_time_target: float = _D["step_time_target"]
-    decode_stall: float = _D["decode_stall"]
+    itl_slo_ms: float = _D["itl_slo_ms"]
+    min_prefill_share: float = _D["min_prefill_share"]
     prefix_cache: bool = _D["prefix_cache"]
     allow_long_max_model_len: bool = _D["allow_long_max_model_len"]
     # -- serving ------------------------------------------------------------------------------

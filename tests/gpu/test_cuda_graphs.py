@@ -162,7 +162,7 @@ def test_mixed_graph_steps_time_their_prefill_part(seed):
     CUDA events, for the step budget's rate of prefill next to decodes."""
     loaded = load_model("tiny", dtype=torch.bfloat16, device="cuda", seed=seed % 1000)
     cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="bfloat16", step_time_target=0.05,
-                       decode_stall=2.0, cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=32768),
+                       itl_slo_ms=40.0, cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=32768),
                        max_num_seqs=4, max_batched_tokens=2048)
     eng = LLMEngine(cfg, loaded=loaded)
     rng = random.Random(seed)

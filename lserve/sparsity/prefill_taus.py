@@ -1,0 +1,56 @@
+"""Per-layer thresholds of block-sparse prefill (``prefill_sparsity`` "auto"): where the shipped
+calibration lives, how it is read and checked against the model. Written by ``lserve
+calibrate-prefill`` (:mod:`lserve.sparsity.prefill_calibration`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lserve.config import ConfigError
+
+CALIBRATION_NAME = "prefill_taus.json"
+CALIBRATION_KIND = "prefill-taus"
+TAU_GRID = (0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
+
+
+def default_calibration_for(model_name: str) -> Path | None:
+    """The shipped calibration beside the model's learned head pattern, or None."""
+    from lserve.sparsity.shipped import default_pattern_for
+
+    folder = default_pattern_for(model_name)
+    path = folder / CALIBRATION_NAME if folder is not None else None
+    return path if path is not None and path.is_file() else None
+
+
+def load_layer_taus(path: str | Path, num_layers: int, num_kv_heads: int) -> tuple[float, ...]:
+    """Per-layer taus of a calibration file, checked against the model's shape."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read prefill calibration {p}: {e}") from None
+    if not isinstance(data, dict) or data.get("kind") != CALIBRATION_KIND or "layer_taus" not in data:
+        raise ConfigError(f"{p} is not a prefill calibration (written by `lserve calibrate-prefill`)")
+    if data.get("num_layers") != num_layers or data.get("num_kv_heads") != num_kv_heads:
+        raise ConfigError(f"prefill calibration {p} is for {data.get('num_layers')} layers x {data.get('num_kv_heads')} "
+                          f"KV heads ({data.get('model')}) but the model has {num_layers} x {num_kv_heads}")
+    taus = tuple(float(t) for t in data["layer_taus"])
+    if len(taus) != num_layers or not all(0.0 <= t <= 1.0 for t in taus):
+        raise ConfigError(f"prefill calibration {p}: layer_taus must be {num_layers} values in [0, 1]")
+    return taus
+
+
+def resolve_layer_taus(spec: float, model_name: str, num_layers: int, num_kv_heads: int
+                       ) -> tuple[tuple[float, ...] | None, str | None]:
+    """``SparsityConfig.prefill_sparsity`` -> (per-layer taus or None, the file they came from).
+
+    Only "auto" (-1) reads a calibration: the one shipped for ``model_name``; without one the
+    result is (None, None) and prefill sparsity stays off for requests that do not set a tau.
+    """
+    if spec >= 0:
+        return None, None
+    path = default_calibration_for(model_name)
+    if path is None:
+        return None, None
+    return load_layer_taus(path, num_layers, num_kv_heads), str(path)

@@ -1,0 +1,82 @@
+"""``lserve bench serve`` end to end on the CPU (tiny model, real servers): workloads from a plan,
+load points of a minimum length and request count, the roofline bound, goodput, and the
+``--itl-slo-ms`` sweep with its trade-off plot."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms
+from lserve.cli import main
+
+
+def test_plan_entries_and_their_errors():
+    assert parse_plan(["reasoning:131072:4", "random:2048:1,16,32:512", "doc-qa:32768:1"], 64) == [
+        ("reasoning", 131072, [4], 2048), ("random", 2048, [1, 16, 32], 512), ("doc-qa", 32768, [1], 128)]
+    assert parse_plan(["random:2048:1"], 64) == [("random", 2048, [1], 64)]
+    for bad in ("poetry:2048:1", "random:2048", "random:x:1", "random:2048:0", "random:8:1"):
+        with pytest.raises(ValueError):
+            parse_plan([bad], 64)
+
+
+def test_bad_bench_flags_are_one_line_errors(capsys):
+    assert main(["bench", "serve", "--plan", "random:2048"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lserve: error: --plan") and err.count("\n") == 1
+    assert main(["bench", "serve", "--configs", "lserve,sparse"]) == 2
+    assert main(["bench", "serve", "--sweep-point", "4"]) == 2
+    assert main(["bench", "serve", "--itl-slo-sweep", "-5"]) == 2
+
+
+def test_the_bound_is_a_round_of_prefills_and_decode_steps():
+    """C * n / (C * P + (n - 1) * d): P from the concurrency-1 row, else the engine's TTFT."""
+    rows = [{"config": "lserve", "workload": "random", "context": 2048, "output_len": 512, "concurrency": c,
+             "ttft_p50_s": t, "itl_p50_ms": d} for c, t, d in ((1, 0.066, 4.7), (32, 1.2, 21.0))]
+    rows.append({"config": "lserve", "workload": "reasoning", "context": 131072, "output_len": 2048, "concurrency": 4,
+                 "ttft_p50_s": 30.0, "itl_p50_ms": 8.0})
+    rows.append({"config": "dense", "workload": "reasoning", "context": 131072, "output_len": 2048, "concurrency": 4,
+                 "ttft_p50_s": 50.0, "itl_p50_ms": None})
+    bound_tok_s(rows, {"lserve": {"131072": 7.15}})
+    assert rows[0]["bound_tok_s"] == pytest.approx(512 / (0.066 + 511 * 0.0047), rel=1e-3)
+    assert rows[1]["bound_tok_s"] == pytest.approx(32 * 512 / (32 * 0.066 + 511 * 0.021), rel=1e-3)
+    assert rows[2]["bound_tok_s"] == pytest.approx(4 * 2048 / (4 * 7.15 + 2047 * 0.008), rel=1e-3)
+    assert rows[3]["bound_tok_s"] is None
+
+
+def test_served_itl_slo_is_the_last_flag_or_the_default():
+    assert served_itl_slo_ms(["--model", "tiny"]) == 100.0
+    assert served_itl_slo_ms(["--itl-slo-ms", "50", "--itl-slo-ms", "0"]) == 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bench_serve_on_the_cpu(tmp_path):
+    """Two load points of the reasoning workload (16 output tokens here) and an ITL SLO sweep of
+    two values at concurrency 2, through real ``lserve serve`` processes."""
+    argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--backend", "torch", "--configs", "lserve",
+            "--plan", "reasoning:96:1,2:16", "--point-time", "2", "--requests-per-c", "3", "--no-engine-ttft",
+            "--itl-slo-sweep", "0", "40", "--sweep-point", "96:2", "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
+            "--out", str(tmp_path), "--name", "cpu", "--port", str(_free_port()), "--deadline", "600"]
+    assert main(argv) == 0
+    rep = json.loads((tmp_path / "cpu.json").read_text())
+    rows = rep["rows"]
+    assert [(r["workload"], r["context"], r["concurrency"], r["output_len"]) for r in rows] == [
+        ("reasoning", 96, 1, 16), ("reasoning", 96, 2, 16)]
+    for r in rows:
+        assert r["failed"] == 0 and r["cancelled_at_limit"] == 0
+        assert r["completed"] >= 3 * r["concurrency"] and r["duration_s"] >= 2.0  # both minimums held
+        assert r["bound_tok_s"] > 0 and r["itl_slo_ms"] == 100.0
+        assert r["slo"] == {"ttft_ms": 60000.0, "itl_ms": 60000.0} and r["good_requests"] == r["completed"]
+    assert rep["point_time_s"] == 2.0 and rep["requests_per_c"] == 3
+    sweep = rep["itl_sweep"]
+    assert [(r["itl_slo_ms"], r["concurrency"], r["context"]) for r in sweep] == [(0.0, 2, 96), (40.0, 2, 96)]
+    assert all(r["completed"] >= 6 and r["ttft_p50_s"] and r["itl_p99_ms"] for r in sweep)
+    assert set(rep["startup_s"]) == {"lserve", "lserve@itl0", "lserve@itl40"}
+    assert (tmp_path / "cpu.png").stat().st_size > 0 and (tmp_path / "cpu_itl_slo.png").stat().st_size > 0
