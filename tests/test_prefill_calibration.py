@@ -48,8 +48,12 @@ def test_calibrate_prefill_cli_writes_taus_the_engine_refuses_for_another_model(
 
 def test_cli_prefill_sparsity_takes_auto_or_a_tau(capsys):
     assert main(["generate", "hi", "--model", "tiny", "--max-tokens", "1", "--prefill-sparsity", "auto"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "hi", "--model", "tiny", "--prefill-sparsity", "1.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lserve: error: prefill_sparsity must be in [0, 1]")
     with pytest.raises(SystemExit) as e:
-        main(["generate", "hi", "--model", "tiny", "--prefill-sparsity", "1.5"])
+        main(["generate", "hi", "--model", "tiny", "--prefill-sparsity", "most"])
     assert e.value.code == 2 and "expected a number in [0, 1] or 'auto'" in capsys.readouterr().err
 
 
