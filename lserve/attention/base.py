@@ -66,7 +66,7 @@ class AttentionBackend(ABC):
         self._selecting = tuple(self.layer_selects(i) for i in range(model.num_layers))
         self.planner.selects = any(self._selecting)
         # Per-layer budget ratios (None: every selecting layer keeps the request's budget).
-        self.layer_ratios = resolve_ratios(sparsity.adaptive_budgets, model.name, model.num_layers)
+        self.layer_ratios = resolve_ratios(sparsity.adaptive_budgets, model)
         if self.layer_ratios is not None and not self.supports_adaptive_budgets:
             raise ConfigError(f"adaptive_budgets runs on the torch and cupy backends only, not {self.name!r}")
         if sparsity.prefill_sparsity > 0 and not self.supports_prefill_sparsity:

@@ -163,7 +163,7 @@ def _cache(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_
     mc = loaded.config
     cfg = EngineConfig(model=model, sparsity=sp, cache=CacheConfig(max_tokens=tokens, kv_quant=kv_quant),
                        device=device, max_num_seqs=1)
-    return build_cache(cfg, mc, build_layout(cfg, mc.num_layers, mc.num_kv_heads), cfg.torch_dtype())
+    return build_cache(cfg, mc, build_layout(cfg, mc), cfg.torch_dtype())
 
 
 def kv_bytes_per_token(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_quant: str) -> float:
