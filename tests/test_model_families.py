@@ -147,3 +147,36 @@ def test_qwen2_without_sliding_window_flag_loads_and_unknown_architecture_is_ref
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-7b", "qwen3-8b", "mistral-7b"])
+def test_family_presets_have_the_real_shapes_and_transformers_runs_their_weights(preset):
+    """The presets' shapes; their random weights (shrunk to 2 layers of width 64) load strictly
+    into transformers' model of the family (the e2e benchmark's baseline) and give our logits."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from lserve.models.hf_config import hf_config
+    from lserve.models.presets import preset_config, random_weights
+
+    cfg = preset_config(preset)
+    shapes = {"qwen2.5-7b": (28, 28, 4, 128, 3584, 18944, 152064), "qwen3-8b": (36, 32, 8, 128, 4096, 12288, 151936),
+              "mistral-7b": (32, 32, 8, 128, 4096, 14336, 32768)}[preset]
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size,
+            cfg.vocab_size) == shapes
+    assert (cfg.qkv_bias, cfg.qk_norm) == (preset == "qwen2.5-7b", preset == "qwen3-8b")
+    small = replace(cfg, num_layers=2, hidden_size=64, intermediate_size=96, head_dim=16, vocab_size=300,
+                    num_heads=cfg.group_size, num_kv_heads=1)
+    w = random_weights(small, torch.float32, "cpu")
+    hf = AutoModelForCausalLM.from_config(hf_config(small, attn_implementation="sdpa")).eval()
+    hf.load_state_dict(w, strict=True)
+    ids = list(range(3, 80))
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    from lserve.models.loader import LoadedModel
+    from lserve.models.tokenizer import PresetTokenizer
+
+    eng = LLMEngine(EngineConfig(model=preset, sparsity=SparsityConfig(token_budget=0)),
+                    LoadedModel(small, w, PresetTokenizer(small.vocab_size), "test"))
+    torch.testing.assert_close(_last_logits(eng, ids), ref.float(), **TOL)

@@ -47,6 +47,27 @@ def _refuse(name: str, what: str, hint: str = "") -> None:
                       + (f"; {hint}" if hint else ""))
 
 
+def hf_config(cfg: ModelConfig, **overrides):
+    """The transformers config of our ``cfg`` (the inverse of :func:`config_from_hf`), e.g. to run
+    transformers' own model on a preset's weights as a baseline."""
+    import transformers
+
+    cls = {v: k for k, v in HF_CLASSES.items()}[cfg.architecture].replace("ForCausalLM", "Config")
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+              num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+              max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
+              tie_word_embeddings=cfg.tie_word_embeddings, hidden_act=cfg.hidden_act)
+    if cfg.architecture in ("llama", "qwen3"):
+        kw["attention_bias"] = cfg.o_bias
+    if cfg.architecture == "llama":
+        kw["mlp_bias"] = cfg.mlp_bias
+    if cfg.architecture == "mistral":
+        kw["sliding_window"] = None
+    return getattr(transformers, cls)(**{**kw, **overrides})
+
+
 def config_from_hf(hf, name: str) -> ModelConfig:
     """Translate a transformers config (v4 or v5 rope fields) of a supported family into ours.
 

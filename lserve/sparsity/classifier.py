@@ -44,7 +44,6 @@ from lserve.sparsity.patterns import HeadLayout, HeadPattern
 from lserve.sparsity.shipped import (  # noqa: F401 - re-exported: the trainer's callers look them up here too
     LEARNED_ALIASES,
     PATTERN_ROOT,
-    SHIPPED_PATTERNS,
     default_pattern_for,
     resolve_pattern,
 )
