@@ -180,3 +180,25 @@ def test_family_presets_have_the_real_shapes_and_transformers_runs_their_weights
     eng = LLMEngine(EngineConfig(model=preset, sparsity=SparsityConfig(token_budget=0)),
                     LoadedModel(small, w, PresetTokenizer(small.vocab_size), "test"))
     torch.testing.assert_close(_last_logits(eng, ids), ref.float(), **TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_classify_heads_and_calibrate_selection_run_on_the_family(family_dirs, family, tmp_path):
+    """The gate trainer (whose forward reuses the model's q/k/v projection, norms and MLP) and the
+    selection calibration run on a tiny checkpoint of the family; the pattern loads into an engine."""
+    from lserve.sparsity.calibrate import CalibrationConfig, calibrate_selection
+    from lserve.sparsity.classifier import GateTrainConfig, train_gates
+
+    path, _ = family_dirs[family]
+    loaded = load_model(str(path))
+    cfg = GateTrainConfig(model=str(path), out=str(tmp_path / "gates"), steps=1, sink_tokens=16, local_tokens=32,
+                          min_context=160, max_context=192, num_passkeys=1)
+    p = train_gates(cfg, loaded, progress=False)
+    assert p.alphas.shape == (loaded.config.num_layers, loaded.config.num_kv_heads)
+    eng = LLMEngine(EngineConfig(model=str(path), sparsity=SparsityConfig(pattern=str(tmp_path / "gates"),
+                                                                          static_sparsity=0.5)), loaded)
+    assert eng.describe()["sparsity"]["pattern"] == str(tmp_path / "gates")
+    cal = calibrate_selection(CalibrationConfig(model=str(path), out=str(tmp_path / "cal.json"), tasks=("passkey",),
+                                                contexts=(300,), depths=(0.5,), budget="64", min_budget=0,
+                                                threshold=0.5), progress=False)
+    assert cal["num_layers"] == 2 and cal["model_identity"]["architecture"] == family
