@@ -36,7 +36,7 @@ def test_renamed_default_gguf_gets_the_same_describe_and_output(tmp_path, monkey
 
 def test_auto_without_a_shipped_calibration_says_so(caplog):
     tiny = load_model("tiny")
-    with caplog.at_level(logging.WARNING, logger="lserve"):
+    with caplog.at_level(logging.INFO, logger="lserve"):
         eng = LLMEngine(EngineConfig(model="tiny", sparsity=SparsityConfig(pattern="auto")), tiny)
     assert eng.describe()["streaming_fraction"] == 0.0
     facts = eng.describe()["sparsity"]

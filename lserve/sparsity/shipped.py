@@ -64,7 +64,7 @@ def auto_pattern(model: ModelConfig) -> Path | None:
     none ships for this model so every head stays dense."""
     folder = default_pattern_for(model)
     if folder is None:
-        log.warning("pattern auto: no shipped head pattern for model %r (%s, %d layers x %d KV heads, fingerprint "
+        log.info("pattern auto: no shipped head pattern for model %r (%s, %d layers x %d KV heads, fingerprint "
                     "%s): no streaming heads; train one with `lserve classify-heads`", model.name, model.architecture,
                     model.num_layers, model.num_kv_heads, model.fingerprint)
     else:
