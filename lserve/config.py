@@ -17,6 +17,11 @@ PREFILL_ESTIMATORS = ("antidiagonal", "bound")
 # prefill_sparsity_min_len "auto" without a profile of this device and model shape
 PREFILL_MIN_LEN_UNPROFILED = 4096
 BACKENDS = ("torch", "cupy")
+#: Model families the forward implements (``ModelConfig.architecture``).
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+#: MLP gate activations: SiLU (every supported family's default) and the GELU variants.
+HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
 class ConfigError(ValueError):
@@ -30,12 +35,23 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder.
+    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
 
     Parameters
     ----------
     rope_scaling : dict or None
-        Hugging Face style: ``{"rope_type": "linear"|"dynamic"|"llama3", "factor": ...}``.
+        Hugging Face style: ``{"rope_type": "linear"|"dynamic"|"llama3"|"yarn", "factor": ...}``.
+    architecture : str
+        The family (:data:`ARCHITECTURES`); the fields below say how its forward differs.
+    qkv_bias, o_bias, mlp_bias : bool
+        Bias vectors on the q/k/v projections, the output projection, the MLP projections.
+    qk_norm : bool
+        Per-head RMSNorm on queries and keys before RoPE (Qwen3).
+    hidden_act : str
+        The MLP's gate activation (:data:`HIDDEN_ACTS`).
+    fingerprint : str
+        A digest of a few weights (:func:`lserve.models.identity.fingerprint`), set by the loader;
+        with the shapes it identifies the model for its shipped calibrations.
     """
 
     vocab_size: int
@@ -53,6 +69,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    architecture: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -64,8 +87,11 @@ class ModelConfig:
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            _check(kind in ("default", "linear", "dynamic", "llama3"),
-                   f"unsupported rope scaling type {kind!r} (supported: linear, dynamic, llama3)")
+            _check(kind in ROPE_TYPES, f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+        _check(self.architecture in ARCHITECTURES,
+               f"unsupported architecture {self.architecture!r} (supported: {', '.join(ARCHITECTURES)})")
+        _check(self.hidden_act in HIDDEN_ACTS,
+               f"unsupported hidden_act {self.hidden_act!r} (supported: {', '.join(HIDDEN_ACTS)})")
 
     @property
     def group_size(self) -> int:

@@ -66,15 +66,15 @@ def test_auto_without_a_calibration_is_off_and_says_so(caplog):
     assert "no prefill calibration ships" in caplog.text
 
 
-@pytest.mark.skipif(default_calibration_for("default") is None, reason="no shipped prefill calibration")
 def test_auto_uses_the_shipped_per_layer_taus():
     """The default model's shipped calibration gives each layer its own tau: the engine keeps the
     layers' tiles by their own thresholds (fewer kept tiles than every layer at the largest tau)."""
-    shipped = json.loads(default_calibration_for("default").read_text())
     loaded = load_model("default")
     mc = loaded.config
-    assert load_layer_taus(default_calibration_for("default"), mc.num_layers, mc.num_kv_heads) == tuple(
-        shipped["layer_taus"])
+    path = default_calibration_for(mc)
+    assert path is not None and path.name == "prefill_taus.json"  # found by the model's identity
+    shipped = json.loads(path.read_text())
+    assert load_layer_taus(path, mc.num_layers, mc.num_kv_heads) == tuple(shipped["layer_taus"])
     prompt = list(range(100, 100 + 1100))
     sp = SparsityConfig(pattern="auto", token_budget=0, prefill_sparsity=-1.0, prefill_sparsity_min_len=256,
                         prefill_q_block=256)

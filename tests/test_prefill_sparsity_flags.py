@@ -89,16 +89,16 @@ def test_serve_settings_carry_prefill_sparsity():
         ServeSettings.from_dict({"device": "cpu", "prefill_q_block": "100"})
 
 
-def test_eval_preset_and_overrides():
+def test_eval_preset_and_overrides(smol):
     rc = parse_config("lserve-prefill-sparse")
     base = parse_config("lserve")
     assert (rc.prefill_sparsity, rc.prefill_sparsity_min_len, rc.prefill_q_block) == (0.9, 0, 256)
     assert (rc.pattern, rc.budget, rc.min_budget) == (base.pattern, base.budget, base.min_budget)
     assert base.prefill_sparsity == 0.0
     assert rc.engine_key() != base.engine_key() and rc.engine_key(False) != base.engine_key(False)
-    sp = rc.sparsity("default")
+    sp = rc.sparsity(smol.config)
     assert (sp.prefill_sparsity, sp.prefill_sparsity_min_len, sp.prefill_q_block) == (0.9, 0, 256)
-    assert base.sparsity("default").prefill_sparsity == 0.0
+    assert base.sparsity(smol.config).prefill_sparsity == 0.0
     o = parse_config("lserve-prefill-sparse:prefill_sparsity=0.8,prefill_q_block=512")
     assert (o.prefill_sparsity, o.prefill_q_block, o.prefill_sparsity_min_len) == (0.8, 512, 0)
     assert isinstance(o.prefill_sparsity, float) and isinstance(o.prefill_q_block, int)

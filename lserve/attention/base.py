@@ -67,12 +67,11 @@ class AttentionBackend(ABC):
         self._selecting = tuple(self.layer_selects(i) for i in range(model.num_layers))
         self.planner.selects = any(self._selecting)
         # Per-layer budget ratios (None: every selecting layer keeps the request's budget).
-        self.layer_ratios = resolve_ratios(sparsity.adaptive_budgets, model.name, model.num_layers)
+        self.layer_ratios = resolve_ratios(sparsity.adaptive_budgets, model)
         if self.layer_ratios is not None and not self.supports_adaptive_budgets:
             raise ConfigError(f"adaptive_budgets runs on the torch and cupy backends only, not {self.name!r}")
         # Per-layer taus of prefill_sparsity "auto" (None: no calibration, or a fixed tau).
-        self.prefill_layer_taus, self.prefill_taus_source = resolve_layer_taus(
-            sparsity.prefill_sparsity, model.name, model.num_layers, model.num_kv_heads)
+        self.prefill_layer_taus, self.prefill_taus_source = resolve_layer_taus(sparsity.prefill_sparsity, model)
         if sparsity.prefill_sparsity != 0 and not self.supports_prefill_sparsity:
             raise ConfigError(f"prefill_sparsity runs on the torch and cupy backends only, not {self.name!r}")
         #: Block-sparse prefill tiles: [kept, causal] over every dense KV head so far.

@@ -95,22 +95,21 @@ def measure_engine(engine: LLMEngine, context: int, decode_steps: int, seed: int
 
 @torch.inference_mode()
 def measure_hf(loaded: LoadedModel, context: int, decode_steps: int, device: str, dtype) -> tuple[float, float]:
-    """transformers' own Llama (SDPA, its dynamic cache) on the same weights: (TTFT s, median s per token).
+    """transformers' own model of the family (SDPA, its dynamic cache) on the same weights: (TTFT s,
+    median s per token).
 
     The prefill and each decode step are one ``forward`` each, as ``generate`` does them, timed
     until the greedy token is on the host.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from lserve.models.hf_config import hf_config
 
     c = loaded.config
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-                      max_position_embeddings=max(c.max_position_embeddings, context + decode_steps + 8),
-                      rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-                      tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = hf_config(c, max_position_embeddings=max(c.max_position_embeddings, context + decode_steps + 8),
+                    attn_implementation="sdpa")
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.load_state_dict(loaded.weights, strict=True)
     model.eval()
     x = torch.randint(0, c.vocab_size - 2, (1, context), device=device)
@@ -163,7 +162,7 @@ def _cache(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_
     mc = loaded.config
     cfg = EngineConfig(model=model, sparsity=sp, cache=CacheConfig(max_tokens=tokens, kv_quant=kv_quant),
                        device=device, max_num_seqs=1)
-    return build_cache(cfg, mc, build_layout(cfg, mc.num_layers, mc.num_kv_heads), cfg.torch_dtype())
+    return build_cache(cfg, mc, build_layout(cfg, mc), cfg.torch_dtype())
 
 
 def kv_bytes_per_token(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_quant: str) -> float:

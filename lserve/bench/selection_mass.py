@@ -260,6 +260,7 @@ def run_selection_mass(cfg: SelectionMassConfig, out_dir: str | Path = "benchmar
     from lserve.engine import LLMEngine, SamplingParams
     from lserve.engine.llm_engine import build_layout
     from lserve.eval.harness import EvalPlan
+    from lserve.models.identity import identity
     from lserve.models.loader import load_model
 
     t0 = time.perf_counter()
@@ -292,8 +293,8 @@ def run_selection_mass(cfg: SelectionMassConfig, out_dir: str | Path = "benchmar
         bar.close()
     pattern_cfg = EngineConfig(model=cfg.model, sparsity=SparsityConfig(
         pattern=cfg.pattern, static_sparsity=cfg.static_sparsity if cfg.pattern else 0.0))
-    dense = build_layout(pattern_cfg, mc.num_layers, mc.num_kv_heads).dense
-    report = {**header(), "model": mc.name, "backend": "torch", "dtype": cfg.dtype,
+    dense = build_layout(pattern_cfg, mc).dense
+    report = {**header(), "model": mc.name, "model_identity": identity(mc), "backend": "torch", "dtype": cfg.dtype,
               "settings": asdict(cfg) | {"grid": cfg.grid(), "methods": cfg.methods()},
               "prompts": len(cases), "observations": {ctx: rec.counts[ctx].tolist() for ctx in sorted(rec.counts)},
               "dense_heads": dense, "engine_stats_max_abs_gap": rec.stats_gap,

@@ -19,7 +19,7 @@ from lserve.attention import make_backend
 from lserve.attention.base import SelectorStats
 from lserve.cache.kv_cache import KVCache
 from lserve.cache.page_hash import namespace_seed
-from lserve.config import PREFILL_MIN_LEN_UNPROFILED, ConfigError, EngineConfig, SparsityConfig
+from lserve.config import PREFILL_MIN_LEN_UNPROFILED, ConfigError, EngineConfig, ModelConfig, SparsityConfig
 from lserve.engine.async_decode import HostTokens, LaunchedStep
 from lserve.engine.cuda_graphs import DecodeGraphs
 from lserve.engine.sampling import (
@@ -37,6 +37,7 @@ from lserve.engine.step_budget import StepBudget, attention_alpha
 from lserve.models.llama import LlamaModel
 from lserve.models.loader import LoadedModel, load_model
 from lserve.models.tokenizer import encode_prompt
+from lserve.sparsity.in_effect import in_effect
 from lserve.sparsity.kv_read import KVReadTotals
 from lserve.sparsity.patterns import HeadLayout, load_pattern, random_pattern
 from lserve.sparsity.plan import SeqStep
@@ -100,13 +101,15 @@ class _Part:
     graph: bool  # a CUDA-graph replay
 
 
-def build_layout(cfg: EngineConfig, num_layers: int, num_kv_heads: int) -> HeadLayout:
-    """The head layout from the sparsity config: all dense, a file pattern, the model's shipped
-    pattern (``"auto"``; all dense when the model has none) or a random one."""
-    from lserve.sparsity.shipped import default_pattern_for
+def build_layout(cfg: EngineConfig, mc: ModelConfig) -> HeadLayout:
+    """The head layout from the sparsity config: all dense, a file pattern, the shipped pattern of
+    model ``mc`` (``"auto"``, found by the model's identity; all dense, with a log line, when none
+    ships for it) or a random one."""
+    from lserve.sparsity.shipped import auto_pattern
 
     sp = cfg.sparsity
-    source = default_pattern_for(cfg.model) if sp.pattern == "auto" else sp.pattern
+    num_layers, num_kv_heads = mc.num_layers, mc.num_kv_heads
+    source = (auto_pattern(mc) if sp.streaming_enabled() else None) if sp.pattern == "auto" else sp.pattern
     if not sp.streaming_enabled() or source is None:
         return HeadLayout.all_dense(num_layers, num_kv_heads)
     pattern = (random_pattern(num_layers, num_kv_heads, sp.pattern_seed) if source == "random"
@@ -160,7 +163,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if mc.head_dim % 2 or (config.cache.kv_quant == "int4" and mc.head_dim % 2):
             raise ConfigError("INT4 KV needs an even head_dim")
-        self.layout = build_layout(config, mc.num_layers, mc.num_kv_heads)
+        self.layout = build_layout(config, mc)
         self.model = LlamaModel(mc, self.loaded.weights, self.layout, dtype, config.device)
         sp, self.prefill_threshold_source = resolve_prefill_min_len(config.sparsity, config.device, mc, dtype)
         self.cache = build_cache(config, mc, self.layout, dtype)
@@ -171,6 +174,7 @@ class LLMEngine:
                             "prefill is off (lserve calibrate-prefill makes one)", mc.name)
             else:
                 log.info("prefill_sparsity auto: per-layer taus from %s", self.backend.prefill_taus_source)
+        self.sparsity_in_effect = in_effect(sp, mc, self.layout.streaming_fraction())
         self.threshold_source = None
         if sp.dynamic_threshold < 0:  # auto: the profile of this device and model shape, if any
             found = lookup_ratio(profile_key(config.device, mc, dtype))
@@ -324,7 +328,8 @@ class LLMEngine:
         """Facts that do not change while the engine runs (for the serving layer's gauges and views)."""
         return {"max_model_len": self.max_model_len, "page_size": self.cache.page_size,
                 "token_budget": self.config.sparsity.token_budget,
-                "streaming_fraction": self.layout.streaming_fraction(), "prefix_cache": self.cache.prefix.enabled}
+                "streaming_fraction": self.layout.streaming_fraction(), "prefix_cache": self.cache.prefix.enabled,
+                "sparsity": dict(self.sparsity_in_effect)}
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

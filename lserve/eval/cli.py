@@ -89,9 +89,10 @@ def cmd_calibrate_budgets(a: argparse.Namespace) -> int:
     else:
         from lserve.sparsity.shipped import default_pattern_for
 
-        folder = default_pattern_for(r["model"] or "")
+        folder = default_pattern_for(r["model_identity"]) if r.get("model_identity") else None
         if folder is None:
-            raise ConfigError(f"no shipped pattern folder for model {r['model']!r}: pass --out FILE.json")
+            raise ConfigError(f"no shipped pattern folder for model {r['model']!r} (found by the model identity "
+                              f"the selection-mass report records): pass --out FILE.json")
         out = folder / ADAPTIVE_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(r, indent=1) + "\n")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SparsityConfig
 from lserve.eval.tasks import DEPTH_TASKS, EvalCase, make_case, score
 
 
@@ -100,11 +100,11 @@ class RunConfig:
                 self.logical_page_size, self.select_layers, self.adaptive_budgets,
                 self.prefill_sparsity, self.prefill_sparsity_min_len, self.prefill_q_block)
 
-    def sparsity(self, model_name: str) -> SparsityConfig:
+    def sparsity(self, model: ModelConfig) -> SparsityConfig:
         """The engine's :class:`SparsityConfig` (budgets are set per request)."""
         from lserve.sparsity.shipped import resolve_pattern
 
-        pattern = None if self.pattern is None else resolve_pattern(self.pattern, model_name)
+        pattern = None if self.pattern is None else resolve_pattern(self.pattern, model)
         return SparsityConfig(pattern=pattern, static_sparsity=self.static_sparsity if pattern else 0.0,
                               token_budget=0, reuse_interval=self.reuse_interval, select_mode=self.select_mode,
                               dense_layers=self.dense_layers, pattern_seed=self.pattern_seed,
@@ -264,10 +264,14 @@ class Harness:
     def _engine(self, rc: RunConfig, max_len: int, num_seqs: int):
         from lserve.engine import LLMEngine
 
-        name = self.model if self.loaded is None else self.loaded.config.name
+        if self.loaded is None:  # the shipped pattern is looked up by the loaded model's identity
+            from lserve.models.loader import load_model
+
+            dtype = EngineConfig(model=self.model, device=self.device, dtype=self.dtype).torch_dtype()
+            self.loaded = load_model(self.model, dtype=dtype, device=self.device)
         cc = CacheConfig(max_tokens=num_seqs * (max_len + 64), kv_quant=rc.kv_quant,
                          logical_page_size=rc.logical_page_size)
-        cfg = EngineConfig(model=self.model, sparsity=rc.sparsity(name), cache=cc, backend=self.backend,
+        cfg = EngineConfig(model=self.model, sparsity=rc.sparsity(self.loaded.config), cache=cc, backend=self.backend,
                            device=self.device, dtype=self.dtype, max_num_seqs=num_seqs,
                            max_batched_tokens=self.max_batched_tokens, max_model_len=max_len)
         eng = LLMEngine(cfg, self.loaded)

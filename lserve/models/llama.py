@@ -1,6 +1,9 @@
-"""Our Llama-family forward over the paged two-way cache.
+"""Our Llama-family forward over the paged two-way cache (Llama, Mistral, Qwen2, Qwen3).
 
-RMSNorm, RoPE (scaled variants in :mod:`lserve.models.rope`), GQA, SwiGLU, tied embeddings.
+RMSNorm, RoPE (scaled variants in :mod:`lserve.models.rope`), GQA, SwiGLU (or a GELU gate),
+tied embeddings, optional q/k/v, output and MLP biases, and Qwen3's per-head RMSNorm of
+queries and keys before RoPE (so the cache, the page statistics and the prefix cache hold the
+keys attention reads).
 Weights arrive with Hugging Face names; q/k/v and gate/up projections are fused, and each
 layer's KV heads (with their query groups) are permuted so dense heads come first, which is
 the layout the two-way cache and the kernels expect.
@@ -20,7 +23,16 @@ from lserve.sparsity.plan import StepPlan
 
 
 class _Layer:
-    __slots__ = ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")
+    __slots__ = ("ln1", "wqkv", "bqkv", "qn", "kn", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
+
+
+def activation(name: str):
+    """The MLP gate activation ``ModelConfig.hidden_act`` names."""
+    if name == "silu":
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    return lambda x: F.gelu(x, approximate="tanh")  # gelu_pytorch_tanh
 
 
 class LlamaModel:
@@ -62,12 +74,21 @@ class LlamaModel:
             L.wqkv = torch.cat((w(p + "self_attn.q_proj.weight")[q_rows],
                                 w(p + "self_attn.k_proj.weight")[kv_rows],
                                 w(p + "self_attn.v_proj.weight")[kv_rows]))
+            L.bqkv = torch.cat((w(p + "self_attn.q_proj.bias")[q_rows], w(p + "self_attn.k_proj.bias")[kv_rows],
+                                w(p + "self_attn.v_proj.bias")[kv_rows])) if cfg.qkv_bias else None
+            # one [D] weight shared by every head, so the head permutation leaves it alone
+            L.qn = w(p + "self_attn.q_norm.weight") if cfg.qk_norm else None
+            L.kn = w(p + "self_attn.k_norm.weight") if cfg.qk_norm else None
             L.wo = w(p + "self_attn.o_proj.weight")[:, q_rows].contiguous()
+            L.bo = w(p + "self_attn.o_proj.bias") if cfg.o_bias else None
             L.ln2 = w(p + "post_attention_layernorm.weight")
             L.wgu = torch.cat((w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")))
+            L.bgu = torch.cat((w(p + "mlp.gate_proj.bias"), w(p + "mlp.up_proj.bias"))) if cfg.mlp_bias else None
             L.wd = w(p + "mlp.down_proj.weight")
+            L.bd = w(p + "mlp.down_proj.bias") if cfg.mlp_bias else None
             self.layers.append(L)
         self.rope = Rope(cfg, self.device)
+        self.act = activation(cfg.hidden_act)
         self.fused = None  # FusedOps once enable_fused() succeeded (CUDA)
 
     def enable_fused(self) -> str | None:
@@ -78,6 +99,8 @@ class LlamaModel:
         cfg = self.cfg
         if self.device.type != "cuda":
             return "not on a CUDA device"
+        if cfg.hidden_act != "silu":
+            return f"the fused MLP kernel is SiLU-gated, the model uses {cfg.hidden_act}"
         try:
             ops = FusedOps(self.dtype, cfg.head_dim)
             problem = ops.self_check(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads + cfg.num_kv_heads,
@@ -96,7 +119,8 @@ class LlamaModel:
         """Bytes of weights (the floor of a decode step is reading them once)."""
         ts = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for L in self.layers:
-            ts += [L.ln1, L.wqkv, L.wo, L.ln2, L.wgu, L.wd]
+            ts += [t for t in (L.ln1, L.wqkv, L.bqkv, L.qn, L.kn, L.wo, L.bo, L.ln2, L.wgu, L.bgu, L.wd, L.bd)
+                   if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
 
     @torch.inference_mode()
@@ -128,28 +152,41 @@ class LlamaModel:
         """
         cfg = self.cfg
         T = input_ids.shape[0]
-        hq, hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        hq, D = cfg.num_heads, cfg.head_dim
         if self.fused is not None and not (self.rope.dynamic and (max_len is None or
                                                                   max_len > cfg.max_position_embeddings)):
             return self._forward_fused(input_ids, positions, plan, backend, logits_index, max_len, hidden_index)
         cos, sin = self.rope.cos_sin(positions, seq_lens, max_len)
         h = self.embed[input_ids]  # [T, H]
         for i, L in enumerate(self.layers):
-            x = rms_norm(h, L.ln1, cfg.rms_norm_eps)
-            qkv = F.linear(x, L.wqkv)  # [T, (Hq + 2 Hkv) D]
-            q = qkv[:, : hq * D].view(T, hq, D)
-            k = qkv[:, hq * D: (hq + hkv) * D].view(T, hkv, D)
-            v = qkv[:, (hq + hkv) * D:].view(T, hkv, D)
-            q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+            q, k, v = self.project_qkv(L, rms_norm(h, L.ln1, cfg.rms_norm_eps), cos, sin)
             a = backend.run(i, q, k, v, plan)  # [T, Hq, D]
-            h = h + F.linear(a.reshape(T, hq * D), L.wo)
-            x = rms_norm(h, L.ln2, cfg.rms_norm_eps)
-            gate, up = F.linear(x, L.wgu).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, L.wd)
+            h = h + F.linear(a.reshape(T, hq * D), L.wo, L.bo)
+            h = h + self.mlp(L, rms_norm(h, L.ln2, cfg.rms_norm_eps))
         logits = self.lm_logits(rms_norm(h[logits_index], self.norm, cfg.rms_norm_eps))
         if hidden_index is None:
             return logits
         return logits, rms_norm(h[hidden_index], self.norm, cfg.rms_norm_eps)
+
+    def project_qkv(self, L: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Normed hidden states x [..., T, H] -> q [..., T, Hq, D], k and v [..., T, Hkv, D]: the
+        projections (and biases), the per-head q/k RMSNorm when the model has one, then RoPE
+        (cos, sin [T, D/2]). The keys are those the cache stores and the selector scores."""
+        cfg = self.cfg
+        hq, hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        lead = x.shape[:-1]
+        qkv = F.linear(x, L.wqkv, L.bqkv)  # [..., (Hq + 2 Hkv) D]
+        q = qkv[..., : hq * D].view(*lead, hq, D)
+        k = qkv[..., hq * D: (hq + hkv) * D].view(*lead, hkv, D)
+        v = qkv[..., (hq + hkv) * D:].view(*lead, hkv, D)
+        if L.qn is not None:
+            q, k = rms_norm(q, L.qn, cfg.rms_norm_eps), rms_norm(k, L.kn, cfg.rms_norm_eps)
+        return Rope.apply(q, cos, sin), Rope.apply(k, cos, sin), v
+
+    def mlp(self, L: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP of layer ``L`` on normed hidden states x [..., H]."""
+        gate, up = F.linear(x, L.wgu, L.bgu).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, L.wd, L.bd)
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""
@@ -170,13 +207,20 @@ class LlamaModel:
         for i, L in enumerate(self.layers):
             f.add_rmsnorm(h, delta, L.ln1, eps, x)
             qkv = f.linear(x, L.wqkv)  # [T, (Hq + 2 Hkv) D]
+            if L.bqkv is not None:
+                qkv += L.bqkv
+            if L.qn is not None:  # per-head RMSNorm before RoPE (Qwen3), written back into qkv
+                qk = qkv[:, : (hq + hkv) * D].view(T, hq + hkv, D)
+                qk[:, :hq] = rms_norm(qk[:, :hq], L.qn, eps)
+                qk[:, hq:] = rms_norm(qk[:, hq:], L.kn, eps)
             f.rope_(qkv, hq + hkv, D, positions, cos, sin)
             q = qkv[:, : hq * D].view(T, hq, D)
             k = qkv[:, hq * D: (hq + hkv) * D].view(T, hkv, D)
             v = qkv[:, (hq + hkv) * D:].view(T, hkv, D)
             a = backend.run(i, q, k, v, plan)  # [T, Hq, D]
-            f.add_rmsnorm(h, f.linear(a.reshape(T, hq * D), L.wo), L.ln2, eps, x)
-            delta = F.linear(f.silu_mul(F.linear(x, L.wgu)), L.wd)
+            out = f.linear(a.reshape(T, hq * D), L.wo)
+            f.add_rmsnorm(h, out if L.bo is None else out + L.bo, L.ln2, eps, x)
+            delta = F.linear(f.silu_mul(F.linear(x, L.wgu, L.bgu)), L.wd, L.bd)
         f.add_rmsnorm(h, delta, self.norm, eps, x)
         logits = self.lm_logits(x[logits_index])
         return logits if hidden_index is None else (logits, x[hidden_index])

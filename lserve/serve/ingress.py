@@ -232,6 +232,7 @@ class OpenAIServer:
         self.http_metrics = get_http_metrics(self.model_name, replica)
         self.created = int(time.time())
         self._max_model_len = settings.max_model_len or None
+        self._sparsity: dict | None = None
         self.admission = Admission(settings.replica_max_ongoing, settings.max_queued_requests, self.num_replicas)
         self.lifecycle = Lifecycle()
         self.prefix_keys = PrefixKeys(settings)
@@ -676,9 +677,21 @@ class OpenAIServer:
             try:
                 info = await asyncio.wait_for(self.engine.info.remote(), timeout=10)
                 self._max_model_len = int(info["max_model_len"])
+                self._sparsity = info.get("sparsity")
             except Exception:  # noqa: BLE001 - unknown until a replica answers
                 return None
         return self._max_model_len
+
+    async def sparsity(self) -> dict | None:
+        """The sparsity the replicas run (:func:`lserve.sparsity.shipped.in_effect`), asked of a
+        replica once; None until one answers."""
+        if self._sparsity is None:
+            try:
+                info = await asyncio.wait_for(self.engine.info.remote(), timeout=10)
+                self._sparsity = info.get("sparsity")
+            except Exception:  # noqa: BLE001 - unknown until a replica answers
+                return None
+        return self._sparsity
 
     async def models(self, request: Request) -> ModelList:
         """``GET /v1/models``."""
@@ -687,7 +700,8 @@ class OpenAIServer:
 
     async def model_card(self) -> ModelCard:
         """The served model's card."""
-        return ModelCard(id=self.model_name, created=self.created, max_model_len=await self.max_model_len())
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=await self.max_model_len(),
+                         sparsity=await self.sparsity())
 
     async def model(self, request: Request, model_id: str) -> ModelCard:
         """``GET /v1/models/{model_id}``: the card of the served model, 404 for any other id."""

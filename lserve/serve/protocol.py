@@ -277,6 +277,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "lserve"
     max_model_len: int | None = None
+    sparsity: dict[str, Any] | None = Field(None, description="The sparsity in effect: head pattern (and whether "
+                                            "'auto' found a shipped one for this model), token budget, layer "
+                                            "selection and adaptive budgets.")
 
 
 class ModelList(BaseModel):

@@ -80,6 +80,7 @@ class EngineReplica:
         facts = self.engine.describe()
         self.page_size = facts["page_size"]
         self.max_model_len = facts["max_model_len"]
+        self.sparsity = facts["sparsity"]
         self.metrics: EngineMetrics = get_engine_metrics(self.model_name, self.replica_id)
         self.metrics.init_series()
         self._queued: dict[str, int] = {}  # request id -> prompt tokens not yet prefilled
@@ -259,7 +260,7 @@ class EngineReplica:
     def info(self) -> dict[str, Any]:
         """Model facts the ingress shows in ``/v1/models``."""
         return {"replica": self.replica_id, "model": self.model_name, "max_model_len": self.max_model_len,
-                "page_size": self.page_size}
+                "page_size": self.page_size, "sparsity": self.sparsity}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Token load for the router (prompt tokens queued + KV tokens in use) and the engine state.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lserve.config import ConfigError
+from lserve.config import ConfigError, ModelConfig
 
 ADAPTIVE_NAME = "adaptive_budgets.json"
 ADAPTIVE_KIND = "adaptive-budgets"
@@ -122,7 +122,8 @@ def calibrate_budgets(mass_report: dict, context: int, mean_budget: int, method:
     mass = {layer: dict(curves[layer]).get(b, 1.0) for layer, b in alloc.items()}
     n = len(dense)
     mean = sum(weights[la] * b for la, b in alloc.items()) / sum(weights.values())
-    return {"kind": ADAPTIVE_KIND, "model": mass_report.get("model"), "method": method, "context": context,
+    return {"kind": ADAPTIVE_KIND, "model": mass_report.get("model"),
+            "model_identity": mass_report.get("model_identity"), "method": method, "context": context,
             "mean_budget": mean_budget, "source": mass_report.get("command"),
             "rule": "max-min mass target under the dense-head-weighted mean budget, remainder by mass gain per token",
             "ratios": [round(alloc[la] / mean_budget, 4) if la in alloc else None for la in range(n)],
@@ -152,23 +153,25 @@ def load_ratios(path: str | Path, num_layers: int) -> tuple[float | None, ...]:
     return tuple(None if r is None else float(r) for r in ratios)
 
 
-def resolve_ratios(spec: str, model_name: str, num_layers: int) -> tuple[float | None, ...] | None:
+def resolve_ratios(spec: str, model: ModelConfig) -> tuple[float | None, ...] | None:
     """``SparsityConfig.adaptive_budgets`` -> per-layer ratios, or None when off.
 
-    ``""``/``"none"``: off; ``"auto"``: the calibration shipped beside the model's learned
-    pattern (an error when there is none); else a calibration JSON path.
+    ``""``/``"none"``: off; ``"auto"``: the calibration shipped for this model (found by its
+    identity, :mod:`lserve.sparsity.shipped`; an error when there is none); else a calibration
+    JSON path.
     """
     if spec in ("", "none"):
         return None
     if spec == "auto":
-        from lserve.sparsity.shipped import default_pattern_for
+        from lserve.sparsity.shipped import shipped_folder
 
-        folder = default_pattern_for(model_name)
+        folder = shipped_folder(model)
         path = folder / ADAPTIVE_NAME if folder is not None else None
         if path is None or not path.is_file():
-            raise ConfigError(f"no shipped adaptive budgets for model {model_name!r}: pass a calibration JSON")
-        return load_ratios(path, num_layers)
-    return load_ratios(spec, num_layers)
+            raise ConfigError(f"no shipped adaptive budgets for model {model.name!r} ({model.architecture}, "
+                              f"{model.num_layers} layers, fingerprint {model.fingerprint}): pass a calibration JSON")
+        return load_ratios(path, model.num_layers)
+    return load_ratios(spec, model.num_layers)
 
 
 def layer_pages(ratio: float | None, budget_pages: int, page_size: int) -> int:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SparsityConfig
+from lserve.models.identity import identity
 from lserve.sparsity.layer_select import CALIBRATION_KIND, CALIBRATION_NAME
 from lserve.sparsity.selector import page_scores, top_pages
 
@@ -135,12 +136,12 @@ class MassProbe:
         return page_mass.gather(2, idx).sum(-1).mean(1)  # [H]
 
 
-def _default_out(model: str) -> Path:
+def _default_out(model: ModelConfig) -> Path:
     from lserve.sparsity.shipped import default_pattern_for
 
     folder = default_pattern_for(model)
     if folder is None:
-        raise ConfigError(f"no shipped pattern folder for model {model!r}: pass --out FILE.json")
+        raise ConfigError(f"no shipped pattern folder for model {model.name!r}: pass --out FILE.json")
     return folder / CALIBRATION_NAME
 
 
@@ -161,10 +162,10 @@ def calibrate_selection(cfg: CalibrationConfig, progress: bool = True) -> dict:
     from lserve.models.loader import load_model
 
     t0 = time.perf_counter()
-    out = Path(cfg.out) if cfg.out else _default_out(cfg.model)
     base = EngineConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype)
     loaded = load_model(cfg.model, dtype=base.torch_dtype(), device=cfg.device)
     mc = loaded.config
+    out = Path(cfg.out) if cfg.out else _default_out(mc)
     plan = EvalPlan(tasks=list(cfg.tasks), contexts=list(cfg.contexts), depths=list(cfg.depths),
                     samples=cfg.samples, seed=cfg.seed)
     cases = plan.cases(loaded.tokenizer)
@@ -197,7 +198,7 @@ def calibrate_selection(cfg: CalibrationConfig, progress: bool = True) -> dict:
                  for row, n in zip(probe.total.tolist(), counts)]
     pattern_cfg = EngineConfig(model=cfg.model, sparsity=SparsityConfig(
         pattern=cfg.pattern, static_sparsity=cfg.static_sparsity if cfg.pattern else 0.0))
-    dense = build_layout(pattern_cfg, mc.num_layers, mc.num_kv_heads).dense
+    dense = build_layout(pattern_cfg, mc).dense
     layer_min, layer_mean = [], []
     for row, heads in zip(head_mass, dense):
         vals = [row[h] for h in heads if row[h] is not None]
@@ -207,6 +208,7 @@ def calibrate_selection(cfg: CalibrationConfig, progress: bool = True) -> dict:
     result = {
         "kind": CALIBRATION_KIND,
         "model": mc.name,
+        "model_identity": identity(mc),
         "num_layers": mc.num_layers,
         "num_kv_heads": mc.num_kv_heads,
         "settings": {k: v for k, v in asdict(cfg).items() if k not in ("out", "extra")} | cfg.extra,

@@ -39,13 +39,11 @@ import torch.nn.functional as F
 from lserve.config import ConfigError, ModelConfig
 from lserve.models.llama import LlamaModel
 from lserve.models.norm import rms_norm
-from lserve.models.rope import Rope
 from lserve.plotting import pyplot
 from lserve.sparsity.patterns import HeadLayout, HeadPattern
 from lserve.sparsity.shipped import (  # noqa: F401 - re-exported: the trainer's callers look them up here too
     LEARNED_ALIASES,
     PATTERN_ROOT,
-    SHIPPED_PATTERNS,
     default_pattern_for,
     resolve_pattern,
 )
@@ -100,13 +98,8 @@ class GatedLlama:
         """h: [B, T, H] -> [B, T, H]; gate: [Hkv] float or None (full attention only)."""
         cfg, L = self.cfg, self.model.layers[i]
         B, T, _ = h.shape
-        hq, hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
-        x = rms_norm(h, L.ln1, cfg.rms_norm_eps)
-        qkv = F.linear(x, L.wqkv)  # [B, T, (Hq + 2 Hkv) D]
-        q = qkv[..., : hq * D].view(B, T, hq, D)
-        k = qkv[..., hq * D: (hq + hkv) * D].view(B, T, hkv, D)
-        v = qkv[..., (hq + hkv) * D:].view(B, T, hkv, D)
-        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        hq, D, G = cfg.num_heads, cfg.head_dim, cfg.group_size
+        q, k, v = self.model.project_qkv(L, rms_norm(h, L.ln1, cfg.rms_norm_eps), cos, sin)
         q = q.transpose(1, 2)  # [B, Hq, T, D]
         k = k.transpose(1, 2).repeat_interleave(G, dim=1)  # [B, Hq, T, D]: query head j reads KV head j // G
         v = v.transpose(1, 2).repeat_interleave(G, dim=1)
@@ -117,11 +110,8 @@ class GatedLlama:
             stream = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(T), scale=self.scale)
             g = gate.to(full.dtype).repeat_interleave(G).view(1, hq, 1, 1)
             a = stream + g * (full - stream)
-        h = h + F.linear(a.transpose(1, 2).reshape(B, T, hq * D), L.wo)
-        x = rms_norm(h, L.ln2, cfg.rms_norm_eps)
-        gate_up = F.linear(x, L.wgu)
-        gt, up = gate_up.chunk(2, dim=-1)
-        return h + F.linear(F.silu(gt) * up, L.wd)
+        h = h + F.linear(a.transpose(1, 2).reshape(B, T, hq * D), L.wo, L.bo)
+        return h + self.model.mlp(L, rms_norm(h, L.ln2, cfg.rms_norm_eps))
 
     def hidden_states(self, input_ids: torch.Tensor, alpha: torch.Tensor | None = None,
                       checkpoint: bool = False) -> torch.Tensor:

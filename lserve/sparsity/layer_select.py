@@ -19,12 +19,12 @@ CALIBRATION_NAME = "selection_layers.json"
 CALIBRATION_KIND = "selection-layers"
 
 
-def default_calibration_for(model_name: str) -> Path | None:
-    """The shipped calibration beside the model's learned head pattern
-    (:func:`lserve.sparsity.shipped.default_pattern_for`), or None."""
-    from lserve.sparsity.shipped import default_pattern_for
+def default_calibration_for(model: ModelConfig) -> Path | None:
+    """The calibration shipped for this model (found by its identity,
+    :func:`lserve.sparsity.shipped.shipped_folder`), or None."""
+    from lserve.sparsity.shipped import shipped_folder
 
-    folder = default_pattern_for(model_name)
+    folder = shipped_folder(model)
     path = folder / CALIBRATION_NAME if folder is not None else None
     return path if path is not None and path.is_file() else None
 
@@ -49,7 +49,7 @@ def resolve_select_layers(spec: str | tuple[int, ...], model: ModelConfig) -> tu
     spec : str or tuple of int
         ``SparsityConfig.select_layers`` (already normalised by the config).
     model : ModelConfig
-        The model; ``model.name`` finds the shipped calibration for ``"auto"``.
+        The model; its identity finds the shipped calibration for ``"auto"``.
 
     Raises
     ------
@@ -59,7 +59,7 @@ def resolve_select_layers(spec: str | tuple[int, ...], model: ModelConfig) -> tu
     n = model.num_layers
     source = None
     if spec == "auto":
-        source = default_calibration_for(model.name)
+        source = default_calibration_for(model)
         if source is None:  # no calibration for this model: the paper's behaviour
             return (True,) * n
     elif spec in ("all", "none"):

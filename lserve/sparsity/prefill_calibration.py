@@ -132,20 +132,20 @@ def calibrate_prefill(cfg: PrefillCalibrationConfig, progress: bool = True) -> d
     from lserve.engine.llm_engine import build_layout
     from lserve.eval.harness import EvalPlan
     from lserve.models.loader import load_model
-    from lserve.sparsity.shipped import default_pattern_for
+    from lserve.sparsity.shipped import shipped_folder
 
     t0 = time.perf_counter()
-    if cfg.out:
-        out = Path(cfg.out)
-    else:
-        folder = default_pattern_for(cfg.model)
-        if folder is None:
-            raise ConfigError(f"no shipped pattern folder for model {cfg.model!r}: pass --out FILE.json")
-        out = folder / CALIBRATION_NAME
     sp_defaults = SparsityConfig()
     base = EngineConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype)
     loaded = load_model(cfg.model, dtype=base.torch_dtype(), device=cfg.device)
     mc = loaded.config
+    if cfg.out:
+        out = Path(cfg.out)
+    else:
+        folder = shipped_folder(mc)
+        if folder is None:
+            raise ConfigError(f"no shipped calibration folder for model {cfg.model!r}: pass --out FILE.json")
+        out = folder / CALIBRATION_NAME
     plan = EvalPlan(tasks=list(cfg.tasks), contexts=list(cfg.contexts), depths=list(cfg.depths),
                     samples=cfg.samples, seed=cfg.seed)
     cases = plan.cases(loaded.tokenizer)

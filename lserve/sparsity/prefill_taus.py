@@ -7,18 +7,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lserve.config import ConfigError
+from lserve.config import ConfigError, ModelConfig
 
 CALIBRATION_NAME = "prefill_taus.json"
 CALIBRATION_KIND = "prefill-taus"
 TAU_GRID = (0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
 
 
-def default_calibration_for(model_name: str) -> Path | None:
-    """The shipped calibration beside the model's learned head pattern, or None."""
-    from lserve.sparsity.shipped import default_pattern_for
+def default_calibration_for(model: ModelConfig) -> Path | None:
+    """The calibration shipped for this model (found by its identity,
+    :func:`lserve.sparsity.shipped.shipped_folder`), or None."""
+    from lserve.sparsity.shipped import shipped_folder
 
-    folder = default_pattern_for(model_name)
+    folder = shipped_folder(model)
     path = folder / CALIBRATION_NAME if folder is not None else None
     return path if path is not None and path.is_file() else None
 
@@ -41,8 +42,7 @@ def load_layer_taus(path: str | Path, num_layers: int, num_kv_heads: int) -> tup
     return taus
 
 
-def resolve_layer_taus(spec: float, model_name: str, num_layers: int, num_kv_heads: int
-                       ) -> tuple[tuple[float, ...] | None, str | None]:
+def resolve_layer_taus(spec: float, model: ModelConfig) -> tuple[tuple[float, ...] | None, str | None]:
     """``SparsityConfig.prefill_sparsity`` -> (per-layer taus or None, the file they came from).
 
     Only "auto" (-1) reads a calibration: the one shipped for ``model_name``; without one the
@@ -50,7 +50,7 @@ def resolve_layer_taus(spec: float, model_name: str, num_layers: int, num_kv_hea
     """
     if spec >= 0:
         return None, None
-    path = default_calibration_for(model_name)
+    path = default_calibration_for(model)
     if path is None:
         return None, None
-    return load_layer_taus(path, num_layers, num_kv_heads), str(path)
+    return load_layer_taus(path, model.num_layers, model.num_kv_heads), str(path)

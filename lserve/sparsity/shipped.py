@@ -1,46 +1,81 @@
-"""The head patterns that ship with LServe, by model (looked up by the engine, not trained here:
-the DuoAttention-style trainer is :mod:`lserve.sparsity.classifier`)."""
+"""The head patterns and calibrations that ship with LServe, found by what the model is.
+
+Each folder under ``lserve/patterns/`` holds a ``model.json`` with the identity of the model it
+was trained on (:func:`lserve.models.identity.identity`: family, shapes and a fingerprint of the
+weights); a model gets the folder whose identity equals its own, whatever its file or directory
+is called. The DuoAttention-style trainer is :mod:`lserve.sparsity.classifier`.
+"""
 
 from __future__ import annotations
 
-import re
+import json
+import logging
 from pathlib import Path
 
-from lserve.config import ConfigError
+from lserve.config import ConfigError, ModelConfig
+from lserve.models.identity import identity
+
+log = logging.getLogger("lserve")
 
 PATTERN_ROOT = Path(__file__).resolve().parent.parent / "patterns"
-# Normalized model-name fragment -> folder under lserve/patterns/ with a learned pattern.
-SHIPPED_PATTERNS = {"smollm2-135m": "smollm2-135m"}
+IDENTITY_NAME = "model.json"
+PATTERN_FILE = "full_attention_heads.tsv"
 
 
-def default_pattern_for(model_name: str) -> Path | None:
-    """The shipped learned pattern for a model, or None if there is none.
+def _identity_of(model: ModelConfig | dict) -> dict:
+    return identity(model) if isinstance(model, ModelConfig) else dict(model)
+
+
+def shipped_folders() -> dict[str, dict]:
+    """Folder name -> the model identity it was calibrated on, for every shipped folder."""
+    out = {}
+    for f in sorted(PATTERN_ROOT.glob(f"*/{IDENTITY_NAME}")):
+        out[f.parent.name] = json.loads(f.read_text())["identity"]
+    return out
+
+
+def shipped_folder(model: ModelConfig | dict) -> Path | None:
+    """The shipped folder calibrated on exactly this model, or None.
 
     Parameters
     ----------
-    model_name : str
-        ``"default"`` (the bundled SmolLM2-135M-Instruct), or a model's name as the loader
-        reports it (``ModelConfig.name``: a GGUF file stem or a Hugging Face directory name),
-        or a path to such a file/directory. Matching ignores case, ``_`` vs ``-`` and the path.
-
-    Returns
-    -------
-    Path or None
-        A directory holding ``full_attention_heads.tsv`` and ``config.json``.
+    model : ModelConfig or dict
+        A loaded model's config (its ``fingerprint`` set by the loader), or an identity dict as
+        :func:`lserve.models.identity.identity` gives it (reports carry one).
     """
-    name = "smollm2-135m" if model_name == "default" else re.sub(r"[^a-z0-9.]+", "-", Path(model_name).name.lower())
-    for key, folder in SHIPPED_PATTERNS.items():
-        if key in name:
-            path = PATTERN_ROOT / folder
-            if (path / "full_attention_heads.tsv").is_file():
-                return path
+    ident = _identity_of(model)
+    if not ident.get("fingerprint"):
+        return None
+    for name, known in shipped_folders().items():
+        if known == ident:
+            return PATTERN_ROOT / name
     return None
+
+
+def default_pattern_for(model: ModelConfig | dict) -> Path | None:
+    """The shipped learned head pattern of this model (a folder holding
+    ``full_attention_heads.tsv`` and ``config.json``), or None if none ships for it."""
+    folder = shipped_folder(model)
+    return folder if folder is not None and (folder / PATTERN_FILE).is_file() else None
+
+
+def auto_pattern(model: ModelConfig) -> Path | None:
+    """:func:`default_pattern_for`, logging what ``pattern auto`` resolved to: the folder, or that
+    none ships for this model so every head stays dense."""
+    folder = default_pattern_for(model)
+    if folder is None:
+        log.info("pattern auto: no shipped head pattern for model %r (%s, %d layers x %d KV heads, fingerprint "
+                    "%s): no streaming heads; train one with `lserve classify-heads`", model.name, model.architecture,
+                    model.num_layers, model.num_kv_heads, model.fingerprint)
+    else:
+        log.info("pattern auto: the shipped pattern %s for model %r", folder.name, model.name)
+    return folder
 
 
 LEARNED_ALIASES = ("learned", "default")
 
 
-def resolve_pattern(spec: str, model: str) -> str:
+def resolve_pattern(spec: str, model: ModelConfig) -> str:
     """A pattern spec as ``SparsityConfig.pattern`` holds it, with ``"learned"`` made concrete.
 
     Parameters
@@ -48,8 +83,8 @@ def resolve_pattern(spec: str, model: str) -> str:
     spec : str
         ``"learned"`` (or ``"default"``): the pattern shipped for ``model``; anything else
         (a directory, a TSV, ``"random"``) is returned unchanged.
-    model : str
-        The engine's model spec (``"default"``, a GGUF file, a Hugging Face directory) or name.
+    model : ModelConfig
+        The loaded model.
 
     Raises
     ------
@@ -60,7 +95,9 @@ def resolve_pattern(spec: str, model: str) -> str:
         return spec
     path = default_pattern_for(model)
     if path is None:
-        shipped = ", ".join(sorted(SHIPPED_PATTERNS))
-        raise ConfigError(f"no learned head pattern ships for model {model!r} (shipped: {shipped}); train one with "
-                          f"`lserve classify-heads --model ... --out DIR` and pass --pattern DIR")
+        shipped = ", ".join(shipped_folders())
+        raise ConfigError(f"no learned head pattern ships for model {model.name!r} (shipped: {shipped}, each for one "
+                          f"model's weights); train one with `lserve classify-heads --model ... --out DIR` and "
+                          f"pass --pattern DIR")
     return str(path)
+

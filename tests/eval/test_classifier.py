@@ -14,6 +14,7 @@ from logits_capture import capture_logits
 from lserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
+from lserve.models.presets import preset_config
 from lserve.sparsity.classifier import (
     GatedLlama,
     GateTrainConfig,
@@ -203,9 +204,9 @@ def test_pattern_round_trip_and_shape_check(tmp_path):
 
 
 def test_shipped_default_pattern(smol):
-    path = default_pattern_for("default")
-    assert path is not None and path == default_pattern_for(smol.config.name)
-    assert default_pattern_for("llama3-8b") is None
+    path = default_pattern_for(smol.config)
+    assert path is not None and path.name == "smollm2-135m"
+    assert default_pattern_for(preset_config("llama3-8b")) is None  # no fingerprint, other shapes
     p = load_pattern(path)
     mc = smol.config
     assert p.alphas.shape == (mc.num_layers, mc.num_kv_heads)

@@ -44,11 +44,12 @@ def test_engine_groups_share_prefills_only_when_allowed():
     assert key["lserve"] != key["lserve-no-reuse"] and key["lserve"] != key["lserve-random-pattern"]
 
 
-def test_resolve_learned_pattern():
-    assert resolve_pattern("learned", "default") == str(default_pattern_for("default"))
-    assert resolve_pattern("random", "tiny") == "random"
+def test_resolve_learned_pattern(smol):
+    tiny = load_model("tiny").config
+    assert resolve_pattern("learned", smol.config) == str(default_pattern_for(smol.config))
+    assert resolve_pattern("random", tiny) == "random"
     with pytest.raises(ConfigError, match="no learned head pattern ships for model 'tiny'"):
-        resolve_pattern("learned", "tiny")
+        resolve_pattern("learned", tiny)
 
 
 def test_compare_pairs():

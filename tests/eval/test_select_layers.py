@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from lserve.cli import main
-from lserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SparsityConfig
+from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
 from lserve.sparsity.calibrate import CalibrationConfig, MassProbe, calibrate_selection
@@ -82,7 +83,7 @@ def test_subset_selects_only_there(tiny):
 def test_cli_refuses_out_of_range_and_mismatched_calibration(tiny, capsys, tmp_path):
     with pytest.raises(ConfigError, match="layer 7 but the model has 4 layers"):
         _engine(tiny, select_layers=(2, 7))
-    shipped = default_calibration_for("default")
+    shipped = default_calibration_for(load_model("default").config)
     assert shipped is not None  # the default model ships one (lserve/patterns/smollm2-135m)
     rc = main(["generate", "hi", "--model", "tiny", "--max-tokens", "2", "--select-layers", str(shipped)])
     err = capsys.readouterr().err
@@ -93,8 +94,8 @@ def test_cli_refuses_out_of_range_and_mismatched_calibration(tiny, capsys, tmp_p
         _engine(tiny, select_layers=str(bad))
 
 
-def test_shipped_calibration_is_consistent_and_auto_uses_it():
-    cal = load_calibration(default_calibration_for("default"))
+def test_shipped_calibration_is_consistent_and_auto_uses_it(smol):
+    cal = load_calibration(default_calibration_for(smol.config))
     n = cal["num_layers"]
     assert len(cal["layer_mass"]) == len(cal["head_mass"]) == len(cal["dense_heads"]) == n
     thr = cal["settings"]["threshold"]
@@ -102,15 +103,10 @@ def test_shipped_calibration_is_consistent_and_auto_uses_it():
     assert cal["select_layers"] == expect
     for m, heads, row in zip(cal["layer_mass"], cal["dense_heads"], cal["head_mass"]):
         assert m == (min(row[h] for h in heads) if heads else None)
-    def model(name, layers=n):
-        return ModelConfig(vocab_size=10, hidden_size=576, intermediate_size=64, num_layers=layers, num_heads=9,
-                           num_kv_heads=3, name=name)
-
-    flags = resolve_select_layers("auto", model("SmolLM2-135M-Instruct.Q4_1"))
+    flags = resolve_select_layers("auto", replace(smol.config, name="renamed"))  # found by identity, not name
     assert [i for i, f in enumerate(flags) if f] == expect
-    assert resolve_select_layers("auto", model("tiny")) == (True,) * n  # no calibration: every layer
-    with pytest.raises(ConfigError, match=f"is for {n} layers"):  # a shipped name, another layer count
-        resolve_select_layers("auto", model("smollm2-135m-other", n + 2))
+    other = replace(smol.config, name="SmolLM2-135M-Instruct.Q4_1", fingerprint="0" * 16)  # the name, other weights
+    assert resolve_select_layers("auto", other) == (True,) * n  # no calibration: every layer
 
 
 def test_calibration_json_shape_and_engine_use(tiny, tmp_path):

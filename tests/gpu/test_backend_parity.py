@@ -39,6 +39,13 @@ SCENARIOS = {
     "bf16-d128-g16-query": dict(dtype=torch.bfloat16, D=128, hkv=2, G=16, n_dense=(1, 2), select_mode="query",
                                 split="many"),
     # The CUDA-core decode kernel on unquantized bf16 pools (the tensor-core one is the default).
+    # GQA groups that are not powers of two (Qwen2.5-7B: 7, Qwen2.5-14B: 5): tensor-core decode and
+    # scores, the CUDA-core decode (INT8), query mode, the dense prefill kernel.
+    "bf16-d128-g7-kv": dict(dtype=torch.bfloat16, D=128, hkv=2, G=7, n_dense=(1, 2)),
+    "fp16-d64-g5-query": dict(dtype=torch.float16, D=64, hkv=2, G=5, n_dense=(2, 1), select_mode="query"),
+    "bf16-d128-g7-int8-cudacore": dict(dtype=torch.bfloat16, D=128, hkv=2, G=7, n_dense=(1, 2), kv_quant="int8",
+                                       decode_impl="cuda"),
+    "bf16-d64-g5-kernelprefill": dict(dtype=torch.bfloat16, D=64, hkv=2, G=5, n_dense=(2, 1), prefill_kernel=True),
     "bf16-d128-g4-cudacore": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(1, 2), decode_impl="cuda"),
     # The CUDA-core page scores (tensor cores are the default for 16-bit caches): four dense
     # heads with 4 heads per CTA (kv mode), and with 1 (the older layout); query mode with 4 heads

@@ -29,7 +29,7 @@ def _qkv(h, g, start, lq, d, seed, dtype=torch.bfloat16):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("g", [1, 4, 5, 7, 8])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("start,lq,qb", [(0, 3000, 512), (1536, 1111, 512), (700, 2357, 256)])
 def test_sparse_prefill_bf16_matches_reference(g, d, start, lq, qb, seed):

@@ -30,6 +30,9 @@ def test_models_lists_the_served_model(app):
     models = client(app).models.list()
     assert [m.id for m in models.data] == [app.settings.model_name]
     assert models.data[0].model_extra["max_model_len"] == 2048
+    sparsity = models.data[0].model_extra["sparsity"]  # what is in effect, found by the model's identity
+    assert sparsity["shipped"] == "smollm2-135m" and sparsity["token_budget"] == 0
+    assert {"pattern", "streaming_fraction", "select_layers", "adaptive_budgets"} <= set(sparsity)
 
 
 def test_completion_with_usage(app, tokenizer):
