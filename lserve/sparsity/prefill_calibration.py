@@ -170,7 +170,7 @@ def calibrate_prefill(cfg: PrefillCalibrationConfig, progress: bool = True) -> d
     head_taus = [choose_taus(torch.stack(cs), cfg.target_mass) for cs in curves]
     pattern_cfg = EngineConfig(model=cfg.model, sparsity=SparsityConfig(
         pattern=cfg.pattern, static_sparsity=cfg.static_sparsity if cfg.pattern else 0.0))
-    dense = build_layout(pattern_cfg, mc.num_layers, mc.num_kv_heads).dense
+    dense = build_layout(pattern_cfg, mc).dense
     layer_taus = [max((ht[h] for h in heads), default=1.0) for ht, heads in zip(head_taus, dense)]
     result = {
         "kind": CALIBRATION_KIND,
