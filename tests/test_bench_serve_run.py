@@ -57,9 +57,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_bench_serve_on_the_cpu(tmp_path):
+def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
     """Two load points of the reasoning workload (16 output tokens here) and an ITL SLO sweep of
-    two values at concurrency 2, through real ``lserve serve`` processes."""
+    two values at concurrency 2, through real ``lserve serve`` processes, which inherit an API key
+    from the environment (the bench's clients send it)."""
+    monkeypatch.setenv("LSERVE_API_KEY", "bench-key")
     argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--backend", "torch", "--configs", "lserve",
             "--plan", "reasoning:96:1,2:16", "--point-time", "2", "--requests-per-c", "3", "--no-engine-ttft",
             "--itl-slo-sweep", "0", "40", "--sweep-point", "96:2", "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",

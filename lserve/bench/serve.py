@@ -43,6 +43,7 @@ from pathlib import Path
 
 from lserve.bench.report import header, write_json
 from lserve.plotting import pyplot
+from lserve.serve.settings import API_KEY_ENV
 
 # On random weights tau sets how much of the causal prefill the dense heads keep (0.33 at 128k
 # for 0.3, benchmarks/e2e_prefill_sparse_h200.json), not an accuracy-checked setting.
@@ -120,6 +121,13 @@ def _log(msg: str) -> None:
     print(f"[bench serve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def auth_headers() -> dict[str, str]:
+    """The bearer token of ``$LSERVE_API_KEY``: the servers this bench starts inherit its
+    environment and then ask every API request for it."""
+    key = os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class Server:
     """An ``lserve serve`` subprocess (its output goes to ``log_path``).
 
@@ -158,7 +166,8 @@ class Server:
     def get_json(self, path: str) -> dict:
         import json
 
-        with urllib.request.urlopen(self.base_url + path, timeout=10) as r:
+        req = urllib.request.Request(self.base_url + path, headers=auth_headers())
+        with urllib.request.urlopen(req, timeout=10) as r:
             return json.load(r)
 
     def histogram_totals(self) -> dict[str, tuple[float, float]]:
@@ -272,8 +281,9 @@ def run_point(base_url: str, tok, context: int, concurrency: int, output_len: in
     least = requests_per_c * concurrency
     pool = least if context > 4096 else max(least, 64 * concurrency)  # short requests: enough for min_time_s
     specs = workload_specs(tok, workload, context, pool, output_len, seed)
+    # the servers this bench starts inherit its environment, an API key included
     opts = RequestOptions(url=base_url + "/v1/completions", model=None, temperature=0.0, ignore_eos=True,
-                          timeout_s=time_limit_s + 60)
+                          timeout_s=time_limit_s + 60, api_key=os.environ.get(API_KEY_ENV))
     shape = LoadShape("concurrency", concurrency=concurrency, seed=seed)
     results, duration, _ = asyncio.run(run_load(specs, opts, shape, time_limit_s, progress=False,
                                                 send_for_s=min_time_s, min_requests=least))
@@ -349,7 +359,7 @@ def prefix_probe(base_url: str, vocab: int, context: int, question_len: int = 64
         prompt = doc + [rng.randrange(vocab - 2) for _ in range(question_len)]
         body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
         req = urllib.request.Request(base_url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **auth_headers()})
         t0 = time.perf_counter()
         with urllib.request.urlopen(req, timeout=600) as r:
             usage = json.load(r)["usage"]
