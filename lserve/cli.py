@@ -10,6 +10,7 @@ import sys
 from lserve.config import (  # noqa: F401 - engine_config_from_args: the CLI's flags -> EngineConfig
     PREFILL_ESTIMATORS,
     ConfigError,
+    SparsityConfig,
     engine_config_from_args,
     engine_flag_defaults,
 )
@@ -120,14 +121,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def _prefill_tau(spec: str) -> float:
-    """``--prefill-sparsity``: a number (its range is the config's to check), or "auto" (-1: the
-    model's calibrated per-layer taus)."""
-    if spec == "auto":
-        return -1.0
+    """``--prefill-sparsity``: a number (its range is the config's to check), or "auto"."""
     try:
-        return float(spec)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {spec!r}") from None
+        return SparsityConfig.parse_prefill_sparsity(spec)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _batched(spec: str) -> tuple[int, int] | None:

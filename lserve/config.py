@@ -244,6 +244,18 @@ class SparsityConfig:
     def streaming_enabled(self) -> bool:
         return self.pattern not in (None, "none") and self.static_sparsity > 0
 
+    @staticmethod
+    def parse_prefill_sparsity(spec: str | float) -> float:
+        """A ``prefill_sparsity`` as a flag or a config file writes it: a number, or "auto" (-1)."""
+        if isinstance(spec, str):
+            if spec.strip().lower() == "auto":
+                return -1.0
+            try:
+                return float(spec)
+            except ValueError:
+                raise ConfigError(f"prefill_sparsity must be a number in [0, 1] or 'auto', got {spec!r}") from None
+        return float(spec)
+
     def request_prefill_sparsity(self, override: float | None) -> float:
         """A request's prefill tau: its own (``SamplingParams.prefill_sparsity``), else this config's."""
         return self.prefill_sparsity if override is None else override

@@ -54,7 +54,13 @@ def test_cli_prefill_sparsity_takes_auto_or_a_tau(capsys):
     assert len(err) == 1 and err[0].startswith("lserve: error: prefill_sparsity must be in [0, 1]")
     with pytest.raises(SystemExit) as e:
         main(["generate", "hi", "--model", "tiny", "--prefill-sparsity", "most"])
-    assert e.value.code == 2 and "expected a number in [0, 1] or 'auto'" in capsys.readouterr().err
+    assert e.value.code == 2 and "must be a number in [0, 1] or 'auto', got 'most'" in capsys.readouterr().err
+    # a serve config (YAML / JSON) says it the same way
+    from lserve.serve.settings import ServeSettings
+
+    assert ServeSettings.from_dict({"prefill_sparsity": "auto"}).prefill_sparsity == -1.0
+    with pytest.raises(ConfigError, match="or 'auto', got 'most'"):
+        ServeSettings.from_dict({"prefill_sparsity": "most"})
 
 
 def test_auto_without_a_calibration_is_off_and_says_so(caplog):

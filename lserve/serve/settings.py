@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from lserve.config import ConfigError, EngineConfig, engine_config_from_args, engine_flag_defaults
+from lserve.config import ConfigError, EngineConfig, SparsityConfig, engine_config_from_args, engine_flag_defaults
 
 #: Fields that describe the engine (names of the ``lserve`` CLI flags, with underscores).
 ENGINE_FIELDS = (
@@ -44,6 +44,8 @@ def _coerce(name: str, value: Any, type_name: str) -> Any:
     """Convert a string to the field's declared type (``int``, ``float``, ``bool``, optional)."""
     if not isinstance(value, str):
         return value
+    if name == "prefill_sparsity":  # a number or "auto"
+        return SparsityConfig.parse_prefill_sparsity(value)
     base = type_name.replace(" | None", "").strip()
     if "None" in type_name and value.strip().lower() in ("", "none", "null"):
         return None
