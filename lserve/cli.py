@@ -24,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     D = engine_flag_defaults()
     g = p.add_argument_group("model")
     g.add_argument("--model", default=D["model"],
-                   help="'default' (SmolLM2-135M-Instruct), a preset (llama3-8b, llama2-7b, minitron-4b, tiny), "
+                   help="'default' (SmolLM2-135M-Instruct), a preset (llama3-8b, llama2-7b, minitron-4b, "
+                        "qwen2.5-7b, qwen3-8b, mistral-7b, tiny), "
                         "a .gguf file or a Hugging Face directory")
     g.add_argument("--device", default=D["device"], help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=D["dtype"], choices=["auto", "float32", "float16", "bfloat16"],
@@ -202,7 +203,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.what == "kernels":
         from lserve.bench.kernels import run_kernel_bench
 
-        run_kernel_bench(a.out)
+        run_kernel_bench(a.out, model=a.model or "llama3-8b")
     elif a.what == "serve":
         from lserve.bench.serve import merge_reports, run_serve_bench
 
@@ -273,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps measured per point (default 64 for e2e, 8 for selection-mass, else 32; serve: tokens "
                         "per request)")
     b.add_argument("--model", default=None,
-                   help="e2e / profile-threshold: model or preset (default llama3-8b on a GPU, else default)")
+                   help="e2e / profile-threshold: model or preset (default llama3-8b on a GPU, else default); "
+                        "kernels: the preset whose attention layer is timed (default llama3-8b)")
     b.add_argument("--device", default=None, help="e2e (default cuda) / profile-threshold (default: cuda if present)")
     b.add_argument("--backend", default=None, choices=["torch", "cupy"],
                    help="attention backend (default cupy on a GPU, torch on a CPU)")

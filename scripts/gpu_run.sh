@@ -4,7 +4,8 @@
 #   PARTS="tests threshold e2e" bash scripts/gpu_run.sh   (default: tests kernels threshold e2e)
 # Parts and what they write under $OUT:
 #   tests      gpu_tests.log (pytest -m gpu; TESTS=... narrows it)
-#   kernels    kernels_h200.{json,png}, kernels_bench.log (one layer: kernels vs SDPA)
+#   kernels    kernels_h200.{json,png}, kernels_bench.log (one layer: kernels vs SDPA; KERNELS_ARGS adds
+#              flags, e.g. "--model qwen2.5-7b" -> kernels_qwen2.5-7b_h200.{json,png})
 #   threshold  threshold_h200.{json,png}, threshold.log (lserve bench profile-threshold; the
 #              profile it saves is what the e2e engines then use)
 #   pthreshold prefill_threshold_h200.{json,png}, pthreshold.log (lserve bench profile-prefill-threshold:
@@ -13,7 +14,8 @@
 #   sparse     sparse_prefill_h200.{json,png}, sparse_prefill.log (python -m lserve.bench.sparse_prefill:
 #              block-sparse prefill attention vs SDPA; SPARSE_ARGS adds flags)
 #   bsp        bsp_prefill_h200.{json,png}, bsp_prefill.log (python -m lserve.bench.bsp_prefill: the unified
-#              block-sparse prefill kernel, parity then speed at fixed kept fractions; BSP_ARGS adds flags)
+#              block-sparse prefill kernel, parity then speed at fixed kept fractions; BSP_ARGS adds flags,
+#              e.g. "--model qwen2.5-7b" -> bsp_prefill_qwen2.5-7b_h200.{json,png})
 #   probe      probe_*.json, probe.log (scripts/probe_$PROBE.py: PROBE=decode (default), selector, launch, timeline,
 #              sdpa, first_prefill or served_prefill; PROBE_ARGS adds flags)
 #   profile    profile_*.json, profile.log (kernels of the prefill and eager decode steps by GPU time;
@@ -40,8 +42,9 @@ if has tests; then
     test_rc=${PIPESTATUS[0]}; rc=$((rc | (test_rc != 0)))
 fi
 if has kernels; then
-    LSERVE_BENCH_COMMAND="bash scripts/gpu_run.sh  (python -m lserve.bench.kernels \$OUT)" \
-        timeout "${BENCH_TIMEOUT:-480}" "$PY" -m lserve.bench.kernels "$OUT" 2>&1 | tee "$OUT/kernels_bench.log"
+    # shellcheck disable=SC2086
+    LSERVE_BENCH_COMMAND="bash scripts/gpu_run.sh  (python -m lserve.bench.kernels \$OUT ${KERNELS_ARGS:-})" \
+        timeout "${BENCH_TIMEOUT:-480}" "$PY" -m lserve.bench.kernels "$OUT" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels_bench.log"
     rc=$((rc | (PIPESTATUS[0] != 0)))
 fi
 if has threshold; then

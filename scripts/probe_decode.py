@@ -21,6 +21,8 @@ from kernel_edits import use_edited  # scripts/kernel_edits.py (run as python sc
 
 from lserve.bench import kernels as kb
 
+LAYER = kb.layer_config(kb.DEFAULT_MODEL)  # the Llama-3-8B layer these probes time
+
 # (units per launch as a multiple of the SM count or None = the default one wave, min_chunk)
 SETTINGS = [(None, 2), (1, 2), (3, 2), (4, 2), (6, 2), (None, 8), (None, 16)]
 # Text edits of decode_tc.cu timed against the shipped source at the default setting:
@@ -54,11 +56,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "settings": SETTINGS, "rows": []}
     for ctx in a.contexts:
-        n_sets, inner = kb.rotation(ctx)
-        row = {"context": ctx, "sdpa_ms": kb.sdpa_decode_ms(ctx, n_sets, inner), "dense": [], "reuse": []}
+        n_sets, inner = kb.rotation(LAYER, ctx)
+        row = {"context": ctx, "sdpa_ms": kb.sdpa_decode_ms(LAYER, ctx, n_sets, inner), "dense": [], "reuse": []}
         torch.cuda.empty_cache()
         for n_dense, key, budget in ((8, "dense", 0), (4, "reuse", kb.BUDGET)):
-            s = kb.DecodeSetup(ctx, n_dense, n_sets)
+            s = kb.DecodeSetup(LAYER, ctx, n_dense, n_sets)
             be = s.backends[budget]
             sel, reuse = s.tables[budget]
             tables = sel

@@ -22,6 +22,8 @@ from kernel_edits import use_edited  # scripts/kernel_edits.py (run as python sc
 
 from lserve.bench import kernels as kb
 
+LAYER = kb.layer_config(kb.DEFAULT_MODEL)  # the Llama-3-8B layer these probes time
+
 # name: (backend attributes, {kernel family: text edits of the shipped source})
 VARIANTS = {
     "plain": ({"pdl": False}, {}),
@@ -69,11 +71,11 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(), "variants": {k: {"attrs": v[0], "edits": v[1]}
                                                                     for k, v in VARIANTS.items()}, "rows": []}
     for ctx in a.contexts:
-        n_sets, inner = kb.rotation(ctx)
-        row = {"context": ctx, "sdpa_ms": kb.sdpa_decode_ms(ctx, n_sets, inner), "runs": []}
+        n_sets, inner = kb.rotation(LAYER, ctx)
+        row = {"context": ctx, "sdpa_ms": kb.sdpa_decode_ms(LAYER, ctx, n_sets, inner), "runs": []}
         torch.cuda.empty_cache()
-        dense = kb.DecodeSetup(ctx, 8, n_sets)
-        ls = kb.DecodeSetup(ctx, 4, n_sets)
+        dense = kb.DecodeSetup(LAYER, ctx, 8, n_sets)
+        ls = kb.DecodeSetup(LAYER, ctx, 4, n_sets)
         ls.select_all()
         for name, (attrs, edits) in VARIANTS.items():
             _set(dense, attrs, edits)

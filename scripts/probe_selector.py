@@ -25,6 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from lserve.bench import kernels as kb
 
+LAYER = kb.layer_config(kb.DEFAULT_MODEL)  # the Llama-3-8B layer these probes time
+
 
 def cupti_ms(fn, iters: int = 20) -> dict[str, float]:
     """Median CUPTI duration (ms) of each kernel name launched by ``fn`` (eager), over iters."""
@@ -78,7 +80,7 @@ TOPK_EDITS = {
 
 def probe(ctx: int, bw: float, flush: torch.Tensor) -> dict:
     """One context's row (see the module docstring)."""
-    s = kb.DecodeSetup(ctx, 4, 1)
+    s = kb.DecodeSetup(LAYER, ctx, 4, 1)
     be = s.backends[kb.BUDGET]
     sel, reuse = s.tables[kb.BUDGET]
     row = {"context": ctx, "selector_bytes": s.selector_bytes(),

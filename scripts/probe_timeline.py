@@ -25,6 +25,8 @@ from lserve.kernels.loader import KERNEL_DIR
 
 from lserve.bench import kernels as kb
 
+LAYER = kb.layer_config(kb.DEFAULT_MODEL)  # the Llama-3-8B layer these probes time
+
 N_CTA, N_SLOT = 4096, 16  # stamp rows (CTAs) and columns (0: SM id, 1..13: marks, 14/15: clock64)
 _TL = r"""
 __device__ unsigned long long ls_tl[N_CTA][N_SLOT];
@@ -210,8 +212,8 @@ def main(argv=None) -> int:
         report["cases"].append({"case": case, "step_ms": step_ms, "kernels": summ})
 
     ctx = a.context
-    n_sets, inner = kb.rotation(ctx)
-    ls = kb.DecodeSetup(ctx, 4, n_sets)
+    n_sets, inner = kb.rotation(LAYER, ctx)
+    ls = kb.DecodeSetup(LAYER, ctx, 4, n_sets)
     ls.select_all()
     be = ls.backends[kb.BUDGET]
 
@@ -235,8 +237,8 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
 
     if "main" in a.cases:
-        n_sets, inner = kb.rotation(65536)
-        dense = kb.DecodeSetup(65536, 8, n_sets)
+        n_sets, inner = kb.rotation(LAYER, 65536)
+        dense = kb.DecodeSetup(LAYER, 65536, 8, n_sets)
 
         def dense_step(i):
             j = i % dense.n_sets

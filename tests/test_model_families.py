@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_dirs import make_hf_dir
 
 from lserve.cli import main as lserve_main
 from lserve.config import ConfigError, EngineConfig, SparsityConfig
@@ -26,25 +27,6 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
 }
 TOL = dict(rtol=1e-4, atol=1e-4)  # float32 on both sides; the differences are summation order
-
-
-def make_hf_dir(path, tok, cls_name: str, seed: int = 1, **kw):
-    """A tiny random transformers model of ``cls_name`` saved to ``path`` as sharded safetensors,
-    with ``tok`` (our tokenizer wrapper) saved beside it; returns the transformers model."""
-    import transformers
-
-    base = dict(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    cfg = getattr(transformers, cls_name)(**{**base, **kw})
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # HF init is near-zero: larger weights make RoPE, biases and norms matter
-            p.normal_(0.0, 0.2)
-    model.save_pretrained(path, max_shard_size="1MB")
-    tok.save(path)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,17 @@
 """The unified block-sparse prefill kernel (``kernels/bsp_prefill.cu``) on the GPU: parity against
 the torch oracle, then speed at fixed kept fractions against cuDNN in the same run.
 
-    python -m lserve.bench.bsp_prefill OUT_DIR [--contexts 32768 131072 262144] [--fractions 0.1 0.2 0.3 0.5]
+    python -m lserve.bench.bsp_prefill OUT_DIR [--model llama3-8b] [--contexts 32768 131072 262144]
+        [--fractions 0.1 0.2 0.3 0.5]
 
 1. ``parity``: fresh random inputs (never zeros), the output poisoned with NaN before each launch,
    against :func:`lserve.attention.paged_prefill.reference` (float32): GQA groups 1/4/5/7/8, head
    dims 64/128, page sizes 16/64 with shuffled pages, ragged lengths, a chunk with cached past,
    dense + streaming heads in one launch, block lists and every block kept. ``max_rel_err`` =
    max |out - ref| / max |ref| per case; a case passes below 2e-2 (bf16 P and output).
-2. ``rows``: one Llama-3-8B layer (32 query / 8 KV heads, D 128, bf16; 4 dense + 4 streaming KV
-   heads, sink 128, local 256), pages of 64 in shuffled order. Per context: cuDNN SDPA causal on
+2. ``rows``: one attention layer of the ``--model`` preset (default llama3-8b: 32 query / 8 KV
+   heads, D 128; qwen2.5-7b: 28 / 4, group 7), bf16, half the KV heads dense and half streaming
+   (sink 128, local 256), pages of 64 in shuffled order. Per context: cuDNN SDPA causal on
    all heads and on the dense heads (its TFLOP/s is the peer); per tile-shape variant the kernel on
    the dense heads with every block kept (TFLOP/s vs cuDNN); per kept fraction (random lists,
    :func:`lserve.sparsity.prefill_blocks.fixed_fraction_blocks`): the kernel on the dense heads
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +37,8 @@ from lserve.attention import paged_prefill as bsp
 from lserve.attention.block_sparse_prefill import sparse_prefill
 from lserve.bench.kernels import median_events
 from lserve.bench.report import header, write_json
+from lserve.config import ConfigError
+from lserve.models.presets import layer_config
 from lserve.plotting import pyplot
 from lserve.sparsity.prefill_blocks import fixed_fraction_blocks
 
@@ -41,8 +46,37 @@ CONTEXTS = (32768, 131072, 262144)
 FRACTIONS = (0.1, 0.2, 0.3, 0.5)
 VARIANTS = (bsp.TileShape("mma", 2, 4), bsp.TileShape("mma", 1, 8), bsp.TileShape("wg", 1, 8),
             bsp.TileShape("wg", 1, 4))
-H, HKV, D, HD, SINK, LOCAL = 32, 8, 128, 4, 128, 256
+DEFAULT_MODEL = "llama3-8b"
+SINK, LOCAL = 128, 256
 TOL = 2e-2
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The layer the rows time: query heads, KV heads (the first half dense, the rest streaming), head dim."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def dense_kv_heads(self) -> int:
+        return self.kv_heads // 2
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def layer_shape(model: str = DEFAULT_MODEL) -> LayerShape:
+    """The attention layer of preset ``model`` (:func:`lserve.models.presets.layer_config`)."""
+    mc = layer_config(model)
+    return LayerShape(mc.num_heads, mc.num_kv_heads, mc.head_dim)
+
+
+def report_name(model: str) -> str:
+    """The default file stem: ``bsp_prefill_h200`` for the default model, else with the preset's name."""
+    return "bsp_prefill_h200" if model == DEFAULT_MODEL else f"bsp_prefill_{model}_h200"
 
 
 def _paged(k: torch.Tensor, v: torch.Tensor, n_dense: int, page: int, gen: torch.Generator):
@@ -109,13 +143,14 @@ def parity(variants=VARIANTS, seed: int = 0) -> list[dict]:
     return cases
 
 
-def _flops_dense(n_qheads: int, L: int) -> float:
-    return 4.0 * n_qheads * D * L * (L + 1) / 2
+def _flops_dense(n_qheads: int, L: int, d: int) -> float:
+    return 4.0 * n_qheads * d * L * (L + 1) / 2
 
 
-def _row(context: int, fractions, variants, iters: int) -> dict:
+def _row(shape: LayerShape, context: int, fractions, variants, iters: int) -> dict:
+    H, HKV, D, HD = shape.heads, shape.kv_heads, shape.head_dim, shape.dense_kv_heads
     gen = torch.Generator().manual_seed(context)
-    G, scale = H // HKV, D ** -0.5
+    G, scale = shape.group, D ** -0.5
     q = torch.randn(context, H, D, generator=gen).to("cuda", torch.bfloat16)
     k = torch.randn(context, HKV, D, generator=gen).to("cuda", torch.bfloat16)
     v = torch.randn(context, HKV, D, generator=gen).to("cuda", torch.bfloat16)
@@ -128,7 +163,7 @@ def _row(context: int, fractions, variants, iters: int) -> dict:
         qt[None], kt[None], vt[None], is_causal=True, enable_gqa=True), iters)
     row["sdpa_dense_heads_ms"] = median_events(lambda: F.scaled_dot_product_attention(
         qd[None], kd[None], vd[None], is_causal=True, enable_gqa=True), iters)
-    peer = _flops_dense(HD * G, context) / (row["sdpa_dense_heads_ms"] * 1e-3) / 1e12
+    peer = _flops_dense(HD * G, context, D) / (row["sdpa_dense_heads_ms"] * 1e-3) / 1e12
     row["sdpa_dense_heads_tflops"] = peer
     out = torch.empty_like(q)
     seq = [bsp.PrefillSeq(0, 0, context, 0, None)]
@@ -136,7 +171,7 @@ def _row(context: int, fractions, variants, iters: int) -> dict:
     for var in variants:
         p = bsp.plan(seq, G, HD, "cuda", var)
         ms = median_events(lambda p=p: bsp.run(q, k, v, out, p, HD, 0, HD, scale, pool=pool, pages=pages), iters)
-        tf = _flops_dense(HD * G, context) / (ms * 1e-3) / 1e12
+        tf = _flops_dense(HD * G, context, D) / (ms * 1e-3) / 1e12
         row["variants"][var.name] = {"dense_ms": ms, "tflops": tf, "vs_cudnn": tf / peer}
         print(f"  {context} {var.name}: {ms:.2f} ms, {tf:.0f} TF/s", file=sys.stderr, flush=True)
     best = min(variants, key=lambda var: row["variants"][var.name]["dense_ms"])
@@ -187,16 +222,20 @@ def _plot(report: dict, png: Path) -> None:
     b.set_ylabel("ratio")
     b.grid(alpha=0.3)
     b.legend(fontsize=7)
-    fig.suptitle(f"bsp_prefill kernel, one Llama-3-8B layer ({report['device']})")
+    fig.suptitle(f"bsp_prefill kernel, one {report['model']} layer ({report['device']})")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
 
-def run(out_dir: str, contexts=CONTEXTS, fractions=FRACTIONS, variants=VARIANTS, name: str = "bsp_prefill_h200",
-        skip_parity: bool = False) -> dict:
-    """Parity first (speed is not measured if a case fails), then every context."""
-    report = {**header(), "shape": {"heads": H, "kv_heads": HKV, "dense_kv_heads": HD, "head_dim": D,
-                                    "sink": SINK, "local": LOCAL}, "parity": [], "rows": []}
+def run(out_dir: str, contexts=CONTEXTS, fractions=FRACTIONS, variants=VARIANTS, name: str | None = None,
+        skip_parity: bool = False, model: str = DEFAULT_MODEL) -> dict:
+    """Parity first (speed is not measured if a case fails), then every context, on one layer of
+    preset ``model``; writes ``{name}.json`` (default :func:`report_name`) under ``out_dir``."""
+    shape = layer_shape(model)
+    name = name or report_name(model)
+    report = {**header(), "model": model,
+              "shape": {"heads": shape.heads, "kv_heads": shape.kv_heads, "dense_kv_heads": shape.dense_kv_heads,
+                        "head_dim": shape.head_dim, "sink": SINK, "local": LOCAL}, "parity": [], "rows": []}
     out = Path(out_dir)
     if not skip_parity:
         report["parity"] = parity(variants)
@@ -210,7 +249,7 @@ def run(out_dir: str, contexts=CONTEXTS, fractions=FRACTIONS, variants=VARIANTS,
             variants = tuple(ok_vars)
     for ctx in contexts:
         t0 = time.perf_counter()
-        report["rows"].append(_row(ctx, fractions, variants, 3 if ctx >= 131072 else 5))
+        report["rows"].append(_row(shape, ctx, fractions, variants, 3 if ctx >= 131072 else 5))
         print(f"bsp prefill {ctx}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         torch.cuda.empty_cache()
         write_json(out / f"{name}.json", report)
@@ -223,7 +262,8 @@ def main(argv=None) -> None:
     p.add_argument("out")
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
-    p.add_argument("--name", default="bsp_prefill_h200")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset whose layer the rows time (default {DEFAULT_MODEL})")
+    p.add_argument("--name", default=None, help="file stem (default bsp_prefill_h200, or bsp_prefill_MODEL_h200)")
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS],
                    help="tile shapes by name (impl_mtM_wW)")
@@ -232,8 +272,12 @@ def main(argv=None) -> None:
     bad = [n for n in a.variants if n not in shapes]
     if bad:
         p.error(f"unknown variant {bad[0]} (known: {', '.join(shapes)})")
+    try:
+        layer_shape(a.model)
+    except ConfigError as e:
+        p.error(str(e))
     rep = run(a.out, a.contexts, a.fractions, tuple(shapes[n] for n in a.variants), name=a.name,
-              skip_parity=a.skip_parity)
+              skip_parity=a.skip_parity, model=a.model)
     for c in rep["parity"]:
         print(f"parity {c['variant']} {c['case']}: {c['max_rel_err']} {'ok' if c['ok'] else 'FAIL'}")
     for r in rep["rows"]:

@@ -1,5 +1,6 @@
-"""Kernel benchmark: one attention layer of Llama-3-8B shape (32 query / 8 KV heads, head_dim
-128, bf16, batch 1) on the GPU, our kernels against torch SDPA.
+"""Kernel benchmark: one attention layer of a preset's shape (``--model``, default llama3-8b:
+32 query / 8 KV heads, head_dim 128; qwen2.5-7b: 28 / 4, GQA group 7), bf16, batch 1, on the GPU,
+our kernels against torch SDPA. Head counts below are llama3-8b's; half the KV heads stream.
 
 Decode (contexts 4k..256k), per step of one layer:
 
@@ -43,21 +44,16 @@ import torch
 import torch.nn.functional as F
 
 from lserve.bench.report import header, write_json
+from lserve.models.presets import layer_config
 from lserve.plotting import pyplot
 
+DEFAULT_MODEL = "llama3-8b"
 DECODE_CONTEXTS = (4096, 16384, 65536, 131072, 262144)
 PREFILL_CONTEXTS = (8192, 32768, 131072)
 DENSE_KERNEL_PREFILL_MAX = 32768  # our mma kernel in dense mode is timed up to this context
 PAGE, LOGICAL, BUDGET, REUSE = 64, 16, 4096, 4
 SINK, LOCAL, LOCAL_PREFILL_LONG = 128, 256, 8192
 ROTATE_BYTES = 320 << 20  # rotate cache copies until this many bytes are touched per pass
-
-
-def _model_config():
-    from lserve.config import ModelConfig
-
-    return ModelConfig(vocab_size=128, hidden_size=4096, intermediate_size=128, num_layers=1, num_heads=32,
-                       num_kv_heads=8, head_dim=128, name="llama3-8b-layer")
 
 
 def median_events(fn, iters: int, warmup: int = 2) -> float:
@@ -120,13 +116,12 @@ class DecodeSetup:
     """A cache holding ``n_sets`` copies of a batch-1 sequence of ``context`` tokens and the
     backends (budget 0 and budget 4096) over it."""
 
-    def __init__(self, context: int, n_dense: int, n_sets: int) -> None:
+    def __init__(self, mc, context: int, n_dense: int, n_sets: int) -> None:
         from lserve.attention.cupy_backend import CupyBackend
         from lserve.cache.kv_cache import KVCache
         from lserve.config import CacheConfig, SparsityConfig
         from lserve.sparsity.plan import SeqStep
 
-        mc = _model_config()
         self.context, self.n_sets, self.n_dense = context, n_sets, n_dense
         pages = -(-context // PAGE)
         cc = CacheConfig(page_size=PAGE, logical_page_size=LOGICAL, num_pages=pages * n_sets)
@@ -202,9 +197,8 @@ class DecodeSetup:
         return 2 * (-(-self.context // PAGE)) * st.g * self.n_dense * st.kmax.shape[-1] * st.kmax.element_size()
 
 
-def sdpa_decode_ms(context: int, n_sets: int, inner: int) -> float:
-    """SDPA decode over contiguous K/V [1, 8, context, 128] (n_sets copies, rotated)."""
-    mc = _model_config()
+def sdpa_decode_ms(mc, context: int, n_sets: int, inner: int) -> float:
+    """SDPA decode over contiguous K/V [1, Hkv, context, D] (n_sets copies, rotated)."""
     ks = [torch.randn(1, mc.num_kv_heads, context, mc.head_dim, device="cuda", dtype=torch.bfloat16)
           for _ in range(n_sets)]
     vs = [torch.randn_like(k) for k in ks]
@@ -217,28 +211,33 @@ def sdpa_decode_ms(context: int, n_sets: int, inner: int) -> float:
     return graph_time(sdpa, inner)
 
 
-def _kv_bytes(context: int) -> int:
-    """Bytes of bf16 K and V of one layer at ``context`` tokens."""
-    mc = _model_config()
+def _kv_bytes(mc, context: int) -> int:
+    """Bytes of bf16 K and V of one layer of shape ``mc`` at ``context`` tokens."""
     return context * mc.num_kv_heads * mc.head_dim * 2 * 2
 
 
-def rotation(context: int) -> tuple[int, int]:
+def rotation(mc, context: int) -> tuple[int, int]:
     """(cache copies, graph steps): copies rotated so a pass touches ROTATE_BYTES of K/V (L2 stays
     cold), and at least 32 steps per graph, a whole number of rotations."""
-    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / _kv_bytes(context))))
+    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / _kv_bytes(mc, context))))
     return n_sets, n_sets * max(1, math.ceil(32 / n_sets))
 
 
-def _decode_row(context: int, bw_tbps: float) -> dict:
-    n_sets, inner = rotation(context)
+def head_splits(mc) -> tuple[tuple[int, tuple[str, str]], ...]:
+    """(dense KV heads, (plain key, budget key)) of the two decode layouts: every KV head dense,
+    then half of them streaming."""
+    return ((mc.num_kv_heads, ("dense_ms", "dynamic_ms")), (mc.num_kv_heads // 2, ("streaming_ms", "lserve_ms")))
+
+
+def _decode_row(mc, context: int, bw_tbps: float) -> dict:
+    n_sets, inner = rotation(mc, context)
     row = {"context": context, "cache_copies": n_sets}
 
-    row["sdpa_ms"] = sdpa_decode_ms(context, n_sets, inner)
+    row["sdpa_ms"] = sdpa_decode_ms(mc, context, n_sets, inner)
     torch.cuda.empty_cache()
 
-    for n_dense, (plain_key, dyn_key) in ((8, ("dense_ms", "dynamic_ms")), (4, ("streaming_ms", "lserve_ms"))):
-        s = DecodeSetup(context, n_dense, n_sets)
+    for n_dense, (plain_key, dyn_key) in head_splits(mc):
+        s = DecodeSetup(mc, context, n_dense, n_sets)
         be0 = s.backends[0]
         sel0, _ = s.tables[0]
 
@@ -250,7 +249,7 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
         be = s.backends[BUDGET]
         sel, reuse = s.tables[BUDGET]
         dynamic = sel[0].dec[0].dynamic
-        if n_dense == 8:
+        if n_dense == mc.num_kv_heads:
             s.select_all()  # attention alone on a reuse step (the selection stored by a first select)
 
             row[dyn_key] = graph_time(s.reuse_step, inner)
@@ -287,16 +286,15 @@ def _decode_row(context: int, bw_tbps: float) -> dict:
             row["dynamic_active"] = bool(dynamic)
         del s
         torch.cuda.empty_cache()
-    row["kv_hbm_floor_ms"] = _kv_bytes(context) / (bw_tbps * 1e12) * 1e3
+    row["kv_hbm_floor_ms"] = _kv_bytes(mc, context) / (bw_tbps * 1e12) * 1e3
     return row
 
 
-def prefill_backend(n_dense: int, local: int):
+def prefill_backend(mc, n_dense: int, local: int):
     from lserve.attention.cupy_backend import CupyBackend
     from lserve.cache.kv_cache import KVCache
     from lserve.config import CacheConfig, SparsityConfig
 
-    mc = _model_config()
     cc = CacheConfig(page_size=PAGE, logical_page_size=LOGICAL, num_pages=4)
     pattern = "random" if n_dense < mc.num_kv_heads else None
     cache = KVCache(mc, cc, [n_dense], SINK, local, 1, torch.bfloat16, "cuda")
@@ -324,11 +322,11 @@ def _sdpa_backends(qt, kt, vt, iters: int) -> dict:
     return res
 
 
-def _prefill_row(context: int) -> dict:
+def _prefill_row(mc, context: int) -> dict:
     from lserve.sparsity.plan import SeqStep
 
-    mc = _model_config()
     H, Hkv, D = mc.num_heads, mc.num_kv_heads, mc.head_dim
+    G, nd = mc.group_size, Hkv // 2  # half the KV heads dense (first), half streaming
     iters = 3 if context >= 65536 else 7
     q = torch.randn(context, H, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(context, Hkv, D, device="cuda", dtype=torch.bfloat16)
@@ -346,18 +344,18 @@ def _prefill_row(context: int) -> dict:
     row["sdpa_backend_ms"] = _sdpa_backends(qt, kt, vt, iters)
     step = SeqStep(0, 0, context, False, [], [])
     for local, key in ((LOCAL, "lserve_ms"), (LOCAL_PREFILL_LONG, "lserve_local8192_ms")):
-        be = prefill_backend(4, local)
+        be = prefill_backend(mc, nd, local)
         st = be.tables(be.plan([with_pages(be, step, context)]))
         row[key] = median_events(lambda be=be, st=st: be.prefill(0, q, k, v, out, st), iters)
         if local == LOCAL:
             row["lserve_streaming_part_ms"] = median_events(
-                lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, 16, 16, True), iters)
+                lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, nd * G, (Hkv - nd) * G, True), iters)
             row["lserve_dense_part_ms"] = row["lserve_ms"] - row["lserve_streaming_part_ms"]
         else:
             row["lserve_local8192_streaming_part_ms"] = median_events(
-                lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, 16, 16, True), iters)
+                lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, nd * G, (Hkv - nd) * G, True), iters)
     if context <= DENSE_KERNEL_PREFILL_MAX:
-        be = prefill_backend(8, LOCAL)
+        be = prefill_backend(mc, Hkv, LOCAL)
         st = be.tables(be.plan([with_pages(be, step, context)]))
         row["kernel_dense_ms"] = median_events(lambda: be.prefill_kernel(q, k, v, out, st, 0, H, False), iters)
         row["kernel_dense_tflops"] = flops / (row["kernel_dense_ms"] * 1e-3) / 1e12
@@ -391,7 +389,7 @@ def _plot(report: dict, png: Path) -> None:
     a.set_yscale("log")
     a.set_xlabel("context (tokens)")
     a.set_ylabel("ms per layer")
-    a.set_title("decode, one Llama-3-8B layer, batch 1")
+    a.set_title(f"decode, one {report['model']} layer, batch 1")
     a.legend(fontsize=7)
     pre = report["prefill"]
     x = [r["context"] for r in pre]
@@ -431,48 +429,60 @@ def summary_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def report_name(model: str) -> str:
+    """The report's file name: ``kernels_h200.json`` for the default model, else with the preset's name."""
+    return "kernels_h200.json" if model == DEFAULT_MODEL else f"kernels_{model}_h200.json"
+
+
 def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
                      decode_contexts=DECODE_CONTEXTS, prefill_contexts=PREFILL_CONTEXTS,
-                     command: str | None = None) -> dict:
+                     command: str | None = None, model: str = DEFAULT_MODEL) -> dict:
     """Run the whole kernel benchmark and write the JSON report and its PNG.
 
     Parameters
     ----------
     out_path : str or Path
-        The JSON file (a directory gets ``kernels_h200.json`` inside); the PNG goes beside it
+        The JSON file (a directory gets :func:`report_name` inside); the PNG goes beside it
         with the same stem.
     decode_contexts, prefill_contexts : sequence of int
         Context lengths to measure.
     command : str, optional
         The command line recorded in the report (default: this process's argv).
+    model : str
+        The preset whose attention layer is timed (:func:`lserve.models.presets.layer_config`).
 
     Returns
     -------
     dict
         The report (also written to disk).
     """
+    mc = layer_config(model)  # a bad name is refused before anything else
     if not torch.cuda.is_available():
         raise RuntimeError("the kernel benchmark needs a CUDA GPU")
     out = Path(out_path)
     if out.suffix != ".json":
-        out = out / "kernels_h200.json"
+        out = out / report_name(model)
     t0 = time.time()
     report = header()
     if command:
         report["command"] = command
+    report["model"] = model
     report["copy_bandwidth_TBps"] = copy_bandwidth_tbps()
-    report["config"] = {"model": "Llama-3-8B layer: 32 q heads, 8 KV heads, head_dim 128, bf16, batch 1",
+    H, Hkv = mc.num_heads, mc.num_kv_heads
+    report["config"] = {"model": f"{model} layer: {H} q heads, {Hkv} KV heads (GQA group {mc.group_size}), "
+                                 f"head_dim {mc.head_dim}, bf16, batch 1",
                         "page_size": PAGE, "logical_page_size": LOGICAL, "token_budget": BUDGET,
-                        "reuse_interval": REUSE, "sink": SINK, "local": LOCAL, "streaming_heads": "4 of 8",
+                        "reuse_interval": REUSE, "sink": SINK, "local": LOCAL,
+                        "streaming_heads": f"{Hkv - Hkv // 2} of {Hkv}",
                         "timing": "decode: CUDA-graph replay, median per step; prefill: CUDA events, median"}
     report["decode"] = []
     for ctx in decode_contexts:
-        report["decode"].append(_decode_row(ctx, report["copy_bandwidth_TBps"]))
+        report["decode"].append(_decode_row(mc, ctx, report["copy_bandwidth_TBps"]))
         torch.cuda.empty_cache()
         print(f"decode {ctx}: {report['decode'][-1]}", file=sys.stderr, flush=True)
     report["prefill"] = []
     for ctx in prefill_contexts:
-        report["prefill"].append(_prefill_row(ctx))
+        report["prefill"].append(_prefill_row(mc, ctx))
         torch.cuda.empty_cache()
         print(f"prefill {ctx}: {report['prefill'][-1]}", file=sys.stderr, flush=True)
     report["timing_notes"] = sorted(set(TIMING_NOTES))
@@ -483,9 +493,13 @@ def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
 
 
 if __name__ == "__main__":
+    import argparse
     import os
 
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("benchmarks")
-    cmd = os.environ.get("LSERVE_BENCH_COMMAND") or f"python -m lserve.bench.kernels {target}"
-    rep = run_kernel_bench(target, command=cmd)
+    ap = argparse.ArgumentParser(description="one attention layer of a preset: our kernels against SDPA")
+    ap.add_argument("out", nargs="?", default="benchmarks")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"preset whose layer is timed (default {DEFAULT_MODEL})")
+    args = ap.parse_args()
+    cmd = os.environ.get("LSERVE_BENCH_COMMAND") or " ".join(["python -m lserve.bench.kernels", *sys.argv[1:]])
+    rep = run_kernel_bench(args.out, command=cmd, model=args.model)
     print(summary_table(rep))

@@ -32,13 +32,15 @@ import torch.nn.functional as F
 from lserve.attention.block_sparse_prefill import sparse_prefill
 from lserve.bench.kernels import LOCAL, median_events, prefill_backend, with_pages
 from lserve.bench.report import header, write_json
+from lserve.models.presets import layer_config
 from lserve.plotting import pyplot
 from lserve.sparsity.prefill_blocks import prefill_blocks
 
 CONTEXTS = (32768, 65536, 131072, 262144)
 TAUS = (0.75, 0.5, 0.25, 0.1)
 BLOCK, Q_BLOCK, STRIDE = 64, 2048, 16
-H, HKV, D, HD = 32, 8, 128, 4  # query heads, KV heads, head dim, dense KV heads
+LAYER = layer_config("llama3-8b")
+H, HKV, D, HD = LAYER.num_heads, LAYER.num_kv_heads, LAYER.head_dim, LAYER.num_kv_heads // 2  # 4 dense KV heads
 
 
 def _row(context: int, taus, iters: int) -> dict:
@@ -57,7 +59,7 @@ def _row(context: int, taus, iters: int) -> dict:
         qd[None], kd[None], vd[None], is_causal=True, enable_gqa=True), iters)
     dense_flops = 4 * HD * G * D * context * (context + 1) / 2
     row["sdpa_dense_heads_tflops"] = dense_flops / (row["sdpa_dense_heads_ms"] * 1e-3) / 1e12
-    be = prefill_backend(HD, LOCAL)
+    be = prefill_backend(LAYER, HD, LOCAL)
     out = torch.empty_like(q)
     st = be.tables(be.plan([with_pages(be, SeqStep(0, 0, context, False, [], []), context)]))
     row["streaming_ms"] = median_events(lambda: be.prefill_kernel(q, k, v, out, st, HD * G, (HKV - HD) * G, True),

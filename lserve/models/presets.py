@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lserve.config import ModelConfig
+from lserve.config import ConfigError, ModelConfig
 
 PRESETS: dict[str, dict] = {
     # Llama-3-8B: 32 layers, GQA 4 (32 query / 8 KV heads), head_dim 128.
@@ -38,6 +38,27 @@ PRESETS: dict[str, dict] = {
 def preset_config(name: str) -> ModelConfig:
     """The :class:`ModelConfig` of preset ``name`` (EOS is the byte tokenizer's 257)."""
     return ModelConfig(name=name, eos_token_ids=(257,), bos_token_id=256, **PRESETS[name])
+
+
+def layer_config(name: str) -> ModelConfig:
+    """One attention layer of preset ``name`` (its heads, KV heads and head dim; one layer, a tiny
+    vocabulary and MLP), the shape the kernel benchmarks time.
+
+    Raises
+    ------
+    ConfigError
+        ``name`` is not a preset, or it has fewer than 2 KV heads (the benchmarks split them
+        half streaming, half dense).
+    """
+    if name not in PRESETS:
+        raise ConfigError(f"--model: unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    p = PRESETS[name]
+    cfg = ModelConfig(vocab_size=128, hidden_size=p["hidden_size"], intermediate_size=128, num_layers=1,
+                      num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"],
+                      head_dim=p.get("head_dim", 0), name=f"{name}-layer")
+    if cfg.num_kv_heads < 2:
+        raise ConfigError(f"--model {name}: the kernel benchmarks need at least 2 KV heads (half of them streaming)")
+    return cfg
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,0 +1,86 @@
+"""The kernel benchmarks time the layer of the preset given by ``--model`` (qwen2.5-7b: 28 query /
+4 KV heads, GQA group 7), default llama3-8b as before. No GPU here: the timed functions are
+replaced by recorders, so these tests check what shape reaches them, not the timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import lserve.bench.bsp_prefill as bsp_bench
+import lserve.bench.kernels as kernels
+from lserve.cli import main as lserve_main
+from lserve.config import ConfigError
+from lserve.models.presets import layer_config
+
+
+def test_layer_config_has_the_presets_attention_shape():
+    q = layer_config("qwen2.5-7b")
+    assert (q.num_heads, q.num_kv_heads, q.head_dim, q.group_size, q.num_layers) == (28, 4, 128, 7, 1)
+    ll = layer_config("llama3-8b")
+    assert (ll.num_heads, ll.num_kv_heads, ll.head_dim, ll.name) == (32, 8, 128, "llama3-8b-layer")
+    with pytest.raises(ConfigError, match="unknown preset 'qwen9'.*qwen2.5-7b"):
+        layer_config("qwen9")
+
+
+def test_kernels_bench_model_flag_reaches_decode_and_prefill_rows(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "header", lambda: {"device": "test"})
+    monkeypatch.setattr(kernels, "copy_bandwidth_tbps", lambda: 4.0)
+    monkeypatch.setattr(kernels, "_plot", lambda report, png: None)
+    monkeypatch.setattr(kernels, "_decode_row", lambda mc, ctx, bw: seen.append(("decode", mc, ctx)) or {"context": ctx})
+    monkeypatch.setattr(kernels, "_prefill_row", lambda mc, ctx: seen.append(("prefill", mc, ctx)) or {"context": ctx})
+    assert lserve_main(["bench", "kernels", "--model", "qwen2.5-7b", "--out", str(tmp_path)]) == 0
+    assert [(k, c) for k, _, c in seen] == ([("decode", c) for c in kernels.DECODE_CONTEXTS]
+                                            + [("prefill", c) for c in kernels.PREFILL_CONTEXTS])
+    assert {(mc.num_heads, mc.num_kv_heads, mc.head_dim) for _, mc, _ in seen} == {(28, 4, 128)}
+    report = json.loads((tmp_path / "kernels_qwen2.5-7b_h200.json").read_text())
+    assert report["model"] == "qwen2.5-7b" and report["config"]["streaming_heads"] == "2 of 4"
+    assert "28 q heads, 4 KV heads (GQA group 7), head_dim 128" in report["config"]["model"]
+    # The decode rows' two layouts and the cache sizing follow the shape too.
+    mc = seen[0][1]
+    assert [n for n, _ in kernels.head_splits(mc)] == [4, 2]
+    assert kernels._kv_bytes(mc, 1024) == 1024 * 4 * 128 * 2 * 2
+    seen.clear()
+    assert lserve_main(["bench", "kernels", "--out", str(tmp_path)]) == 0  # default: llama3-8b, file name as before
+    assert {(mc.num_heads, mc.num_kv_heads) for _, mc, _ in seen} == {(32, 8)}
+    assert json.loads((tmp_path / "kernels_h200.json").read_text())["config"]["streaming_heads"] == "4 of 8"
+
+
+def test_kernels_bench_unknown_model_is_one_error_line(capsys):
+    assert lserve_main(["bench", "kernels", "--model", "qwen9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lserve: error: --model: unknown preset 'qwen9'")
+
+
+def test_bsp_prefill_model_flag_reaches_the_rows(tmp_path, monkeypatch):
+    seen = []
+
+    def row(shape, ctx, fractions, variants, iters):
+        seen.append((shape, ctx, tuple(fractions)))
+        return {"context": ctx, "fractions": []}
+
+    monkeypatch.setattr(bsp_bench, "_row", row)
+    monkeypatch.setattr(bsp_bench, "_plot", lambda report, png: None)
+    rep = bsp_bench.run(str(tmp_path), contexts=(4096,), fractions=(0.3,), skip_parity=True, model="qwen2.5-7b")
+    shape = seen[0][0]
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.dense_kv_heads, shape.group) == (28, 4, 128, 2, 7)
+    assert seen == [(shape, 4096, (0.3,))]
+    written = json.loads((tmp_path / "bsp_prefill_qwen2.5-7b_h200.json").read_text())
+    assert written["shape"] == rep["shape"] == {"heads": 28, "kv_heads": 4, "dense_kv_heads": 2, "head_dim": 128,
+                                                "sink": 128, "local": 256}
+    # The default is the Llama-3-8B layer the module's constants used to fix, under the same file name.
+    seen.clear()
+    bsp_bench.run(str(tmp_path), contexts=(4096,), fractions=(0.3,), skip_parity=True)
+    assert json.loads((tmp_path / "bsp_prefill_h200.json").read_text())["shape"] == {
+        "heads": 32, "kv_heads": 8, "dense_kv_heads": 4, "head_dim": 128, "sink": 128, "local": 256}
+    assert (seen[0][0].heads, seen[0][0].kv_heads, seen[0][0].group) == (32, 8, 4)
+
+
+def test_bsp_prefill_main_refuses_an_unknown_model(capsys):
+    with pytest.raises(SystemExit) as e:
+        bsp_bench.main(["out", "--model", "qwen9", "--skip-parity"])
+    assert e.value.code == 2 and "unknown preset 'qwen9'" in capsys.readouterr().err
