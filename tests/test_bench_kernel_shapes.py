@@ -56,6 +56,13 @@ def test_kernels_bench_unknown_model_is_one_error_line(capsys):
     assert len(err) == 1 and err[0].startswith("lserve: error: --model: unknown preset 'qwen9'")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_kernels_bench_without_a_gpu_is_one_error_line(capsys):
+    assert lserve_main(["bench", "kernels"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a CUDA GPU" in err[0]
+
+
 def test_bsp_prefill_model_flag_reaches_the_rows(tmp_path, monkeypatch):
     seen = []
 

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from lserve.bench.report import header, write_json
+from lserve.config import ConfigError
 from lserve.models.presets import layer_config
 from lserve.plotting import pyplot
 
@@ -458,7 +459,7 @@ def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
     """
     mc = layer_config(model)  # a bad name is refused before anything else
     if not torch.cuda.is_available():
-        raise RuntimeError("the kernel benchmark needs a CUDA GPU")
+        raise ConfigError("lserve bench kernels times CUDA kernels and needs a CUDA GPU; none is visible here")
     out = Path(out_path)
     if out.suffix != ".json":
         out = out / report_name(model)
