@@ -361,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve, device="auto")  # serving: one GPU per replica when there is one
 
+    from lserve.serve.drain import register as register_drain
+
+    register_drain(sub)
+
     from lserve.eval.cli import register as register_eval  # classify-heads, calibrate-selection, eval
 
     register_eval(sub)

@@ -139,6 +139,7 @@ def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = 
     else:
         engine_opts["num_replicas"] = s.replicas
     engine = serve.deployment(EngineReplica).options(**engine_opts)
+    # One ingress replica: a drain (POST /admin/drain, lserve drain) reaches all of it in one call.
     ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=s.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": s.ingress_num_cpus, "runtime_env": {"env_vars": ingress_env}},
