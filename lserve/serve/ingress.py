@@ -191,15 +191,15 @@ class Lifecycle:
             await asyncio.sleep(0.05)
         return self.in_flight == 0
 
-    async def _run(self, grace_s: float) -> dict[str, int]:
+    async def _run(self, grace_s: float) -> dict[str, Any]:
         started = self.in_flight
         if await self._wait_idle(grace_s):
-            return {"in_flight": started, "cut": 0, "left": 0}
+            return {"in_flight": started, "cut": 0, "left": 0, "grace_s": grace_s}
         cut = self.in_flight
         log.warning("drain grace period (%.0fs) over: ending %d request(s) with an error", grace_s, cut)
         self.cut.set()
         await self._wait_idle(self.CUT_FLUSH_S)
-        return {"in_flight": started, "cut": cut, "left": self.in_flight}
+        return {"in_flight": started, "cut": cut, "left": self.in_flight, "grace_s": grace_s}
 
     def begin_drain(self, grace_s: float) -> bool:
         """Start the drain unless one runs or ran already (call from the serving event loop).
@@ -216,7 +216,7 @@ class Lifecycle:
         self._task = asyncio.get_running_loop().create_task(self._run(grace_s))
         return True
 
-    async def drain(self, grace_s: float) -> dict[str, int]:
+    async def drain(self, grace_s: float) -> dict[str, Any]:
         """Refuse new requests, let those in flight finish for up to ``grace_s``, then cut the rest.
 
         Joins a drain already under way (its grace period holds).
@@ -225,7 +225,8 @@ class Lifecycle:
         -------
         dict
             ``{"in_flight": requests when the drain began, "cut": requests still running at the
-            end of the grace period, "left": requests not finished even after the cut}``.
+            end of the grace period, "left": requests not finished even after the cut, "grace_s":
+            the grace period the drain had}``.
         """
         self.begin_drain(grace_s)
         return dict(await asyncio.shield(self._task))

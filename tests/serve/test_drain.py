@@ -155,5 +155,6 @@ def test_lserve_drain_drains_a_running_server(keyed_server, monkeypatch, capsys)
     # the shutdown that follows (what Kubernetes sends after the preStop hook) joins the finished drain
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, log.read_text()
-    assert "Traceback" not in log.read_text(errors="replace")
+    out = log.read_text(errors="replace")
+    assert "Traceback" not in out and f"1 request(s) still running after {GRACE_S:g}s" in out, out
     _wait_for(lambda: not _still_running(tree), 15, f"left running: {_still_running(tree)}")
