@@ -5,9 +5,9 @@
   for the Grafana dashboard sidecar of kube-prometheus-stack;
 * ``serveConfigV2`` of ``k8s/rayservice.yaml``: ``deploy/serve_config.yaml`` with the cluster
   overrides of :data:`CLUSTER_ARGS` and :data:`CLUSTER_HTTP_OPTIONS` (GPU device and kernels,
-  listening on the pod's address), and every pod template's ``terminationGracePeriodSeconds``
-  (:func:`termination_grace_s`, from the config's ``shutdown_grace_s``); the rest of that file is
-  kept as written.
+  listening on the pod's address), the ``--grace-s`` of the head's preStop ``lserve drain`` and
+  every pod template's ``terminationGracePeriodSeconds`` (:func:`termination_grace_s`), both from
+  the config's ``shutdown_grace_s``; the rest of that file is kept as written.
 
 ``python deploy/render_k8s.py`` writes them; ``--check`` exits 1 (and writes nothing) when a
 committed file differs from what would be written.
@@ -119,11 +119,28 @@ def shutdown_grace_s(serve_config: dict) -> float:
     return float((app.get("args") or {}).get("shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S))
 
 
+#: The head's preStop ``lserve drain ... --grace-s N``: N is rendered from ``shutdown_grace_s``.
+DRAIN_GRACE = re.compile(r'("lserve", "drain",[^\]\n]*"--grace-s", ")(\d+(?:\.\d+)?)(")')
+
+
 def pre_stop_s(template: dict) -> float:
-    """Seconds the ``sleep N`` preStop hooks of a pod template's containers hold the pod (0 if none)."""
+    """Seconds the preStop hooks of a pod template's containers may hold the pod (0 if none).
+
+    ``sleep N`` holds it N seconds; ``lserve drain --grace-s N --wait`` at most
+    :func:`lserve.serve.drain.wait_limit_s` (N); ``lserve drain`` without ``--wait`` returns at once.
+    """
+    from lserve.serve.drain import wait_limit_s
+
     longest = 0.0
     for c in template["spec"]["containers"]:
-        cmd = " ".join(c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", []))
+        argv = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        cmd = " ".join(argv)
+        if argv[:2] == ["lserve", "drain"]:
+            grace = argv[argv.index("--grace-s") + 1] if "--grace-s" in argv else None
+            if grace is None:
+                raise ValueError("a preStop 'lserve drain' needs an explicit --grace-s (rendered from shutdown_grace_s)")
+            longest = max(longest, wait_limit_s(float(grace)) if "--wait" in argv else 0.0)
+            continue
         m = re.search(r"\bsleep (\d+(?:\.\d+)?)", cmd)
         longest = max(longest, float(m.group(1)) if m else 0.0)
     return longest
@@ -163,6 +180,7 @@ def rayservice(serve_config: Path = SERVE_CONFIG) -> str:
     if not pattern.search(text):
         raise ValueError(f"no '  serveConfigV2: |' block in {RAYSERVICE}")
     text = pattern.sub(lambda m: m.group(1) + indented, text, count=1)
+    text = DRAIN_GRACE.sub(lambda m: f"{m.group(1)}{shutdown_grace_s(local):g}{m.group(3)}", text)
     # head first, then the worker groups: the order of the templates in the file
     values = iter([termination_grace_s(t, shutdown_grace_s(local)) for t in _pod_templates(yaml.safe_load(text))])
     grace = re.compile(r"^(\s+terminationGracePeriodSeconds: )\d+$", re.MULTILINE)

@@ -361,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve, device="auto")  # serving: one GPU per replica when there is one
 
+    from lserve.serve.drain import register as register_drain
+
+    register_drain(sub)
+
     from lserve.eval.cli import register as register_eval  # classify-heads, calibrate-selection, eval
 
     register_eval(sub)
@@ -368,17 +372,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lserve.engine.llm_engine import RequestError
-
     logging.basicConfig(level=os.environ.get("LSERVE_LOG", "WARNING"))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, RequestError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"lserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        # imported here: it loads torch, which commands such as `lserve drain` (a preStop hook) do without
+        from lserve.engine.llm_engine import RequestError
+
+        if not isinstance(e, RequestError):
+            raise
+        print(f"lserve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ class OpenAIIngress:
 
         return build_openai_app(self.server)
 
-    async def drain(self, grace_s: float) -> dict[str, int]:
+    async def drain(self, grace_s: float) -> dict[str, Any]:
         """Shutdown drain of this ingress (see :meth:`lserve.serve.ingress.Lifecycle.drain`)."""
         return await self.server.lifecycle.drain(grace_s)
 
@@ -139,6 +139,7 @@ def build_app_from_settings(settings: ServeSettings, total_cpus: float | None = 
     else:
         engine_opts["num_replicas"] = s.replicas
     engine = serve.deployment(EngineReplica).options(**engine_opts)
+    # One ingress replica: a drain (POST /admin/drain, lserve drain) reaches all of it in one call.
     ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=s.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": s.ingress_num_cpus, "runtime_env": {"env_vars": ingress_env}},
@@ -180,8 +181,8 @@ def _drain(settings: ServeSettings) -> None:
     except Exception as e:  # noqa: BLE001 - the ingress is gone: nothing left to drain
         print(f"lserve: could not drain the ingress ({type(e).__name__}); stopping now", file=sys.stderr, flush=True)
         return
-    if out["cut"]:
-        print(f"lserve: {out['cut']} request(s) still running after {grace:g}s ended with an error",
+    if out["cut"]:  # the grace period of the drain, which `lserve drain` may have started earlier
+        print(f"lserve: {out['cut']} request(s) still running after {out['grace_s']:g}s ended with an error",
               file=sys.stderr, flush=True)
     elif out["in_flight"]:
         print(f"lserve: {out['in_flight']} running request(s) finished", file=sys.stderr, flush=True)

@@ -46,6 +46,7 @@ from lserve.serve.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    DrainRequest,
     ErrorResponse,
     HealthResponse,
     ModelCard,
@@ -158,10 +159,12 @@ class SubRequest:
 class Lifecycle:
     """Drain state of one ingress replica: requests in flight, refusal of new ones, the cut.
 
-    :meth:`drain` (called at shutdown) makes :class:`GuardMiddleware` refuse new requests with
-    503, waits for the requests in flight to finish up to a grace period, then sets ``cut``:
-    streams still running end with an SSE error event and ``data: [DONE]``
-    (:meth:`OpenAIServer.until_cut`), and non-streaming requests get a 503.
+    A drain (started by the shutdown path through :meth:`drain`, or by ``POST /admin/drain``
+    through :meth:`begin_drain`; whichever comes first sets the grace period, and there is only
+    ever one) makes :class:`GuardMiddleware` refuse new requests with 503, waits for the
+    requests in flight to finish up to the grace period, then sets ``cut``: streams still
+    running end with an SSE error event and ``data: [DONE]`` (:meth:`OpenAIServer.until_cut`),
+    and non-streaming requests get a 503. A drained ingress stays drained until it restarts.
     """
 
     #: Seconds the cut streams get to write their final events before the drain returns.
@@ -171,6 +174,10 @@ class Lifecycle:
         self.in_flight = 0
         self.draining = False
         self._cut: asyncio.Event | None = None  # made on first use, in the serving event loop
+        self._task: asyncio.Task | None = None
+        self._grace_s = 0.0
+        self._started_at = 0.0
+        self._started_in_flight = 0
 
     @property
     def cut(self) -> asyncio.Event:
@@ -184,24 +191,58 @@ class Lifecycle:
             await asyncio.sleep(0.05)
         return self.in_flight == 0
 
-    async def drain(self, grace_s: float) -> dict[str, int]:
+    async def _run(self, grace_s: float) -> dict[str, Any]:
+        started = self.in_flight
+        if await self._wait_idle(grace_s):
+            return {"in_flight": started, "cut": 0, "left": 0, "grace_s": grace_s}
+        cut = self.in_flight
+        log.warning("drain grace period (%.0fs) over: ending %d request(s) with an error", grace_s, cut)
+        self.cut.set()
+        await self._wait_idle(self.CUT_FLUSH_S)
+        return {"in_flight": started, "cut": cut, "left": self.in_flight, "grace_s": grace_s}
+
+    def begin_drain(self, grace_s: float) -> bool:
+        """Start the drain unless one runs or ran already (call from the serving event loop).
+
+        Returns
+        -------
+        bool
+            True when this call started it.
+        """
+        if self._task is not None:
+            return False
+        self.draining = True  # before anything awaits: no request gets in after this
+        self._grace_s, self._started_at, self._started_in_flight = grace_s, time.monotonic(), self.in_flight
+        self._task = asyncio.get_running_loop().create_task(self._run(grace_s))
+        return True
+
+    async def drain(self, grace_s: float) -> dict[str, Any]:
         """Refuse new requests, let those in flight finish for up to ``grace_s``, then cut the rest.
+
+        Joins a drain already under way (its grace period holds).
 
         Returns
         -------
         dict
             ``{"in_flight": requests when the drain began, "cut": requests still running at the
-            end of the grace period, "left": requests not finished even after the cut}``.
+            end of the grace period, "left": requests not finished even after the cut, "grace_s":
+            the grace period the drain had}``.
         """
-        self.draining = True
-        started = self.in_flight
-        if await self._wait_idle(grace_s):
-            return {"in_flight": started, "cut": 0, "left": 0}
-        cut = self.in_flight
-        log.warning("shutdown grace period (%.0fs) over: ending %d request(s) with an error", grace_s, cut)
-        self.cut.set()
-        await self._wait_idle(self.CUT_FLUSH_S)
-        return {"in_flight": started, "cut": cut, "left": self.in_flight}
+        self.begin_drain(grace_s)
+        return dict(await asyncio.shield(self._task))
+
+    def state(self) -> dict[str, Any]:
+        """What ``/admin/drain`` reports: whether a drain runs, its grace period, what is still in flight."""
+        if self._task is None:
+            return {"draining": False, "in_flight": self.in_flight}
+        done = self._task.done()
+        out = {"draining": True, "grace_s": self._grace_s,
+               "elapsed_s": round(time.monotonic() - self._started_at, 3),
+               "in_flight_at_start": self._started_in_flight, "in_flight": self.in_flight,
+               "cut_started": self.cut.is_set(), "done": done}
+        if done and not self._task.cancelled() and self._task.exception() is None:
+            out["result"] = self._task.result()
+        return out
 
 
 def shutting_down_error(retry_after_s: float) -> OpenAIError:
@@ -830,6 +871,9 @@ class BodyLimitMiddleware:
 
 #: Probes and scrapes: open without the API key, served while draining, not counted as traffic.
 PROBE_PATHS = ("/health", "/metrics")
+#: Starts (POST) or reports (GET) a drain: needs the API key, answered while draining, not a request
+#: the drain waits for.
+DRAIN_PATH = "/admin/drain"
 #: Path prefixes that need the API key (when one is configured).
 PROTECTED_PREFIXES = ("/v1", "/admin", "/tokenize", "/detokenize")
 #: Status counted for a request whose client went away before its response was complete
@@ -888,7 +932,8 @@ class GuardMiddleware:
 
     * Paths under :data:`PROTECTED_PREFIXES` need the API key, checked on the headers before
       anything reads the body: a request without the key gets 401 whatever its body holds.
-    * While the server drains (:class:`Lifecycle`), every request but the probes gets 503.
+    * While the server drains (:class:`Lifecycle`), every request but the probes and
+      :data:`DRAIN_PATH` gets 503; those are not counted as requests in flight either.
     * A client that goes away is not a server error: the request ends quietly (no traceback)
       and is counted with status :data:`CLIENT_CLOSED`.
     * Every response except the probes' is counted once in ``lserve:http_responses_total``, by
@@ -921,7 +966,7 @@ class GuardMiddleware:
             err = self.server.auth_error(auth)
             if err is not None:
                 return err
-        if self.server.lifecycle.draining:
+        if self.server.lifecycle.draining and path != DRAIN_PATH:
             return shutting_down_error(self.server.settings.retry_after_s)
         return None
 
@@ -941,7 +986,8 @@ class GuardMiddleware:
             return
         ex = _Exchange(receive, send)
         lifecycle = self.server.lifecycle
-        lifecycle.in_flight += 1
+        counted = scope["path"] != DRAIN_PATH
+        lifecycle.in_flight += counted
         try:
             await self.app(scope, ex.receive, ex.send)
         except asyncio.CancelledError:  # Ray cancels the request when its client disconnects
@@ -953,7 +999,7 @@ class GuardMiddleware:
                 raise  # the app's error handler answers 500 and logs it
             # the client is gone (e.g. it left while its body was being read): no one to answer
         finally:
-            lifecycle.in_flight -= 1
+            lifecycle.in_flight -= counted
             self.server.http_metrics.count(self._endpoint(scope), ex.counted_status())
 
 
@@ -1067,6 +1113,28 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
         if reported is not None:
             return {"model": server.model_name, "source": "reports", "replicas": reported}
         return {"model": server.model_name, "source": "broadcast", "replicas": await server.engine_stats()}
+
+    @app.post(DRAIN_PATH, status_code=202, responses={401: _ERRORS[401], 400: _ERRORS[400]})
+    async def admin_drain(request: Request, req: DrainRequest | None = None) -> dict:
+        """Start the shutdown drain of this server now (needs the API key; idempotent).
+
+        ``/health`` and new requests get 503 at once, running requests get ``grace_s`` (default:
+        ``shutdown_grace_s``) to finish, then streams still running end with an error event and
+        ``[DONE]``. The drain cannot be undone: the server stays drained until it restarts. The
+        app has one ingress replica (:func:`lserve.serve.app.build_app_from_settings`), so one
+        call drains the whole application whichever proxy it goes through. A second call
+        changes nothing and reports the drain under way (``started`` false).
+        """
+        server.authorize(request)
+        grace = server.settings.shutdown_grace_s if req is None or req.grace_s is None else req.grace_s
+        started = server.lifecycle.begin_drain(grace)
+        return {"object": "drain", "started": started, **server.lifecycle.state()}
+
+    @app.get(DRAIN_PATH, responses={401: _ERRORS[401]})
+    async def admin_drain_state(request: Request) -> dict:
+        """The drain's state: whether one runs, its grace period, requests still in flight (needs the API key)."""
+        server.authorize(request)
+        return {"object": "drain", **server.lifecycle.state()}
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -170,6 +170,18 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = Field(True, description="Messages: open the assistant's turn (only true).")
 
 
+#: Longest grace period ``POST /admin/drain`` accepts (an hour; a drain cannot be undone).
+MAX_DRAIN_GRACE_S = 3600.0
+
+
+class DrainRequest(BaseModel):
+    """``POST /admin/drain``: the grace period running requests get (default: the server's ``shutdown_grace_s``)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    grace_s: float | None = Field(None, ge=0, le=MAX_DRAIN_GRACE_S, allow_inf_nan=False,
+                                  description="Seconds running requests get before they are ended with an error.")
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int

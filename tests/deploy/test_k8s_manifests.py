@@ -386,8 +386,39 @@ def test_pods_outlive_the_shutdown_grace_period(rayservice, tmp_path):
     path.write_text(yaml.safe_dump(local))
     longer = pod_templates(yaml.safe_load(render.rayservice(path)))
     for name, template in pod_templates(rayservice).items():
+        # a drain in the preStop hook (the head's) takes the longer grace period too
+        pre_stop_longer = render.pre_stop_s(longer[name]) - render.pre_stop_s(template)
+        assert pre_stop_longer in (0, 100), name
         assert (longer[name]["spec"]["terminationGracePeriodSeconds"]
-                == template["spec"]["terminationGracePeriodSeconds"] + 100), name
+                == template["spec"]["terminationGracePeriodSeconds"] + 100 + pre_stop_longer), name
+    assert render.pre_stop_s(longer["head"]) == render.pre_stop_s(pod_templates(rayservice)["head"]) + 100
+
+
+def _pre_stop(container: dict) -> list[str]:
+    return container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+
+
+def test_head_pre_stop_drains_through_its_proxy(rayservice):
+    """Deleting the head ends the cluster: its preStop runs ``lserve drain --wait`` with the app's grace period."""
+    from lserve.serve.app import stop_timeouts_s
+    from lserve.serve.drain import wait_limit_s
+    from lserve.serve.settings import ServeSettings
+
+    (app,) = [a for a in serve_config_v2(rayservice)["applications"]
+              if a["import_path"] == render.LSERVE_IMPORT_PATH]
+    grace = ServeSettings.from_dict(app.get("args")).shutdown_grace_s
+    head = pod_templates(rayservice)["head"]
+    (container,) = [c for c in head["spec"]["containers"] if _pre_stop(c)]
+    cmd = _pre_stop(container)
+    assert cmd[:2] == ["lserve", "drain"] and "--wait" in cmd, cmd
+    assert float(cmd[cmd.index("--grace-s") + 1]) == grace, cmd
+    url = cmd[cmd.index("--url") + 1]
+    port = int(url.rsplit(":", 1)[1])
+    assert url.startswith("http://127.0.0.1:") and port == serve_config_v2(rayservice)["http_options"]["port"]
+    assert {"name": "serve", "containerPort": port} in container["ports"]
+    # the pod waits out the drain (grace period, cut, margin), then the replicas' stop, as the workers do
+    assert render.pre_stop_s(head) == wait_limit_s(grace) > grace
+    assert head["spec"]["terminationGracePeriodSeconds"] >= wait_limit_s(grace) + max(stop_timeouts_s(grace).values())
 
 
 def test_generated_files_are_up_to_date():
