@@ -18,51 +18,18 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from test_shutdown import _free_port, _process_tree, _still_running, _wait_for, _wait_healthy
+from test_shutdown import Stream, _free_port, _process_tree, _still_running, _wait_for, _wait_healthy
 
 from lserve.cli import main as lserve_main
 
 KEY = "drain-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRACE_S = 8.0  # the drain's, given to the CLI; the server's own shutdown grace period is longer
-
-
-class AuthStream(threading.Thread):
-    """One streaming completion (with the API key), its data events and when its tokens arrived."""
-
-    def __init__(self, url: str, max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self.url, self.max_tokens = url, max_tokens
-        self.events: list[str] = []
-        self.token_times: list[float] = []
-        self.ended_at: float | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        body = {"prompt": "Once upon a time, in a land far away,", "max_tokens": self.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, headers=AUTH, timeout=120) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        if line.startswith("data: {") and json.loads(line[6:]).get("choices", [{}])[0].get("text"):
-                            self.token_times.append(time.monotonic())
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-        finally:
-            self.ended_at = time.monotonic()
-
-    def wait_tokens(self, n: int, timeout: float = 120.0) -> None:
-        _wait_for(lambda: len(self.token_times) >= n or self.ended_at is not None, timeout, "no tokens")
-        assert len(self.token_times) >= n, (self.error, self.events[-3:])
 
 
 @pytest.fixture
@@ -114,12 +81,12 @@ def test_lserve_drain_drains_a_running_server(keyed_server, monkeypatch, capsys)
     assert state["draining"] is False and state["in_flight"] == 0, state
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
-    cut = AuthStream(url, max_tokens=1900)  # cannot finish within the grace period on this machine
+    cut = Stream(url, max_tokens=1900, headers=AUTH)  # cannot finish within the grace period on this machine
     cut.start()
     cut.wait_tokens(6)
     rate = 5 / (cut.token_times[5] - cut.token_times[0])
     # still running when the drain begins (the CLI takes ~1.5 s to start), done well within the grace period
-    finished = AuthStream(url, max_tokens=int(min(400, max(12, rate * (GRACE_S / 4 + 2)))))
+    finished = Stream(url, max_tokens=int(min(400, max(12, rate * (GRACE_S / 4 + 2)))), headers=AUTH)
     finished.start()
     finished.wait_tokens(1)
 

@@ -38,11 +38,12 @@ def _free_port() -> int:
 
 
 class Stream(threading.Thread):
-    """One streaming completion read line by line, with when each token and the end arrived."""
+    """One streaming completion read line by line, with when each token and the end arrived
+    (``headers``: e.g. the API key's)."""
 
-    def __init__(self, url: str, max_tokens: int) -> None:
+    def __init__(self, url: str, max_tokens: int, headers: dict | None = None) -> None:
         super().__init__(daemon=True)
-        self.url, self.max_tokens = url, max_tokens
+        self.url, self.max_tokens, self.headers = url, max_tokens, headers or {}
         self.events: list[str] = []
         self.token_times: list[float] = []
         self.ended_at: float | None = None
@@ -52,7 +53,8 @@ class Stream(threading.Thread):
         body = {"prompt": "Once upon a time, in a land far away,", "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as r:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, headers=self.headers,
+                              timeout=120) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if not line.startswith("data: "):
