@@ -18,10 +18,10 @@ budget covers the context reads every page.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from lserve.config import ConfigError, ModelConfig
+from lserve.sparsity.calibration_file import read_calibration
 
 ADAPTIVE_NAME = "adaptive_budgets.json"
 ADAPTIVE_KIND = "adaptive-budgets"
@@ -141,12 +141,8 @@ def load_ratios(path: str | Path, num_layers: int) -> tuple[float | None, ...]:
         If the file is not such a calibration or is for another layer count.
     """
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read adaptive budgets {p}: {e}") from None
-    if not isinstance(data, dict) or data.get("kind") != ADAPTIVE_KIND:
-        raise ConfigError(f"{p} is not an adaptive-budget calibration (written by `lserve calibrate-budgets`)")
+    data = read_calibration(p, ADAPTIVE_KIND, "adaptive budgets", "an adaptive-budget calibration",
+                            "lserve calibrate-budgets")
     ratios = data["ratios"]
     if len(ratios) != num_layers:
         raise ConfigError(f"adaptive budgets {p} are for {len(ratios)} layers but the model has {num_layers}")

@@ -10,10 +10,10 @@ the dynamic threshold.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from lserve.config import ConfigError, ModelConfig
+from lserve.sparsity.calibration_file import read_calibration
 
 CALIBRATION_NAME = "selection_layers.json"
 CALIBRATION_KIND = "selection-layers"
@@ -31,14 +31,8 @@ def default_calibration_for(model: ModelConfig) -> Path | None:
 
 def load_calibration(path: str | Path) -> dict:
     """Read a calibration written by :func:`lserve.sparsity.calibrate.calibrate_selection`."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read selection calibration {p}: {e}") from None
-    if not isinstance(data, dict) or data.get("kind") != CALIBRATION_KIND or "select_layers" not in data:
-        raise ConfigError(f"{p} is not a selection calibration (written by `lserve calibrate-selection`)")
-    return data
+    return read_calibration(path, CALIBRATION_KIND, "selection calibration", "a selection calibration",
+                            "lserve calibrate-selection", "select_layers")
 
 
 def resolve_select_layers(spec: str | tuple[int, ...], model: ModelConfig) -> tuple[bool, ...]:

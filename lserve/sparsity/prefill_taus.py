@@ -4,10 +4,10 @@ calibrate-prefill`` (:mod:`lserve.sparsity.prefill_calibration`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from lserve.config import ConfigError, ModelConfig
+from lserve.sparsity.calibration_file import read_calibration
 
 CALIBRATION_NAME = "prefill_taus.json"
 CALIBRATION_KIND = "prefill-taus"
@@ -27,12 +27,8 @@ def default_calibration_for(model: ModelConfig) -> Path | None:
 def load_layer_taus(path: str | Path, num_layers: int, num_kv_heads: int) -> tuple[float, ...]:
     """Per-layer taus of a calibration file, checked against the model's shape."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read prefill calibration {p}: {e}") from None
-    if not isinstance(data, dict) or data.get("kind") != CALIBRATION_KIND or "layer_taus" not in data:
-        raise ConfigError(f"{p} is not a prefill calibration (written by `lserve calibrate-prefill`)")
+    data = read_calibration(p, CALIBRATION_KIND, "prefill calibration", "a prefill calibration",
+                            "lserve calibrate-prefill", "layer_taus")
     if data.get("num_layers") != num_layers or data.get("num_kv_heads") != num_kv_heads:
         raise ConfigError(f"prefill calibration {p} is for {data.get('num_layers')} layers x {data.get('num_kv_heads')} "
                           f"KV heads ({data.get('model')}) but the model has {num_layers} x {num_kv_heads}")
