@@ -657,14 +657,10 @@ class CupyBackend(AttentionBackend):
                 kd = k[sl, :nd].transpose(0, 1)  # [Hd, n, D]
                 vd = v[sl, :nd].transpose(0, 1)
                 blocks = self.sparse_prefill_blocks(sp, layer, qd, kd)
-                if blocks is not None and self.bsp_faster(blocks):  # dense heads read the step's rows
-                    p = bsp.plan([bsp.PrefillSeq(sp.t0, 0, sp.step.num_new, 0, blocks)], G, nd, self.device)
-                    bsp.run(q, k, v, out, p, nd, 0, nd, self.scale)
+                if blocks is not None:  # dense heads read the step's rows
+                    self.block_sparse(sp, blocks, q, k, v, out, qd, kd, vd)
                     continue
-                if blocks is not None:
-                    self.chunk_kernels["gathered"] += 1
-                    o = sparse_prefill(qd, kd, vd, blocks, self.scale)
-                elif self.flash is not None and sp.step.num_new < CUDNN_MIN_TOKENS:
+                if self.flash is not None and sp.step.num_new < CUDNN_MIN_TOKENS:
                     o = causal_attention(qd, kd, vd, self.scale)
                 else:
                     o = F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True, scale=self.scale,
@@ -677,12 +673,24 @@ class CupyBackend(AttentionBackend):
 
     def bsp_faster(self, blocks) -> bool:
         """Whether :mod:`lserve.attention.paged_prefill`'s kernel runs this block list faster than
-        the gathered-cuDNN path (:attr:`bsp_cost`); counts the choice in :attr:`chunk_kernels`."""
-        ok = (self.bsp_cost is not None and blocks.block == bsp.BN
-              and self.bsp_cost.kernel_faster(blocks.attention_flops(self.group, self.D), blocks.n_rows))
-        if ok:
+        the gathered-cuDNN path (:attr:`bsp_cost`)."""
+        return (self.bsp_cost is not None and blocks.block == bsp.BN
+                and self.bsp_cost.kernel_faster(blocks.attention_flops(self.group, self.D), blocks.n_rows))
+
+    def block_sparse(self, sp, blocks, q, k, v, out, qd, kd, vd, pool=None, pages=None) -> None:
+        """A chunk's dense heads over their block list, on the faster path (:meth:`bsp_faster`),
+        counted in :attr:`chunk_kernels`. The kernel reads the step's rows of a chunk without
+        cached past, else the dense ``pool`` through the sequence's ``pages`` (None: it cannot, the
+        chunk's keys are not there); the gathered path takes qd/kd/vd ([H, L, D] views)."""
+        G, nd, start = self.group, kd.shape[0], sp.step.start
+        if (start == 0 or pool is not None) and self.bsp_faster(blocks):
             self.chunk_kernels["bsp"] += 1
-        return ok
+            p = bsp.plan([bsp.PrefillSeq(sp.t0, start, sp.step.num_new, 0, blocks)], G, nd, self.device)
+            bsp.run(q, k, v, out, p, nd, 0, nd, self.scale, pool=None if start == 0 else (pool.k, pool.v),
+                    pages=None if start == 0 else pages)
+            return
+        self.chunk_kernels["gathered"] += 1
+        out[sp.t0: sp.t1, : nd * G] = sparse_prefill(qd, kd, vd, blocks, self.scale).transpose(0, 1)
 
     def prefill_cont(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      st: CupyStep) -> None:
@@ -706,14 +714,9 @@ class CupyBackend(AttentionBackend):
                         kd = torch.cat((kp, k[sl, :nd].transpose(0, 1)), 1)  # [Hd, start + n, D]
                         vd = torch.cat((vp, v[sl, :nd].transpose(0, 1)), 1)
                     blocks = self.sparse_prefill_blocks(sp, layer, qd, kd)
-                    if self.one_call and self.bsp_faster(blocks):  # past and chunk read from the pool
-                        pool = self.cache.dense[layer]
-                        p = bsp.plan([bsp.PrefillSeq(sp.t0, start, sp.step.num_new, 0, blocks)], G, nd, self.device)
-                        bsp.run(q, k, v, out, p, nd, 0, nd, self.scale, pool=(pool.k, pool.v),
-                                pages=st.c_pages[off: off + npg])
-                        continue
-                    self.chunk_kernels["gathered"] += 1
-                    out[sl, : nd * G] = sparse_prefill(qd, kd, vd, blocks, self.scale).transpose(0, 1)
+                    # the kernel reads past and chunk from the pool, where one_call put the chunk
+                    pool = self.cache.dense[layer] if self.one_call else None
+                    self.block_sparse(sp, blocks, q, k, v, out, qd, kd, vd, pool, st.c_pages[off: off + npg])
                     continue
                 # cuDNN on the chunk grid (past and chunk merged by LSE: its plans repeat there),
                 # else one flash call (the chunk's keys are in the pool already), else the merge path
