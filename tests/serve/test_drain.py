@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_shutdown import Stream, _free_port, _process_tree, _still_running, _wait_for, _wait_healthy
+from test_shutdown import Stream, _free_port, _still_running, _wait_for, served
 
 from lserve.cli import main as lserve_main
 
@@ -43,18 +42,9 @@ def keyed_server(tmp_path):
            "--shutdown-grace-s", "60"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url, tree = f"http://127.0.0.1:{port}", {}
-    try:
-        _wait_healthy(proc, url, log)
-        tree = _process_tree(proc.pid)
+    url = f"http://127.0.0.1:{port}"
+    with served(proc, url, log, ray_tmp) as tree:
         yield proc, url, log, tree
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        for pid in _still_running(tree):
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _cli(url: str, *args: str, key: str | None) -> subprocess.Popen:

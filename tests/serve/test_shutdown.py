@@ -12,6 +12,7 @@ with ``data: [DONE]``, one that cannot is ended at the grace period's end with a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -151,11 +152,19 @@ def server(request, tmp_path):
     how, port, log = request.param, _free_port(), tmp_path / "server.log"
     ray_tmp = tempfile.mkdtemp(prefix="lsd-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     proc = _start_server(port, log, ray_tmp, how)
+    with served(proc, f"http://127.0.0.1:{port}", log, ray_tmp) as tree:
+        yield proc, f"http://127.0.0.1:{port}", log, how, tree
+
+
+@contextlib.contextmanager
+def served(proc: subprocess.Popen, url: str, log: Path, ray_tmp: str):
+    """A started server once healthy: yields its process tree; on exit kills what is left of it
+    and removes its Ray folder."""
     tree = {}
     try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
+        _wait_healthy(proc, url, log)
         tree = _process_tree(proc.pid)
-        yield proc, f"http://127.0.0.1:{port}", log, how, tree
+        yield tree
     finally:
         if proc.poll() is None:
             proc.kill()
