@@ -27,7 +27,7 @@
 #define NWARPS 4
 #define NTHREADS (NWARPS * 32)
 #define NSTREAMS (NWARPS * SPW)
-#define TPI 4  // tokens in flight per lane group (probes edit this text: scripts/kernel_edits.py)
+#define TPI 4  // tokens in flight per lane group (probes edit this text: scripts/probes/kernel_edits.py)
 #define MAX_CHUNK 256
 // CTAs per SM the register allocation must allow: 3 keeps ~12 warps of loads in flight.
 #if GQ <= 4 && LS_DTYPE != 2

@@ -120,7 +120,7 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
     const int nst = NSTREAMS / hpc;  // page streams per head
     // Host-copied tables only before the wait; q and the statistics come from earlier kernels.
     // No early pdl_trigger: the top-k CTAs it would let in take slots of this one-wave grid
-    // (measured slower, benchmarks/probe_launch_h200.json); the top-k launches as this exits.
+    // (measured slower, benchmarks/probes/probe_launch_h200.json); the top-k launches as this exits.
     const int npg = meta[META_NPAGES * nb + b];
     const int p_begin = blockIdx.x * ppb;
     const int p_end = min(npg, p_begin + ppb);

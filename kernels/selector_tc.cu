@@ -9,7 +9,7 @@
 // decode_tc's K and V), warp w scores rows [16w, 16w + 16) of each tile with mma.sync, and the
 // scores are max-reduced over the g logical rows of each physical page (and, in "kv" mode, over
 // the GQ query heads) through shuffles. The CUDA-core kernel was issue-bound: 256 FMAs per lane
-// and tile on top of the loads (kernels_notes.md).
+// and tile on top of the loads (benchmarks/kernels/kernels_notes.md).
 #include "mma.cuh"
 
 #define D LS_HEAD_DIM

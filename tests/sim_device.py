@@ -7,7 +7,7 @@ no memory is used) step by step, feeding each step's time back to the
 every request got its first token and when it finished.
 
 :data:`H200_LSERVE` and :data:`H200_DENSE` are llama3-8b at 128k context on the H200, fitted to
-the measurements in ``benchmarks/serve_notes.md`` and issue 40:
+the measurements in ``benchmarks/serve/serve_notes.md`` and issue 40:
 
 * prefill-only steps: the engine's one-step TTFT of a 131072-token prompt (7.15 s LServe,
   12.63 s dense) gives the rate in token-equivalents per second;

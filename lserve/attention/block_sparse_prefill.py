@@ -42,7 +42,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Pr
     impl : str, optional
         Fused kernel to force on CUDA (``"flash"`` / ``"cudnn"``, benchmarks); default:
         :func:`lserve.attention.chunked.long_impl` (cuDNN on long sequences: on the H200 it ran
-        kept tiles 1.5-1.6x faster than flash at 128k-256k, ``benchmarks/sparse_prefill_h200.json``).
+        kept tiles 1.5-1.6x faster than flash at 128k-256k, ``benchmarks/prefill_sparsity/sparse_prefill_h200.json``).
 
     Returns
     -------

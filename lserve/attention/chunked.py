@@ -33,12 +33,12 @@ _IMPL: dict[str, str] = {}  # device type -> chosen fused kernel ("cudnn", "flas
 _OK: dict[str, bool] = {}  # device:dtype:D:impl -> the fused kernel runs and is exact here
 # Sequences at least this long run their dense heads through cuDNN (SDPA on the H200); shorter
 # ones (the served path's chunks) through flash: cuDNN builds an execution plan per new shape
-# (~8 ms of host time per layer shape, `scripts/probe_mixed.py`: a first 256-token chunk next to
+# (~8 ms of host time per layer shape, `scripts/probes/probe_mixed.py`: a first 256-token chunk next to
 # decodes took 265 ms), which only a long prompt's attention pays back.
 CUDNN_MIN_TOKENS = 16384
 # A chunk with cached past runs its dense heads through cuDNN when it starts and ends on this grid
 # (:func:`chunk_impl`). cuDNN plans per shape, 0.065 s on the H200 for lengths on a 128 multiple
-# and 0.9 s off one (``probe_cudnn_causal_h200.json``); the grid bounds the shapes a server ever
+# and 0.9 s off one (``benchmarks/probes/probe_cudnn_causal_h200.json``); the grid bounds the shapes a server ever
 # plans (a 128k prompt's chunks have 64 pasts) and the scheduler puts a long prompt's chunks on it.
 # 0 turns cuDNN chunks off (flash runs every chunk).
 CUDNN_CHUNK_GRID = 2048
@@ -129,7 +129,7 @@ def chunk_impl(device: torch.device, dtype: torch.dtype, d: int, start: int, n: 
     """The fused kernel for the dense heads of an ``n``-token chunk after ``start`` cached tokens:
     cuDNN (via :func:`dense_chunk`) for a long sequence whose chunk lies on :func:`chunk_grid`,
     else None (the caller's flash path). On the H200 cuDNN runs long attention ~1.5x faster than
-    flash (``probe_served_prefill_h200.json``); off the grid its plans would not repeat."""
+    flash (``benchmarks/probes/probe_served_prefill_h200.json``); off the grid its plans would not repeat."""
     grid = chunk_grid(device, dtype, d)
     if not grid or start % grid or n % grid or start + n < CUDNN_MIN_TOKENS:  # the past in grid_segments
         return None

@@ -258,7 +258,7 @@ class CupyBackend(AttentionBackend):
     def override_kernels(self, family: str, module, names=None) -> None:
         """Take ``family``'s kernels from ``module`` instead of the shipped sources.
 
-        The one way tools swap kernels (``scripts/kernel_edits.py`` compiles edited sources for
+        The one way tools swap kernels (``scripts/probes/kernel_edits.py`` compiles edited sources for
         timing experiments); the serving path never calls it.
 
         Parameters
@@ -546,7 +546,7 @@ class CupyBackend(AttentionBackend):
         Parameters
         ----------
         only : {None, "scores", "topk"}
-            Benchmarks only (``lserve bench kernels``, ``scripts/probe_selector.py``): launch the
+            Benchmarks only (``lserve bench kernels``, ``scripts/probes/probe_selector.py``): launch the
             page-score kernel alone, or the top-k alone over the scores of the last full call
             with the same step (the other kernel gets an empty grid, so PDL chains stay as
             they are). None (serving): both.

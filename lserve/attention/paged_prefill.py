@@ -30,7 +30,7 @@ class TileShape:
     ``impl`` "mma": ``kernels/bsp_prefill.cu`` (mma.sync; any sm_80+ GPU), ``mt`` 16-row m-tiles
     per warp; "wg": ``kernels/bsp_prefill_wg.cu`` (Hopper warpgroup MMA, sm_90a), ``warps / 4``
     warpgroups of 64 rows (``mt`` 1), head dim 128 only (at 64 it failed parity on the H200, and it
-    is not faster than "mma" at 128: ``benchmarks/bsp_prefill_notes.md``), a tuning sandbox.
+    is not faster than "mma" at 128: ``benchmarks/bsp_prefill/bsp_prefill_notes.md``), a tuning sandbox.
     """
 
     impl: str = "mma"
@@ -67,7 +67,7 @@ class TileShape:
         return Variant("bsp_prefill", dtype, head_dim, tuning=(f"LS_BSP_MT={self.mt}", f"LS_BSP_WARPS={self.warps}"))
 
 
-MMA = TileShape()  # the measured default (benchmarks/bsp_prefill_h200.json)
+MMA = TileShape()  # the measured default (benchmarks/bsp_prefill/bsp_prefill_h200.json)
 
 
 def supported(dtype: torch.dtype, head_dim: int) -> bool:
@@ -81,7 +81,7 @@ class PathCost:
     gathered-cuDNN path of :func:`lserve.attention.block_sparse_prefill.sparse_prefill` (FLOPs /
     ``cudnn_rate`` plus ``row_cost`` seconds of gathers, launches and merge per query row).
 
-    Defaults fitted to one Llama-3-8B layer on the H200 (``benchmarks/bsp_prefill_h200.json``:
+    Defaults fitted to one Llama-3-8B layer on the H200 (``benchmarks/bsp_prefill/bsp_prefill_h200.json``:
     kernel 213-224 TFLOP/s on computed tiles; gathered 16.4-17 ms at 32k whatever the kept fraction,
     45-90 ms at 128k for 10-50% kept): the kernel wins at every measured fraction at 32k, up to
     ~20% kept at 128k and ~10% at 256k.

@@ -234,7 +234,7 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
     hit): ``ttft_s`` is the second's, as a served process that has seen such a prompt runs it,
     ``ttft_first_s`` the first's. On the H200 the first long prompt of a fresh engine is much
     slower with the host waiting on the GPU (128k dense 17.1 s, then 11.3 s;
-    ``scripts/probe_first_prefill.py``), and cuDNN builds plans for a sparse prefill's gathered
+    ``scripts/probes/probe_first_prefill.py``), and cuDNN builds plans for a sparse prefill's gathered
     row shapes.
     """
     from lserve.sparsity.threshold import lookup_ratio, profile_key

@@ -4,7 +4,7 @@ For each context of a sweep, one engine (this device, this model shape, the give
 the whole prompt in one step) prefills random prompts dense and with block-sparse prefill of
 the dense heads at ``tau`` (a per-request override on the same engine), each timed to its first
 token, the better of two prompts per point (a fresh engine's first long prompt is slower on the
-H200, ``scripts/probe_first_prefill.py``). The threshold is the smallest context from which the
+H200, ``scripts/probes/probe_first_prefill.py``). The threshold is the smallest context from which the
 sparse prefill is faster at every larger measured context; it is saved as ``min_len`` in the
 prefill profile that engines with ``prefill_sparsity_min_len = -1`` read
 (:mod:`lserve.sparsity.threshold`), and the sweep is written as JSON + PNG.

@@ -46,7 +46,7 @@ from lserve.plotting import pyplot
 from lserve.serve.settings import API_KEY_ENV
 
 # On random weights tau sets how much of the causal prefill the dense heads keep (0.33 at 128k
-# for 0.3, benchmarks/e2e_prefill_sparse_h200.json), not an accuracy-checked setting.
+# for 0.3, benchmarks/e2e/e2e_prefill_sparse_h200.json), not an accuracy-checked setting.
 SPARSE_TAU = 0.3
 _LSERVE_FLAGS = ["--pattern", "random", "--static-sparsity", "0.5", "--token-budget", "4096"]
 CONFIG_FLAGS = {

@@ -243,7 +243,7 @@ class LLMEngine:
 
     def _row_align(self, seq: Sequence, decoding: bool) -> int:
         """Where a chunk of ``seq`` should end (0: anywhere). cuDNN builds a plan per new shape
-        (0.07-0.9 s on the H200, ``probe_cudnn_causal_h200.json``), so chunks that run it end on a
+        (0.07-0.9 s on the H200, ``benchmarks/probes/probe_cudnn_causal_h200.json``), so chunks that run it end on a
         grid where plans repeat:
 
         * a block-sparse prefill's chunks on its row grid (``prefill_q_block``), in every step: a
@@ -380,7 +380,7 @@ class LLMEngine:
         A batch that decodes and prefills, with CUDA graphs on, runs as two forwards: the
         decodes replay their graph (once one is captured) and the prefill chunks run eagerly.
         One eager forward of both costs the host ~60 ms on the H200 for 32 layers whatever the
-        chunk size (``scripts/probe_mixed.py``), against ~7 ms for a replay plus a prefill
+        chunk size (``scripts/probes/probe_mixed.py``), against ~7 ms for a replay plus a prefill
         forward whose launches hide behind its own GPU time; the weights are read twice, once
         per part (~4 ms at 8B).
         """

@@ -263,7 +263,7 @@ def register(sub) -> None:
                         description="Split a mean token budget across layers from the mass curves of `lserve bench "
                                     "selection-mass` (largest worst-layer mass the mean allows, the remainder by "
                                     "mass gain per token); writes the ratios SparsityConfig.adaptive_budgets reads.")
-    cb.add_argument("--mass", default="benchmarks/selection_mass_cpu.json", help="selection-mass report JSON")
+    cb.add_argument("--mass", default="benchmarks/selection_mass/selection_mass_cpu.json", help="selection-mass report JSON")
     cb.add_argument("--context", type=int, default=8192, help="the report's context to calibrate at")
     cb.add_argument("--mean-budget", type=int, default=1024, help="mean tokens per dense head")
     cb.add_argument("--method", default="bound_p64_l16", help="curve to use (the engine's selector by default)")

@@ -1,7 +1,7 @@
 """Which layers use dynamic page selection (``SparsityConfig.select_layers``).
 
 On a small model the min/max selector keeps nearly all of the attention mass in some layers
-and drops a third of it in others, where attention is diffuse (``benchmarks/accuracy_notes.md``).
+and drops a third of it in others, where attention is diffuse (``benchmarks/accuracy/accuracy_notes.md``).
 ``lserve calibrate-selection`` (:mod:`lserve.sparsity.calibrate`) measures, per layer, the mass
 the selected pages hold and writes a calibration JSON; here a ``select_layers`` setting becomes
 one flag per layer. In layers without selection dense heads read every page, exactly as below

@@ -2,7 +2,7 @@
 
 One global tau keeps very different shares of the true attention mass in different layers of the
 same model (on the default model, layer 18's KV head 2 holds 0.73-0.85 of it at tau 0.9 while
-most heads hold > 0.95, ``benchmarks/prefill_sparsity_notes.md``). ``lserve calibrate-prefill``
+most heads hold > 0.95, ``benchmarks/prefill_sparsity/prefill_sparsity_notes.md``). ``lserve calibrate-prefill``
 runs the model densely on generated prompts, captures every layer's RoPE'd queries and keys of
 each prompt's one-chunk prefill, and for each (layer, KV head) finds the smallest tau of
 :data:`TAU_GRID` at which that head's own block list (the engine's estimator and rule,

@@ -1,4 +1,4 @@
-"""Kernels compiled from edited sources, for timing experiments (``scripts/probe_*.py``).
+"""Kernels compiled from edited sources, for timing experiments (``scripts/probes/probe_*.py``).
 
 Probe-only machinery, kept out of the runtime package: the backend's one public way to take
 kernels from elsewhere is :meth:`lserve.attention.cupy_backend.CupyBackend.override_kernels`.

@@ -2,7 +2,7 @@
 does a new shape cost it? (A chunk of a prefill attends to its past and itself in one call only
 with lower-right alignment; cuDNN builds an execution plan per new shape.)
 
-    python scripts/probe_cudnn_causal.py OUT_DIR
+    python scripts/probes/probe_cudnn_causal.py OUT_DIR
 
 Writes ``probe_cudnn_causal.json``. A probe, not a benchmark.
 """

@@ -1,7 +1,7 @@
 """Decode split-K probe (issue 3): how the split-K granularity moves our dense decode against
 SDPA, and the LServe reuse step, one layer of Llama-3-8B shape (bf16, batch 1).
 
-    python scripts/probe_decode.py OUT_DIR [--contexts 65536 131072 262144]
+    python scripts/probes/probe_decode.py OUT_DIR [--contexts 65536 131072 262144]
 
 For each context: SDPA decode; our dense decode for several (units per launch, fewest entries
 per unit) settings and for text-edited kernel sources (EDITS), with and without the split-K
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from kernel_edits import use_edited  # scripts/kernel_edits.py (run as python scripts/...)
+from kernel_edits import use_edited  # scripts/probes/kernel_edits.py (run as python scripts/probes/...)
 
 from lserve.bench import kernels as kb
 
@@ -26,7 +26,7 @@ LAYER = kb.layer_config(kb.DEFAULT_MODEL)  # the Llama-3-8B layer these probes t
 # (units per launch as a multiple of the SM count or None = the default one wave, min_chunk)
 SETTINGS = [(None, 2), (1, 2), (3, 2), (4, 2), (6, 2), (None, 8), (None, 16)]
 # Text edits of decode_tc.cu timed against the shipped source at the default setting:
-# {name: [(old text, new text), ...]}. Empty now; what was tried is in benchmarks/kernels_notes.md.
+# {name: [(old text, new text), ...]}. Empty now; what was tried is in benchmarks/kernels/kernels_notes.md.
 EDITS: dict[str, list[tuple[str, str]]] = {}
 
 

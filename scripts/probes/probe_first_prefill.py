@@ -1,6 +1,6 @@
 """Why a long prompt's TTFT exceeds its kernels' time: first vs second prompt of one length, host hot spots.
 
-    python scripts/probe_first_prefill.py OUT_DIR [--contexts 65536 131072] [--configs dense lserve]
+    python scripts/probes/probe_first_prefill.py OUT_DIR [--contexts 65536 131072] [--configs dense lserve]
 
 Per (config, context): an engine as ``lserve bench e2e`` builds it (``_engine``, 256-token
 warm-up), then two prompts of that length (different tokens, no prefix hit), each timed to its

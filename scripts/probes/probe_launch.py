@@ -2,7 +2,7 @@
 the CUDA-core page scores against the tensor-core ones, and text-edited kernel sources
 (VARIANTS), one layer of Llama-3-8B shape (bf16, batch 1).
 
-    python scripts/probe_launch.py OUT_DIR [--contexts 65536 131072 262144]
+    python scripts/probes/probe_launch.py OUT_DIR [--contexts 65536 131072 262144]
 
 Per context and variant: our dense decode (8 dense heads), the LServe cycle (4 streaming +
 4 dense heads, budget 4096, reuse 4: one select step + three reuse steps), its select and reuse
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
-from kernel_edits import use_edited  # scripts/kernel_edits.py (run as python scripts/...)
+from kernel_edits import use_edited  # scripts/probes/kernel_edits.py (run as python scripts/probes/...)
 
 from lserve.bench import kernels as kb
 

@@ -1,6 +1,6 @@
 """What a served step costs: decode-only (graph / eager), decode + prefill chunk, prefill-only chunks.
 
-    python scripts/probe_mixed.py OUT_DIR [--model llama3-8b] [--config lserve] [--batches 4 16]
+    python scripts/probes/probe_mixed.py OUT_DIR [--model llama3-8b] [--config lserve] [--batches 4 16]
         [--chunks 32 256 1024 2048 4096] [--long 32768]
 
 Every step is timed synchronously (wall, device synchronised before and after) and the host's

@@ -1,6 +1,6 @@
 """Can decodes and prefills share the GPU at once? Two engines over one set of weights, on two streams.
 
-    python scripts/probe_overlap.py OUT_DIR [--model llama3-8b] [--batch 16] [--prompt 2048]
+    python scripts/probes/probe_overlap.py OUT_DIR [--model llama3-8b] [--batch 16] [--prompt 2048]
         [--long 32768 --long-chunk 4096] [--seconds 6]
 
 Engine A decodes ``--batch`` sequences (CUDA graphs, async decode); engine B prefills fresh

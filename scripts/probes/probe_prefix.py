@@ -1,6 +1,6 @@
 """The engine's own TTFT of repeated questions on one document, prefix cache on (no HTTP, no Ray).
 
-    python scripts/probe_prefix.py
+    python scripts/probes/probe_prefix.py
 
 llama3-8b preset on the cupy backend with the server's step defaults; for an 8k and a 32k
 document, three questions of 64 tokens each, one generated token: prints TTFT, the steps and

@@ -1,6 +1,6 @@
 """Which kernel SDPA runs for the engine's fresh-prompt GQA call, and how fast (one Llama-3-8B layer).
 
-    python scripts/probe_sdpa.py OUT_DIR [--contexts 32768 131072]
+    python scripts/probes/probe_sdpa.py OUT_DIR [--contexts 32768 131072]
 
 For each context: the dense heads' causal attention as ``CupyBackend.prefill`` calls it (q, k, v
 views of one fused projection, ``enable_gqa``), under torch's default backend order and under

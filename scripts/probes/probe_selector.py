@@ -1,7 +1,7 @@
 """Selector probe (issue 3): kernel-level times of the page selector and a LServe decode step at
 256k, one layer of Llama-3-8B shape, from CUPTI (torch.profiler) and CUDA-graph replays.
 
-    python scripts/probe_selector.py OUT_DIR [--contexts 65536 262144]
+    python scripts/probes/probe_selector.py OUT_DIR [--contexts 65536 262144]
 
 Prints, per context: graph-timed scores with several pages-per-CTA settings; the top-k cut
 short after each of its stages (TOPK_EDITS); the CUPTI duration
@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from kernel_edits import use_edited  # scripts/kernel_edits.py (run as python scripts/...)
+from kernel_edits import use_edited  # scripts/probes/kernel_edits.py (run as python scripts/probes/...)
 from torch.profiler import ProfilerActivity, profile
 
 from lserve.bench import kernels as kb

@@ -1,6 +1,6 @@
 """A served engine's prefill without Ray or HTTP: TTFT of long prompts under ``lserve serve``'s step budget.
 
-    python scripts/probe_served_prefill.py OUT_DIR [--contexts 32768 131072] [--configs lserve lserve-sparse]
+    python scripts/probes/probe_served_prefill.py OUT_DIR [--contexts 32768 131072] [--configs lserve lserve-sparse]
         [--grids 2048 0] [--variants served "max_batched_tokens=16384,step_time_target=0.5" one-step]
 
 The engine is built from :class:`lserve.serve.settings.ServeSettings` as a served replica builds

@@ -2,8 +2,8 @@
 memory on sm_90, cp.async (16 B per thread) against Hopper bulk copies (``cp.async.bulk`` with
 an mbarrier per stage), for different ring depths, thread counts and page orders.
 
-    python scripts/probe_stream.py OUT_DIR [--iters 20] [--warmup 3]
-    python scripts/probe_stream.py --nvcc-check [--nvcc PATH]   (compile every variant, no GPU)
+    python scripts/probes/probe_stream.py OUT_DIR [--iters 20] [--warmup 3]
+    python scripts/probes/probe_stream.py --nvcc-check [--nvcc PATH]   (compile every variant, no GPU)
 
 Pools: K and V, each [16384, 64, 128] bf16 (random normal, 256 MB each: a 256k-token cache).
 CTA c streams T tiles; tile t is page ``idx[c * T + t]``: its K block and its V block (2 x 16 KB)

@@ -2,7 +2,7 @@
 its PDL wait, sees its K/V tiles land and ends, from ``%globaltimer`` stamps written by
 instrumented copies of the shipped kernels (text edits; the shipped sources are untouched).
 
-    python scripts/probe_timeline.py OUT_DIR [--context 262144]
+    python scripts/probes/probe_timeline.py OUT_DIR [--context 262144]
 
 Cases (one layer of Llama-3-8B shape, bf16, batch 1): the LServe reuse step and select step at
 ``--context`` (4 streaming + 4 dense heads, budget 4096), the same reuse step with longer units
