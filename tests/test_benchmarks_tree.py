@@ -11,7 +11,7 @@ from lserve.cli import main as lserve_main
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-DOCS = [ROOT / "README.md", BENCH / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", BENCH / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(BENCH.glob("*/*.md"))]
 # A path under benchmarks/ as documents write it (backticks, links or plain text); an output
 # argument (`--out benchmarks/x`) names a file to be written, not one that exists.
 PATH_RE = re.compile(r"(--out[ =])?(benchmarks/[A-Za-z0-9_./-]*[A-Za-z0-9_-])")
