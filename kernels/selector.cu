@@ -82,7 +82,11 @@ struct ReduceScatter {
 };
 
 __host__ __device__ constexpr int ilog2(int n) { return n <= 1 ? 0 : 1 + ilog2(n / 2); }
-constexpr int NV = 4 * GQ;                                   // row sums per tile and lane: 4 rows x GQ heads
+// Row sums per tile and lane: 4 rows x GQP heads, GQ padded to a power of two so that every level
+// of the reduce-scatter halves whole rows (the padded heads' sums stay 0 and are never read).
+constexpr int GQP = GQ <= 1 ? 1 : GQ <= 2 ? 2 : GQ <= 4 ? 4 : GQ <= 8 ? 8 : 16;
+constexpr int NV = 4 * GQP;
+constexpr int NV_REAL = 4 * GQ;                              // values v = g * 4 + j below this are real
 constexpr int RS_L = ilog2(LPT);                             // xor levels of a row's lanes
 constexpr int RS_S = ilog2(NV) < RS_L ? ilog2(NV) : RS_L;    // levels that scatter
 constexpr int NLOC = NV >> RS_S;                             // values a lane holds after the reduction
@@ -183,6 +187,8 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
     auto consume = [&](const STile& T) {
         float x[NV];
 #pragma unroll
+        for (int v = NV_REAL; v < NV; ++v) x[v] = 0.f;
+#pragma unroll
         for (int j = 0; j < 4; ++j) {
             float mx[8], mn[8];
             st_float(T.mx[j], mx);
@@ -201,8 +207,8 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
         ReduceScatter<NV, LPT / 2>::run(x, li);
 #pragma unroll
         for (int c = 0; c < NLOC; ++c) {
-            const int j = (hi * NLOC + c) & 3;
-            best[c] = fmaxf(best[c], T.j0 + j < g_log ? x[c] : LS_NEG_INF);
+            const int v = hi * NLOC + c, j = v & 3;
+            best[c] = fmaxf(best[c], T.j0 + j < g_log && v < NV_REAL ? x[c] : LS_NEG_INF);
         }
         if (T.j0 + 4 >= g_log) {  // last group of the page: write and reset
             if (qmode) {
@@ -222,8 +228,10 @@ ls_page_scores(const act_t* __restrict__ q, i64 q_tok_stride,       // [T, Hq, D
                 const bool writer = (li & ((1 << (RS_L - RS_S)) - 1)) == 0 && hi % JX == 0;
                 if (T.active && writer) {
 #pragma unroll
-                    for (int c = 0; c < NC; ++c)
-                        srow[(i64)(qh0 + ((hi * NLOC + c * JL) >> 2)) * score_stride + T.pi] = m[c];
+                    for (int c = 0; c < NC; ++c) {
+                        const int qg = (hi * NLOC + c * JL) >> 2;  // query head of the CTA
+                        if (qg < GQ) srow[(i64)(qh0 + qg) * score_stride + T.pi] = m[c];
+                    }
                 }
             } else {
                 float bm = best[0];

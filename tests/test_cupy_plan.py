@@ -324,12 +324,3 @@ def test_page_array_extends_in_place():
     assert c[: len(lst)].tolist() == lst
     other = SeqStep(0, 150, 1, True, [7, 8])  # a new list (e.g. after preemption): rebuilt
     assert pl.page_array(other)[:2].tolist() == [7, 8]
-
-
-def test_cuda_core_page_scores_only_for_power_of_two_head_counts():
-    """ls_page_scores' reduce-scatter halves 4 * GQ sums per level: GQ 3, 5, 6, 7 would drop some,
-    so those groups are refused on that kernel (the tensor-core scores handle any GQ <= 8)."""
-    from lserve.attention.cupy_backend import _largest_divisor_at_most, cuda_scores_fit
-
-    fits = {g: cuda_scores_fit(_largest_divisor_at_most(g, 8)) for g in range(1, 17)}
-    assert [g for g, ok in fits.items() if not ok] == [3, 5, 6, 7, 9, 10, 12, 14, 15]  # GQ 3, 5, 6, 7

@@ -82,13 +82,6 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
-def cuda_scores_fit(gq: int) -> bool:
-    """Whether the CUDA-core page-score kernel (``ls_page_scores``) handles ``gq`` query heads per
-    CTA: its reduce-scatter halves 4 * gq row sums per level, so only powers of two (1, 2, 4, 8)
-    keep every sum; groups 3, 5, 6, 7 (Qwen2.5-7B's 7) need the tensor-core kernel."""
-    return gq & (gq - 1) == 0
-
-
 def _check_rows(t: torch.Tensor, dtype: torch.dtype, heads: int, d: int, name: str, device: torch.device) -> None:
     """A [T, H, D] tensor whose rows can be addressed as base + t * stride(0) + h * D + i."""
     if t.dtype != dtype:
@@ -170,10 +163,6 @@ class CupyBackend(AttentionBackend):
         self.prefill_dense = "sdpa"
         tc_scores = self.dtype != torch.float32 and self.g_log in (1, 2, 4, 8, 16)
         self.score_impl = "tc" if tc_scores else "cuda"
-        if not tc_scores and not cuda_scores_fit(self.gq):
-            raise KernelError(f"GQA group {self.group} ({self.gq} query heads per CTA) needs the tensor-core page "
-                              f"scores: a bfloat16/float16 cache whose page holds 1, 2, 4, 8 or 16 logical pages "
-                              f"(got {self.dtype}, {self.g_log} logical pages per page)")
         self.score_hpc: int | None = None  # dense heads per page-score CTA (None: 4, 2 or 1)
         self.pdl = os.environ.get("LSERVE_PDL", "1") != "0" and pdl_available(torch.cuda.get_device_capability(self.device))
         self.qscale = self.scale * LOG2E
@@ -574,8 +563,6 @@ class CupyBackend(AttentionBackend):
             scores = self._scores_buf
         elif only is None:
             self._scores_buf = scores
-        if self.score_impl != "tc" and not cuda_scores_fit(self.gq):
-            raise KernelError(f"the CUDA-core page scores do not support {self.gq} query heads per CTA")
         if self.score_impl == "tc":
             self._scores_tc(q, st, bv, stats, nd, npmax, scores, only)
         else:

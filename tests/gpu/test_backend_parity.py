@@ -55,6 +55,14 @@ SCENARIOS = {
                               score_impl="cuda"),
     "fp16-d64-g2-query-hpc4": dict(dtype=torch.float16, D=64, hkv=4, G=2, n_dense=(4, 2), select_mode="query",
                                    score_impl="cuda"),
+    # CUDA-core page scores with groups that are not powers of two (the row sums are padded to 4 x 8):
+    # kv mode G=7, query mode G=5 and G=3, and the fp32 cache (CUDA-core scores are its only path) G=6.
+    "bf16-d128-g7-cudascores": dict(dtype=torch.bfloat16, D=128, hkv=2, G=7, n_dense=(2, 1), score_impl="cuda"),
+    "fp16-d64-g5-query-cudascores": dict(dtype=torch.float16, D=64, hkv=2, G=5, n_dense=(1, 2), select_mode="query",
+                                         score_impl="cuda"),
+    "bf16-d64-g3-query-cudascores": dict(dtype=torch.bfloat16, D=64, hkv=4, G=3, n_dense=(4, 2), select_mode="query",
+                                         score_impl="cuda"),
+    "fp32-d128-g6": dict(dtype=torch.float32, D=128, hkv=2, G=6, n_dense=(2, 1)),
     # Tensor-core page scores with 1, 2, 8 and 16 logical pages per page (the others use 4).
     "bf16-d128-g4-scores-g1": dict(dtype=torch.bfloat16, D=128, hkv=2, G=4, n_dense=(1, 2), logical=16),
     "fp16-d64-g8-query-scores-g2": dict(dtype=torch.float16, D=64, hkv=2, G=8, n_dense=(2, 1), logical=8,
