@@ -221,6 +221,11 @@ __device__ __forceinline__ float warp_min(float x) {
     for (int o = 16; o > 0; o >>= 1) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
 
 // Inclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024).
 // ``warp_sums`` is shared scratch of 32 ints. Contains barriers: call from every thread.

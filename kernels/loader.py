@@ -38,6 +38,7 @@ FAMILIES = {
     "prefill": ("prefill.cu", ("ls_prefill",)),
     "bsp_prefill": ("bsp_prefill.cu", ("ls_bsp_prefill",)),  # block-sparse prefill over paged KV
     "bsp_prefill_wg": ("bsp_prefill_wg.cu", ("ls_bsp_prefill_wg",)),  # the same on Hopper wgmma (sm_90a)
+    "prefill_estimate": ("prefill_estimate.cu", ("ls_antidiag_mass",)),  # block masses of a prefill chunk
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }

@@ -18,7 +18,7 @@ from lserve.sparsity.adaptive_budget import layer_pages, resolve_ratios
 from lserve.sparsity.kv_read import KVReadMeter, ring_tokens, selected_tokens, step_read
 from lserve.sparsity.layer_select import resolve_select_layers
 from lserve.sparsity.plan import SeqPlan, SeqStep, StepPlan, StepPlanner
-from lserve.sparsity.prefill_blocks import PrefillBlocks, prefill_blocks
+from lserve.sparsity.prefill_blocks import PrefillBlocks, estimate_masses, prefill_blocks
 from lserve.sparsity.prefill_taus import resolve_layer_taus
 
 
@@ -134,6 +134,12 @@ class AttentionBackend(ABC):
             tau = taus[layer] if taus is not None and taus[layer] < 1.0 else 0.0
         return tau if sp.step.start + sp.step.num_new >= self.sp.prefill_sparsity_min_len else 0.0
 
+    def estimate_masses(self, q: torch.Tensor, k: torch.Tensor, start: int, block: int, scale: float,
+                        estimator: str, stride: int, q_block: int | None) -> torch.Tensor:
+        """Estimated tile masses of a prefill chunk (:func:`lserve.sparsity.prefill_blocks.estimate_masses`,
+        the torch code every backend can run; a backend with a faster exact path overrides it)."""
+        return estimate_masses(q, k, start, block, scale, estimator, stride, q_block)
+
     def sparse_prefill_blocks(self, sp: SeqPlan, layer: int, qd: torch.Tensor, kd: torch.Tensor) -> PrefillBlocks | None:
         """The dense heads' block list of a prefill chunk, or None where it runs dense
         (:meth:`prefill_tau`); rows holding the prompt's last ``prefill_q_block`` positions keep
@@ -144,7 +150,8 @@ class AttentionBackend(ABC):
         end = sp.step.prefill_end
         blocks = prefill_blocks(qd, kd, sp.step.start, self.sp.prefill_block, self.scale, tau,
                                 self.sp.prefill_estimator, self.sp.prefill_stride, self.sp.prefill_q_block,
-                                dense_from=end - self.sp.prefill_q_block if end else None)
+                                dense_from=end - self.sp.prefill_q_block if end else None,
+                                estimate=self.estimate_masses)
         self.prefill_tiles[0] += blocks.indices.numel()
         self.prefill_tiles[1] += blocks.causal_tiles() * kd.shape[0]
         return blocks

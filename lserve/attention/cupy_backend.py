@@ -68,6 +68,8 @@ from lserve.attention.chunked import (
 )
 from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.cupy_tuning import CupyTuning
+from lserve.attention.prefill_estimate import MAX_SHARED as MAX_EST_SHARED
+from lserve.attention.prefill_estimate import antidiagonal_masses
 from lserve.attention.torch_backend import TorchBackend
 from lserve.kernels.pdl import available as pdl_available
 from lserve.sparsity.plan import StepPlan
@@ -657,6 +659,13 @@ class CupyBackend(AttentionBackend):
             self.prefill_kernel(q, k, v, out, st, head0=0, n_heads=nd * G, streaming=False)
         if hs:
             self.prefill_kernel(q, k, v, out, st, head0=nd * G, n_heads=hs * G, streaming=True)
+
+    def estimate_masses(self, q, k, start, block, scale, estimator, stride, q_block):
+        """The antidiagonal estimate in one GEMM + one kernel per group of rows
+        (:func:`lserve.attention.prefill_estimate.antidiagonal_masses`); other estimators: torch."""
+        if estimator == "antidiagonal" and q.is_cuda and (k.shape[1] + block - 1) // block * 4 <= MAX_EST_SHARED:
+            return antidiagonal_masses(q, k, start, block, q_block or block, scale, stride)
+        return super().estimate_masses(q, k, start, block, scale, estimator, stride, q_block)
 
     def bsp_faster(self, blocks) -> bool:
         """Whether :mod:`lserve.attention.paged_prefill`'s kernel runs this block list faster than

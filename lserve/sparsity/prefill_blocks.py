@@ -348,15 +348,16 @@ def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block
 
 def prefill_blocks(q: torch.Tensor, k: torch.Tensor, start: int, block: int, scale: float, tau: float,
                    estimator: str = "antidiagonal", stride: int = 8, q_block: int | None = None,
-                   dense_from: int | None = None) -> PrefillBlocks:
+                   dense_from: int | None = None, estimate=estimate_masses) -> PrefillBlocks:
     """Estimate and cut in one call: q [H_kv * G, Lq, D], k [H_kv, L, D] -> :class:`PrefillBlocks`
-    (``dense_from``: see :func:`select_blocks`)."""
+    (``dense_from``: see :func:`select_blocks`; ``estimate``: a function with
+    :func:`estimate_masses`' signature and results, e.g. a backend's fused kernel)."""
     g = q.shape[0] // k.shape[0]
     qb = q_block or block
     if tau >= 1.0 or bool(_tail_rows(start, k.shape[1], qb, dense_from).all()):  # every causal tile
         _, causal = mandatory_tiles(start, k.shape[1], block, qb, q.device)
         return _to_list(causal[None].expand(k.shape[0], -1, -1), block, start, k.shape[1], qb)
-    mass = combine_group(estimate_masses(q, k, start, block, scale, estimator, stride, q_block), g)
+    mass = combine_group(estimate(q, k, start, block, scale, estimator, stride, q_block), g)
     return select_blocks(mass, tau, start, k.shape[1], block, q_block, dense_from)
 
 

@@ -1,0 +1,71 @@
+// Antidiagonal block-mass estimate of a prefill chunk (the part after the score GEMM), one launch
+// per group of query rows: lserve.sparsity.prefill_blocks' "antidiagonal" estimator without its
+// per-row loop of elementwise torch ops (mask, softmax, block sums, average over query groups).
+//
+// Input: s [Hq, ng, nkg] (act_t), the raw strided antidiagonal sums q_group . k_group of the
+// query groups of rows r0 .. r0 + gridDim.x - 1 (ng = rows x gpr groups, gpr = q_block / S) against
+// the first nkg key groups. Query group a has absolute index qg0 + a and sees key groups
+// 0 .. min(qg0 + a, nkg_valid - 1) (causal; nkg_valid = ceil(L / S) key groups hold keys).
+// Per (query head, row) CTA: for each of the row's query groups that holds a query of the chunk
+// (start <= its last position, its first < L), a softmax of s * c over its visible key groups
+// (c = scale / S * log2 e, base 2), summed per key block of kpb key groups into shared memory;
+// then out[hq, r, kb] = sum / (valid groups) for the row's causal blocks kb < nb_r.
+#include "common.cuh"
+
+#define EST_THREADS 512
+
+__device__ __forceinline__ float block_reduce(float x, float* red, bool is_max) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    x = is_max ? warp_max(x) : warp_sum(x);
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        float y = lane < EST_THREADS / 32 ? red[lane] : (is_max ? LS_NEG_INF : 0.f);
+        y = is_max ? warp_max(y) : warp_sum(y);
+        if (lane == 0) red[32] = y;
+    }
+    __syncthreads();
+    const float r = red[32];
+    __syncthreads();  // red is reused by the next call
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(EST_THREADS)
+ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr, int kpb,
+                 int nkg_valid, int S, int start, int L, int q_block, int block, float c,
+                 float* __restrict__ out, int R, int nkb, int r0) {
+    extern __shared__ float acc[];  // [nkb] block sums of this row
+    __shared__ float red[33];
+    const int rl = blockIdx.x, hq = blockIdx.y, r = r0 + rl;
+    const int rs = (qg0 / gpr + rl) * q_block;  // first position of the row (rows align to q_block)
+    const int re = min(L, rs + q_block);
+    const int nb = (re - 1) / block + 1;  // causal blocks of the row
+    for (int i = threadIdx.x; i < nb; i += EST_THREADS) acc[i] = 0.f;
+    __syncthreads();
+    int n_valid = 0;
+    for (int a = rl * gpr; a < min(ng, (rl + 1) * gpr); ++a) {
+        const int qg = qg0 + a, gpos = qg * S;
+        if (gpos + S <= start || gpos >= L) continue;  // no query of the chunk in this group (uniform)
+        ++n_valid;
+        const act_t* row = s + ((long long)hq * ng + a) * nkg;
+        const int kmax = min(qg, nkg_valid - 1);  // last visible key group
+        float m = LS_NEG_INF;
+        for (int j = threadIdx.x; j <= kmax; j += EST_THREADS) m = fmaxf(m, act2f(row[j]));
+        m = block_reduce(m, red, true);
+        float l = 0.f;
+        for (int j = threadIdx.x; j <= kmax; j += EST_THREADS) l += exp2f((act2f(row[j]) - m) * c);
+        l = block_reduce(l, red, false);
+        const float inv = 1.f / l;
+        // Thread t owns blocks t, t + T, ...: kpb adjacent key groups each, no two threads share one.
+        for (int kb = threadIdx.x; kb * kpb <= kmax; kb += EST_THREADS) {
+            float p = 0.f;
+            const int j1 = min(kmax, kb * kpb + kpb - 1);
+            for (int j = kb * kpb; j <= j1; ++j) p += exp2f((act2f(row[j]) - m) * c);
+            acc[kb] += p * inv;
+        }
+    }
+    __syncthreads();
+    const float w = n_valid ? 1.f / n_valid : 0.f;
+    float* o = out + ((long long)hq * R + r) * nkb;
+    for (int i = threadIdx.x; i < nb; i += EST_THREADS) o[i] = acc[i] * w;
+}

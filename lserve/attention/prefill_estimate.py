@@ -1,0 +1,81 @@
+"""The antidiagonal block-mass estimate of a prefill chunk on the GPU, without a per-row loop.
+
+:func:`lserve.sparsity.prefill_blocks.estimate_masses` (``"antidiagonal"``) is the oracle: per
+query row of ``q_block`` positions it runs a score GEMM and then six elementwise torch ops (scale,
+causal mask, softmax, block sums, mean over the row's query groups), i.e. ~10 launches per row and
+the scores read and written several times in fp32. Here the GEMM stays in cuBLAS, once per group
+of rows (bounded by ``max_bytes`` of scores), and ``ls_antidiag_mass`` (``kernels/prefill_estimate.cu``)
+does the rest in one pass over the 16-bit scores: the same softmax and the same sums, so the
+masses agree with the oracle to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lserve.kernels.loader import KernelError, Variant, f32, get_kernel, i32, launch, ptr
+
+LOG2E = 1.4426950408889634
+THREADS = 512  # EST_THREADS of the kernel
+MAX_SHARED = 200 * 1024  # block sums of one row in shared memory: nkb * 4 bytes
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _pad_to(x: torch.Tensor, lo: int, hi: int, first: int) -> torch.Tensor:
+    """x [H, n, D] at positions first .. first + n - 1 -> [H, hi - lo, D], zeros elsewhere."""
+    out = x.new_zeros(x.shape[0], hi - lo, x.shape[2])
+    out[:, first - lo: first - lo + x.shape[1]] = x
+    return out
+
+
+def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int, q_block: int, scale: float,
+                        stride: int, max_bytes: int = 1 << 29) -> torch.Tensor:
+    """Per query head, the antidiagonal estimate of each causal tile's share of attention mass.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [H_kv * G, Lq, D] the chunk's queries on a CUDA device (bf16, fp16 or fp32).
+    k : torch.Tensor
+        [H_kv, L, D] keys of positions 0 .. L - 1 (L = start + Lq), q's dtype.
+    start, block, q_block, scale, stride : int, int, int, float, int
+        As :func:`lserve.sparsity.prefill_blocks.estimate_masses` (``block`` a multiple of
+        ``stride``, ``q_block`` of ``block``).
+    max_bytes : int
+        Most bytes of scores one GEMM writes (rows are grouped under it).
+
+    Returns
+    -------
+    torch.Tensor
+        float32 [H_kv * G, R, n_kv_blocks]; each row sums to 1 over its causal tiles.
+    """
+    hq, lq, d = q.shape
+    h, L, _ = k.shape
+    if q.dtype not in DTYPE_NAMES or k.dtype != q.dtype or not q.is_cuda:
+        raise KernelError(f"antidiagonal estimate: CUDA bf16/fp16/fp32 q and k of one dtype, got {q.dtype}/{k.dtype}")
+    if block % stride or q_block % block or L != start + lq:
+        raise KernelError(f"antidiagonal estimate: block {block} / q_block {q_block} / stride {stride} / "
+                          f"length {L} = start {start} + {lq} do not fit")
+    g, S = hq // h, stride
+    nkb = -(-L // block)
+    if nkb * 4 > MAX_SHARED:
+        raise KernelError(f"antidiagonal estimate: {nkb} key blocks exceed one row's shared memory")
+    b0 = start // q_block
+    R = (L - 1) // q_block - b0 + 1
+    gpr, kpb = q_block // S, block // S
+    kg = _pad_to(k, 0, nkb * block, 0).view(h, -1, S, d).flip(2).reshape(h, -1, S * d)  # [Hkv, nkb*B/S, S*D]
+    qa = _pad_to(q, b0 * q_block, (b0 + R) * q_block, start)  # [Hq, R*QB, D], zeros outside the chunk
+    out = torch.zeros(hq, R, nkb, dtype=torch.float32, device=q.device)
+    kern = get_kernel(Variant("prefill_estimate", DTYPE_NAMES[q.dtype], 128), "ls_antidiag_mass")
+    per_row = hq * gpr * (nkb * kpb) * q.element_size()
+    rows = max(1, min(R, max_bytes // per_row))
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        nkg = (min(L, (b0 + r1) * q_block) - 1) // block * kpb + kpb  # key groups of the last row's causal blocks
+        qg = qa[:, r0 * q_block: r1 * q_block].reshape(h, g * (r1 - r0) * gpr, S * d)
+        s = torch.bmm(qg, kg[:, :nkg].transpose(1, 2))  # [Hkv, G * ng, nkg] = [Hq, ng, nkg]
+        launch(kern, (r1 - r0, hq), (THREADS,),
+               (ptr(s), i32((r1 - r0) * gpr), i32(nkg), i32((b0 + r0) * gpr), i32(gpr), i32(kpb),
+                i32(-(-L // S)), i32(S), i32(start), i32(L), i32(q_block), i32(block), f32(scale / S * LOG2E),
+                ptr(out), i32(R), i32(nkb), i32(r0)), shared_mem=nkb * 4)
+    return out
