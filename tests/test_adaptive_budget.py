@@ -168,3 +168,25 @@ def test_resampled_default_calibration_for_32_layers(tmp_path):
     p = tmp_path / "r.json"
     p.write_text(json.dumps(rec))
     assert load_ratios(p, 32) == tuple(r)  # a file the engine takes with --adaptive-budgets PATH
+
+
+def test_sparsity_summary_says_budgets_are_adaptive_with_their_mean(tiny, tmp_path):
+    """The one line ``lserve serve`` prints at start and ``/v1/models`` shows (``sparsity.summary``)."""
+    from dataclasses import replace
+
+    from lserve.sparsity.in_effect import in_effect
+
+    p = tmp_path / "ratios.json"
+    p.write_text(json.dumps({"kind": ADAPTIVE_KIND, "ratios": [0.5, 1.0, 2.0, 0.5]}))
+    eng = _engine(tiny, str(p))
+    facts = eng.describe()["sparsity"]
+    frac = facts["streaming_fraction"]
+    assert 0 < frac < 1
+    assert facts["summary"] == (f"pattern random ({frac:g} of KV heads streaming); decode budgets adaptive ({p}), "
+                                "mean 64 tokens, selecting layers all; prefill sparsity off")
+    sp = eng.config.sparsity
+    uniform = in_effect(replace(sp, adaptive_budgets="", prefill_sparsity=0.9), tiny.config, frac)["summary"]
+    assert uniform == (f"pattern random ({frac:g} of KV heads streaming); decode budget uniform 64 tokens, "
+                       "selecting layers all; prefill sparsity on, tau 0.9")
+    off = in_effect(replace(sp, token_budget=0, static_sparsity=0.0), tiny.config, 0.0)["summary"]
+    assert off == "pattern none (0 of KV heads streaming); decode page selection off (token budget 0); prefill sparsity off"
