@@ -151,7 +151,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                       contexts=a.contexts or [8192, 32768, 65536, 131072, 262144],
                       decode_steps=a.decode_tokens or 64, hf=not a.no_hf, name=a.name or "e2e_h200",
                       batched=_batched(a.batched), side_max_context=a.side_max_context, deadline_s=a.deadline,
-                      async_decode=a.async_decode, prefill_sparsity=tuple(a.prefill_sparsity or ()))
+                      async_decode=a.async_decode, prefill_sparsity=tuple(a.prefill_sparsity or ()),
+                      adaptive_budgets=a.adaptive_budgets)
     elif a.what == "sparse-prefill":
         from lserve.bench.sparse_prefill import CONTEXTS, TAUS, run
 
@@ -285,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-sparsity", type=float, nargs="+", default=None, metavar="TAU",
                    help="e2e: also LServe with block-sparse prefill at each tau; sparse-prefill: the taus "
                         "(default 0.75 0.5 0.25 0.1); profile-prefill-threshold: the one tau (default 0.9)")
+    b.add_argument("--adaptive-budgets", default=None, metavar="auto|resampled|PATH",
+                   help="e2e: also LServe with per-layer decode budgets of the same mean (lserve-adaptive): the "
+                        "model's shipped calibration, the default model's resampled to this model's layers, or a "
+                        "calibration .json")
     b.add_argument("--batched", default="8x32768", help="e2e: the batched decode point, SEQSxCONTEXT or none")
     b.add_argument("--side-max-context", type=int, default=None,
                    help="e2e: longest context for the static-only and dynamic-only configurations")

@@ -5,7 +5,8 @@
 # Parts and what they write under $OUT:
 #   tests      gpu_tests.log (pytest -m gpu; TESTS=... narrows it)
 #   kernels    kernels_h200.{json,png}, kernels_bench.log (one layer: kernels vs SDPA; KERNELS_ARGS adds
-#              flags, e.g. "--model qwen2.5-7b" -> kernels_qwen2.5-7b_h200.{json,png})
+#              flags, e.g. "--model qwen2.5-7b" -> kernels_qwen2.5-7b_h200.{json,png}; "--adaptive-budgets resampled
+#              --adaptive-only" -> kernels_adaptive_h200.json: per-layer budgets vs uniform, summed over the layers)
 #   threshold  threshold_h200.{json,png}, threshold.log (lserve bench profile-threshold; the
 #              profile it saves is what the e2e engines then use)
 #   pthreshold prefill_threshold_h200.{json,png}, pthreshold.log (lserve bench profile-prefill-threshold:

@@ -12,7 +12,16 @@ from lserve.attention.base import AttentionBackend
 from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
-from lserve.sparsity.adaptive_budget import ADAPTIVE_KIND, allocate, calibrate_budgets, layer_pages, load_ratios
+from lserve.sparsity.adaptive_budget import (
+    ADAPTIVE_KIND,
+    DEFAULT_RESAMPLE_SOURCE,
+    allocate,
+    calibrate_budgets,
+    layer_pages,
+    load_ratios,
+    resample_calibration,
+    resample_ratios,
+)
 
 PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=16 * 256)
 
@@ -127,3 +136,57 @@ def test_other_backends_refuse_adaptive_budgets(tiny, tmp_path):
         Other(eng.backend.model, eng.backend.sp, eng.cache)
     with pytest.raises(ConfigError, match="no shipped adaptive budgets"):
         _engine(tiny, "auto")
+
+
+def test_resample_ratios_by_relative_depth_keeps_the_weighted_mean():
+    # same layer count, mean already 1: unchanged
+    assert resample_ratios([2.0, 1.0, 0.5, 0.5], [1, 1, 1, 1]) == [2.0, 1.0, 0.5, 0.5]
+    # 3 -> 5 layers: depths 0, .25, .5, .75, 1 give 1, 1.5, 2, 2.5, 3 (mean 2), then halved
+    assert resample_ratios([1.0, 2.0, 3.0], [1] * 5) == [0.5, 0.75, 1.0, 1.25, 1.5]
+    # a source layer without dense heads is interpolated across; a target layer without any gets None
+    assert resample_ratios([2.0, None, 0.0], [1, 1, 1]) == [2.0, 1.0, 0.0]
+    out = resample_ratios([1.0, 3.0], [1, 0, 3])  # raw 1, 2, 3; weighted mean (1 + 9) / 4 = 2.5
+    assert out == [0.4, None, 1.2] and (1 * out[0] + 3 * out[2]) / 4 == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="cannot resample"):
+        resample_ratios([None, None], [1, 1])
+
+
+def test_resampled_default_calibration_for_32_layers(tmp_path):
+    src = json.loads(DEFAULT_RESAMPLE_SOURCE.read_text())
+    dense = [4] * 16 + [3, 5] * 8
+    rec = resample_calibration(dense)
+    assert rec["resampled"] is True and rec["kind"] == ADAPTIVE_KIND
+    assert rec["resampled_from"] == "lserve/patterns/smollm2-135m/adaptive_budgets.json"
+    assert rec["source_layers"] == len(src["ratios"]) == 30 and rec["layers"] == 32
+    r = rec["ratios"]
+    assert None not in r and sum(n * x for n, x in zip(dense, r)) / sum(dense) == pytest.approx(1.0, abs=1e-3)
+    # the ends follow the source's ends (layer 0: 2.0, last layer with dense heads: 0.1875), scaled alike
+    scale = r[0] / src["ratios"][0]
+    assert r[-1] == pytest.approx(0.1875 * scale, abs=1e-3) and 1.0 < scale < 1.3
+    # its peak (source layer 18, ratio 4, at depth 0.62) lands at the target layer nearest that depth
+    assert r.index(max(r)) == round(18 / 29 * 31)
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(rec))
+    assert load_ratios(p, 32) == tuple(r)  # a file the engine takes with --adaptive-budgets PATH
+
+
+def test_sparsity_summary_says_budgets_are_adaptive_with_their_mean(tiny, tmp_path):
+    """The one line ``lserve serve`` prints at start and ``/v1/models`` shows (``sparsity.summary``)."""
+    from dataclasses import replace
+
+    from lserve.sparsity.in_effect import in_effect
+
+    p = tmp_path / "ratios.json"
+    p.write_text(json.dumps({"kind": ADAPTIVE_KIND, "ratios": [0.5, 1.0, 2.0, 0.5]}))
+    eng = _engine(tiny, str(p))
+    facts = eng.describe()["sparsity"]
+    frac = facts["streaming_fraction"]
+    assert 0 < frac < 1
+    assert facts["summary"] == (f"pattern random ({frac:g} of KV heads streaming); decode budgets adaptive ({p}), "
+                                "mean 64 tokens, selecting layers all; prefill sparsity off")
+    sp = eng.config.sparsity
+    uniform = in_effect(replace(sp, adaptive_budgets="", prefill_sparsity=0.9), tiny.config, frac)["summary"]
+    assert uniform == (f"pattern random ({frac:g} of KV heads streaming); decode budget uniform 64 tokens, "
+                       "selecting layers all; prefill sparsity on, tau 0.9")
+    off = in_effect(replace(sp, token_budget=0, static_sparsity=0.0), tiny.config, 0.0)["summary"]
+    assert off == "pattern none (0 of KV heads streaming); decode page selection off (token budget 0); prefill sparsity off"

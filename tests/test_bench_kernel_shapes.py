@@ -91,3 +91,50 @@ def test_bsp_prefill_main_refuses_an_unknown_model(capsys):
     with pytest.raises(SystemExit) as e:
         bsp_bench.main(["out", "--model", "qwen9", "--skip-parity"])
     assert e.value.code == 2 and "unknown preset 'qwen9'" in capsys.readouterr().err
+
+
+def test_kernels_adaptive_comparison_sums_each_layers_budget(tmp_path, monkeypatch):
+    """``--adaptive-budgets resampled --adaptive-only``: per context, the 32 llama3-8b layers' times at
+    their own budgets (one timing per distinct budget) against 32 x the uniform 4096's. The timing
+    is replaced by a made-up cost per budget; the budgets and the sums are what is checked."""
+    asked = []
+
+    def fake_times(mc, ctx, budgets):
+        asked.append((ctx, list(budgets), mc.num_kv_heads))
+        return {b: {"attention_ms": 0.01 + b * 1e-6, "cycle_ms": 0.02 + b * 2e-6} for b in budgets}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "header", lambda: {"device": "test"})
+    monkeypatch.setattr(kernels, "copy_bandwidth_tbps", lambda: 4.0)
+    monkeypatch.setattr(kernels, "adaptive_times", fake_times)
+    monkeypatch.setattr(kernels, "_decode_row", lambda *a: pytest.fail("decode rows with --adaptive-only"))
+    monkeypatch.setattr(kernels, "_prefill_row", lambda *a: pytest.fail("prefill rows with --adaptive-only"))
+    assert kernels.main([str(tmp_path), "--adaptive-budgets", "resampled", "--adaptive-only"]) == 0
+    rep = json.loads((tmp_path / "kernels_adaptive_h200.json").read_text())
+    ad = rep["adaptive"]
+    assert ad["resampled"] and ad["resampled_from"] == "lserve/patterns/smollm2-135m/adaptive_budgets.json"
+    assert ad["layers"] == 32 and ad["source_layers"] == 30 and ad["mean_budget"] == kernels.BUDGET
+    tokens = ad["layer_tokens"]
+    assert len(tokens) == 32 and all(t % kernels.PAGE == 0 for t in tokens) and len(set(tokens)) > 4
+    assert kernels.BUDGET - kernels.PAGE <= ad["mean_tokens"] <= kernels.BUDGET  # pages rounded down
+    # one timing per distinct budget (the uniform one included), at 64k, 128k, 256k
+    assert asked == [(c, sorted(set(tokens) | {kernels.BUDGET}), 8) for c in (65536, 131072, 262144)]
+    for row in ad["rows"]:
+        attn = sum(0.01 + t * 1e-6 for t in tokens)
+        assert row["adaptive_attention_ms"] == pytest.approx(attn)
+        assert row["uniform_attention_ms"] == pytest.approx(32 * (0.01 + kernels.BUDGET * 1e-6))
+        assert row["adaptive_over_uniform_attention"] == round(attn / row["uniform_attention_ms"], 4)
+    assert rep["decode"] == [] and rep["prefill"] == []
+    text = kernels.summary_table(rep)
+    assert "adaptive / uniform 4096 (target <= 1.05)" in text and "resampled from lserve/patterns" in text
+
+
+def test_kernels_adaptive_refusals(tmp_path, capsys):
+    bad = tmp_path / "r.json"
+    bad.write_text(json.dumps({"kind": "adaptive-budgets", "ratios": [1.0] * 30}))
+    assert kernels.main([str(tmp_path), "--adaptive-budgets", str(bad), "--adaptive-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"lserve: error: adaptive budgets {bad} are for 30 layers but the model has 32"]
+    with pytest.raises(SystemExit) as e:
+        kernels.main([str(tmp_path), "--adaptive-only"])
+    assert e.value.code == 2 and "--adaptive-only needs --adaptive-budgets" in capsys.readouterr().err

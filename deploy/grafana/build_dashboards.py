@@ -226,6 +226,13 @@ def overview() -> dict:
           [(f"max by (replica) (lserve:sparsity_token_budget{{{SEL}}})", "{{replica}} token budget"),
            (f"max by (replica) (lserve:sparsity_streaming_heads_fraction{{{SEL}}})", "{{replica}} streaming heads")],
           "short", "Decode token budget of dense heads (0: selection off) and fraction of KV heads that stream.")
+    g.add("Decode KV read fraction",
+          [(f"sum(rate(lserve:decode_kv_read_head_tokens_total{{{SEL}}}[{RI}])) / "
+            f"sum(rate(lserve:decode_kv_dense_head_tokens_total{{{SEL}}}[{RI}]))", "all replicas"),
+           (f"max by (replica) (lserve:decode_kv_read_fraction{{{SEL}}})", "{{replica}}")],
+          "percentunit", "KV bytes decode steps read as a fraction of what dense attention would read (streaming "
+                         "heads' ring, selected pages at each layer's budget, unselected layers' whole context): "
+                         "over all replicas, and each replica's last export interval.", max_value=1)
     g.newline()
     return {
         "uid": "lserve-overview", "title": "LServe", "description":

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from lserve.bench.report import header, write_json
-from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.engine.sampling import SamplingParams
 from lserve.models.loader import LoadedModel, load_model
@@ -193,6 +193,53 @@ def max_context(loaded: LoadedModel, model: str, device: str, free_bytes: int,
     return tokens, per_token
 
 
+ADAPTIVE = "lserve-adaptive"
+
+
+def adaptive_configs(spec: str | None, loaded: LoadedModel, model: str, out: Path,
+                     name: str) -> tuple[dict[str, SparsityConfig], dict | None]:
+    """LServe with per-layer decode budgets around the same mean (``lserve-adaptive``), and what
+    the report says of the ratios; nothing when ``spec`` is None.
+
+    ``spec``: ``"auto"`` (the model's shipped calibration), a calibration path, or
+    ``"resampled"``: the default model's calibration resampled to this model's layers, weighted
+    by the dense heads of the ``lserve`` configuration's layout
+    (:func:`~lserve.sparsity.adaptive_budget.resample_calibration`), written beside the report
+    as ``{name}_adaptive_budgets.json`` and run from there. A spec that cannot apply to the
+    model is refused here, before any run.
+    """
+    from lserve.engine.llm_engine import build_layout
+    from lserve.sparsity.adaptive_budget import resample_calibration, resolve_ratios
+
+    if spec is None:
+        return {}, None
+    base = CONFIGS["lserve"]
+    info: dict = {"spec": spec, "mean_budget": base.token_budget}
+    if spec == "resampled":
+        dense = build_layout(EngineConfig(model=model, sparsity=base), loaded.config).n_dense()
+        record = resample_calibration(dense)
+        path = out / f"{name}_adaptive_budgets.json"
+        write_json(path, record)
+        spec = str(path)
+        info.update(file=path.name, **{k: record[k] for k in ("resampled", "resampled_from", "source_layers", "rule")})
+    ratios = resolve_ratios(spec, loaded.config)
+    if ratios is None:
+        raise ConfigError("--adaptive-budgets: give 'auto', 'resampled' or a calibration file, not an empty value")
+    info["ratios"] = list(ratios)
+    return {ADAPTIVE: replace(base, adaptive_budgets=spec)}, info
+
+
+def layer_budgets(eng: LLMEngine) -> dict:
+    """Tokens each layer's dense heads keep at the engine's mean budget, and their dense-head-weighted
+    mean (what the engine runs, after rounding to whole pages)."""
+    page, n_dense = eng.cache.page_size, eng.layout.n_dense()
+    mean_pages = eng.config.sparsity.token_budget // page
+    tokens = [eng.backend.layer_budget_pages(layer, mean_pages) * page if n else None
+              for layer, n in enumerate(n_dense)]
+    weighted = sum(n * t for n, t in zip(n_dense, tokens) if t is not None) / max(1, sum(n_dense))
+    return {"layer_tokens": tokens, "dense_heads": n_dense, "weighted_mean_tokens": round(weighted, 1)}
+
+
 def prefill_sparse_configs(taus) -> dict[str, SparsityConfig]:
     """LServe plus block-sparse prefill of the dense heads at each tau (``lserve-prefill-sparse@TAU``)."""
     return {f"lserve-prefill-sparse@{t:g}": replace(CONFIGS["lserve"], prefill_sparsity=t) for t in taus}
@@ -221,14 +268,17 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                   hf: bool = True, hf_max_context: int = 131072, name: str = "e2e_h200",
                   batched: tuple[int, int] | None = (8, 32768), reserve_gib: float = 8.0,
                   side_max_context: int | None = None, deadline_s: float | None = None,
-                  async_decode: bool = True, prefill_sparsity=()) -> dict:
+                  async_decode: bool = True, prefill_sparsity=(), adaptive_budgets: str | None = None) -> dict:
     """Measure the configurations; write ``{name}.json`` (after every run) and ``{name}.png``.
 
     ``side_max_context`` caps the contexts of the static-only and dynamic-only configurations;
     ``deadline_s`` skips the runs that would start after that many seconds (listed in the report);
     ``async_decode`` False measures the engine with host and GPU work one after the other;
     ``prefill_sparsity``: taus of extra ``lserve-prefill-sparse@TAU`` configurations (their rows
-    carry the kept fraction of the dense heads' causal prefill tiles).
+    carry the kept fraction of the dense heads' causal prefill tiles); ``adaptive_budgets``: also
+    ``lserve-adaptive``, LServe with per-layer budgets of the same mean (:func:`adaptive_configs`;
+    the report's ``adaptive_budgets`` holds the ratios, where they came from and the tokens each
+    layer keeps).
 
     Single-sequence rows time two prompts of the context's length (different tokens, no prefix
     hit): ``ttft_s`` is the second's, as a served process that has seen such a prompt runs it,
@@ -266,7 +316,8 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                      "ttft_s": None if ttft is None else round(ttft, 4),
                      "decode_ms_per_token": None if per_token is None else round(per_token * 1e3, 3), **extra})
 
-    configs = {**CONFIGS, **prefill_sparse_configs(prefill_sparsity)}
+    adaptive, report["adaptive_budgets"] = adaptive_configs(adaptive_budgets, loaded, model, out, name)
+    configs = {**CONFIGS, **adaptive, **prefill_sparse_configs(prefill_sparsity)}
     jobs = _jobs(contexts, hf, hf_max_context, side_max_context, batched,
                  tuple(c for c in configs if c not in CONFIGS))
     for cname, ctx in tqdm(jobs, desc="e2e", unit="run"):
@@ -288,6 +339,8 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                 eng = _engine(loaded, model, configs[config], c, device, backend, decode_steps, num_seqs=nb,
                               async_decode=async_decode)
                 measure_engine(eng, 256, 4)  # warm-up: kernels compiled, allocator primed
+                if config == ADAPTIVE and "layer_tokens" not in report["adaptive_budgets"]:
+                    report["adaptive_budgets"].update(layer_budgets(eng))
                 if eng.graphs is not None:
                     eng.graphs.events = []  # GPU time of each replay (without async decode the rest is host work)
                 if nb == 1:
@@ -297,7 +350,11 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                     extra = {"ttft_first_s": round(first, 4)}
                     if kept is not None:
                         extra["prefill_kept_fraction"] = kept
+                    read0 = replace(eng.backend.kv_read.total)
                     ttft, dec = measure_engine(eng, c, decode_steps, seed=1)  # another prompt: no prefix hit
+                    read = eng.backend.kv_read.total
+                    if read.dense > read0.dense:  # share of dense attention's KV bytes its decode steps read
+                        extra["kv_read_fraction"] = round((read.read - read0.read) / (read.dense - read0.dense), 4)
                     row(config, 1, c, ttft, dec, **extra)
                 else:
                     ttft, step = measure_batch(eng, nb, c, decode_steps)
@@ -314,10 +371,24 @@ def run_e2e_bench(out_dir: str | Path = "benchmarks", model: str = "llama3-8b", 
                 row(cname, 1, ctx, None, None, error="out of memory")
         release()
         write_json(out / f"{name}.json", report)
+    if adaptive:
+        report["adaptive_budgets"]["decode_adaptive_over_uniform"] = adaptive_over_uniform(report)
     write_json(out / f"{name}.json", report)  # with the skipped runs
     plot_e2e(report, out / f"{name}.png")
     print(summary(report))
     return report
+
+
+def adaptive_over_uniform(report: dict) -> dict[int, float | None]:
+    """Context -> decode ms per token of ``lserve-adaptive`` over ``lserve`` (batch 1; None where
+    either is missing)."""
+    by = {(r["config"], r["context"]): r.get("decode_ms_per_token") for r in report["rows"] if r["batch"] == 1}
+    out = {}
+    for (c, ctx), ms in sorted(by.items(), key=lambda kv: kv[0][1]):
+        if c == ADAPTIVE:
+            uniform = by.get(("lserve", ctx))
+            out[ctx] = round(ms / uniform, 3) if ms and uniform else None
+    return out
 
 
 def summary(report: dict) -> str:
@@ -353,7 +424,9 @@ def summary(report: dict) -> str:
         f"max context lserve+int4 / dense: {round(mx['lserve+int4'] / mx['dense'], 2) if mx.get('dense') else None}"
         " (target >= 4)",
     ]
-    for c in sorted({r["config"] for r in report["rows"]} - set(CONFIGS) - {"transformers"}):
+    for ctx, x in adaptive_over_uniform(report).items():
+        lines.append(f"decode {ctx} {ADAPTIVE}/lserve ms per token: {x} (target <= 1.05)")
+    for c in sorted({r["config"] for r in report["rows"]} - set(CONFIGS) - {"transformers", ADAPTIVE}):
         kept = {r["context"]: r.get("prefill_kept_fraction") for r in report["rows"] if r["config"] == c}
         lines.append(f"{c}: TTFT 128k transformers/it {ratio((c, 1, 131072), ('transformers', 1, 131072), 'ttft_s')} "
                      f"(target >= 2.5), TTFT 256k dense/it {ratio((c, 1, 262144), ('dense', 1, 262144), 'ttft_s')} "

@@ -115,9 +115,9 @@ def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
 
 class DecodeSetup:
     """A cache holding ``n_sets`` copies of a batch-1 sequence of ``context`` tokens and the
-    backends (budget 0 and budget 4096) over it."""
+    backends (default: budget 0 and budget 4096) over it."""
 
-    def __init__(self, mc, context: int, n_dense: int, n_sets: int) -> None:
+    def __init__(self, mc, context: int, n_dense: int, n_sets: int, budgets: tuple[int, ...] = (0, BUDGET)) -> None:
         from lserve.attention.cupy_backend import CupyBackend
         from lserve.cache.kv_cache import KVCache
         from lserve.config import CacheConfig, SparsityConfig
@@ -138,7 +138,7 @@ class DecodeSetup:
             st.kmin.copy_(st.kmax - torch.rand(st.kmax.shape, device="cuda", generator=gen).to(st.kmax.dtype) * 2)
         pattern = "random" if n_dense < mc.num_kv_heads else None
         self.backends = {}
-        for budget in (0, BUDGET):
+        for budget in budgets:
             sp = SparsityConfig(pattern=pattern, sink_tokens=SINK, local_tokens=LOCAL, token_budget=budget,
                                 reuse_interval=REUSE)
             self.backends[budget] = CupyBackend(mc, sp, self.cache)
@@ -157,10 +157,10 @@ class DecodeSetup:
                 reuse.append(be.tables(be.plan([step])))
             self.tables[budget] = (sel, reuse)
 
-    def select_all(self) -> None:
+    def select_all(self, budget: int = BUDGET) -> None:
         """Run the selector once on every set, so the reuse-step tables read a stored selection."""
-        be = self.backends[BUDGET]
-        sel, _ = self.tables[BUDGET]
+        be = self.backends[budget]
+        sel, _ = self.tables[budget]
         for j in range(self.n_sets):
             if sel[j].n_sel_rows:
                 be.select(0, self.q[j], sel[j])
@@ -177,14 +177,14 @@ class DecodeSetup:
         be.select_stage(0, self.q[j], sel[j])
         be.decode(0, self.q[j], self.out, sel[j])
 
-    def reuse_step(self, i: int, merge: bool = True) -> None:
+    def reuse_step(self, i: int, merge: bool = True, budget: int = BUDGET) -> None:
         """A LServe step that reads the stored selection (``merge=False``: attention kernel alone)."""
-        be, (_, reuse), j = self.backends[BUDGET], self.tables[BUDGET], i % self.n_sets
+        be, (_, reuse), j = self.backends[budget], self.tables[budget], i % self.n_sets
         be.decode(0, self.q[j], self.out, reuse[j], merge=merge)
 
-    def cycle_step(self, i: int) -> None:
+    def cycle_step(self, i: int, budget: int = BUDGET) -> None:
         """Step i of the reuse cycle: each set selects on every REUSE-th pass over the sets."""
-        be, (sel, reuse), j = self.backends[BUDGET], self.tables[BUDGET], i % self.n_sets
+        be, (sel, reuse), j = self.backends[budget], self.tables[budget], i % self.n_sets
         st = sel[j] if (i // self.n_sets) % REUSE == 0 else reuse[j]
         be.select_stage(0, self.q[j], st)
         be.decode(0, self.q[j], self.out, st)
@@ -288,6 +288,65 @@ def _decode_row(mc, context: int, bw_tbps: float) -> dict:
         del s
         torch.cuda.empty_cache()
     row["kv_hbm_floor_ms"] = _kv_bytes(mc, context) / (bw_tbps * 1e12) * 1e3
+    return row
+
+
+ADAPTIVE_CONTEXTS = (65536, 131072, 262144)
+
+
+def adaptive_layers(model: str, spec: str) -> dict:
+    """Per-layer decode budgets of the whole preset (``num_layers`` layers) at the mean BUDGET, for
+    the adaptive comparison.
+
+    ``spec``: ``"resampled"`` (the default model's calibration resampled to the preset's layers,
+    :func:`~lserve.sparsity.adaptive_budget.resample_calibration`: presets have random weights
+    and no calibration of their own) or a calibration file for that many layers. Every layer is
+    taken to be the timed one (half its KV heads dense), so the dense-head-weighted mean is the
+    plain mean. Returns the ratios, where they came from, and ``layer_tokens``: what each layer
+    keeps, rounded down to whole pages as the engine does.
+    """
+    from lserve.models.presets import PRESETS
+    from lserve.sparsity.adaptive_budget import layer_pages, load_ratios, resample_calibration
+
+    mc = layer_config(model)
+    num_layers = PRESETS[model]["num_layers"]
+    if spec == "resampled":
+        rec = resample_calibration([mc.num_kv_heads // 2] * num_layers)
+        info = {k: rec[k] for k in ("resampled", "resampled_from", "source_layers", "rule")}
+        ratios = rec["ratios"]
+    else:
+        ratios, info = list(load_ratios(spec, num_layers)), {"resampled": False, "file": spec}
+    tokens = [layer_pages(r, BUDGET // PAGE, PAGE) * PAGE for r in ratios]
+    return {"spec": spec, "layers": num_layers, "mean_budget": BUDGET, **info, "ratios": ratios,
+            "layer_tokens": tokens, "mean_tokens": round(sum(tokens) / num_layers, 1)}
+
+
+def adaptive_times(mc, context: int, budgets) -> dict[int, dict[str, float]]:
+    """Per token budget: ``attention_ms`` (a reuse step: the decode kernel over the stored
+    selection) and ``cycle_ms`` (selector + attention averaged over a reuse cycle) of one layer
+    with half its KV heads dense, all budgets over one cache."""
+    n_sets, inner = rotation(mc, context)
+    s = DecodeSetup(mc, context, mc.num_kv_heads // 2, n_sets, budgets=tuple(budgets))
+    out = {}
+    for b in budgets:
+        s.select_all(b)
+        out[b] = {"attention_ms": graph_time(lambda i, b=b, s=s: s.reuse_step(i, budget=b), inner),
+                  "cycle_ms": graph_time(lambda i, b=b, s=s: s.cycle_step(i, budget=b), s.cycle_steps())}
+    del s
+    torch.cuda.empty_cache()
+    return out
+
+
+def adaptive_row(mc, context: int, layer_tokens: list[int]) -> dict:
+    """The sum over the layers of each layer's time at its own budget against ``num_layers`` x the
+    uniform budget's, one layer timed per distinct budget (:func:`adaptive_times`)."""
+    times = adaptive_times(mc, context, sorted(set(layer_tokens) | {BUDGET}))
+    row = {"context": context, "per_budget": {str(b): t for b, t in times.items()}}
+    for key in ("attention_ms", "cycle_ms"):
+        adaptive = sum(times[t][key] for t in layer_tokens)
+        uniform = len(layer_tokens) * times[BUDGET][key]
+        row[f"adaptive_{key}"], row[f"uniform_{key}"] = adaptive, uniform
+        row[f"adaptive_over_uniform_{key.removesuffix('_ms')}"] = round(adaptive / uniform, 4)
     return row
 
 
@@ -421,6 +480,15 @@ def summary_table(report: dict) -> str:
         lines.append(f"       {r['context']:>8d}  {f(r['sdpa_ms'], 7)}  {f(r['dense_ms'], 8)}  {f(r['streaming_ms'], 9)}"
                      f"  {f(r['dynamic_ms'], 6)}  {f(r['lserve_ms'], 9)}  {f(r['selector_ms'], 6)}"
                      f"  {f(r['selector_floor_ms'], 9)}  {r['sdpa_ms'] / r['lserve_ms']:7.1f}x")
+    ad = report.get("adaptive")
+    if ad:
+        lines.append(f"adaptive budgets ({ad['spec']}{', resampled from ' + ad['resampled_from'] if ad['resampled'] else ''}"
+                     f"; mean {ad['mean_tokens']} tokens over {ad['layers']} layers): sum over layers, adaptive / uniform "
+                     f"{BUDGET} (target <= 1.05)")
+        lines.append("adaptive context  attn_adaptive_ms  attn_uniform_ms  attn_ratio  cycle_ratio")
+        for r in ad["rows"]:
+            lines.append(f"       {r['context']:>8d}  {r['adaptive_attention_ms']:16.4f}  {r['uniform_attention_ms']:15.4f}"
+                         f"  {r['adaptive_over_uniform_attention']:10.4f}  {r['adaptive_over_uniform_cycle']:11.4f}")
     lines.append("prefill  context  sdpa_ms  lserve_ms  speedup  local8192_ms  kernel_dense_ms")
     for r in report["prefill"]:
         kd = r.get("kernel_dense_ms")
@@ -430,14 +498,17 @@ def summary_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def report_name(model: str) -> str:
-    """The report's file name: ``kernels_h200.json`` for the default model, else with the preset's name."""
-    return "kernels_h200.json" if model == DEFAULT_MODEL else f"kernels_{model}_h200.json"
+def report_name(model: str, adaptive_only: bool = False) -> str:
+    """The report's file name: ``kernels_h200.json`` for the default model, else with the preset's
+    name; ``kernels_adaptive...`` for the adaptive comparison alone."""
+    stem = "kernels_adaptive" if adaptive_only else "kernels"
+    return f"{stem}_h200.json" if model == DEFAULT_MODEL else f"{stem}_{model}_h200.json"
 
 
 def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
                      decode_contexts=DECODE_CONTEXTS, prefill_contexts=PREFILL_CONTEXTS,
-                     command: str | None = None, model: str = DEFAULT_MODEL) -> dict:
+                     command: str | None = None, model: str = DEFAULT_MODEL, adaptive_budgets: str | None = None,
+                     adaptive_contexts=ADAPTIVE_CONTEXTS) -> dict:
     """Run the whole kernel benchmark and write the JSON report and its PNG.
 
     Parameters
@@ -451,6 +522,10 @@ def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
         The command line recorded in the report (default: this process's argv).
     model : str
         The preset whose attention layer is timed (:func:`lserve.models.presets.layer_config`).
+    adaptive_budgets : str, optional
+        Also compare per-layer budgets of the same mean with the uniform BUDGET at
+        ``adaptive_contexts`` (:func:`adaptive_layers`, :func:`adaptive_row`; the report's
+        ``adaptive``). Pass empty ``decode_contexts`` and ``prefill_contexts`` for that alone.
 
     Returns
     -------
@@ -458,6 +533,7 @@ def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
         The report (also written to disk).
     """
     mc = layer_config(model)  # a bad name is refused before anything else
+    adaptive = adaptive_layers(model, adaptive_budgets) if adaptive_budgets else None  # so is a bad file
     if not torch.cuda.is_available():
         raise ConfigError("lserve bench kernels times CUDA kernels and needs a CUDA GPU; none is visible here")
     out = Path(out_path)
@@ -486,21 +562,50 @@ def run_kernel_bench(out_path: str | Path = "benchmarks/kernels_h200.json",
         report["prefill"].append(_prefill_row(mc, ctx))
         torch.cuda.empty_cache()
         print(f"prefill {ctx}: {report['prefill'][-1]}", file=sys.stderr, flush=True)
+    if adaptive is not None:
+        report["adaptive"] = adaptive
+        adaptive["rows"] = []
+        for ctx in adaptive_contexts:
+            adaptive["rows"].append(adaptive_row(mc, ctx, adaptive["layer_tokens"]))
+            print(f"adaptive {ctx}: {adaptive['rows'][-1]}", file=sys.stderr, flush=True)
     report["timing_notes"] = sorted(set(TIMING_NOTES))
     report["seconds"] = round(time.time() - t0, 1)
     write_json(out, report)
-    _plot(report, out.with_suffix(".png"))
+    if report["decode"] or report["prefill"]:  # the adaptive comparison alone is a table
+        _plot(report, out.with_suffix(".png"))
     return report
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lserve.bench.kernels [OUT] [--model M] [--adaptive-budgets SPEC [--adaptive-only]]``."""
     import argparse
     import os
 
     ap = argparse.ArgumentParser(description="one attention layer of a preset: our kernels against SDPA")
     ap.add_argument("out", nargs="?", default="benchmarks")
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"preset whose layer is timed (default {DEFAULT_MODEL})")
-    args = ap.parse_args()
-    cmd = os.environ.get("LSERVE_BENCH_COMMAND") or " ".join(["python -m lserve.bench.kernels", *sys.argv[1:]])
-    rep = run_kernel_bench(args.out, command=cmd, model=args.model)
+    ap.add_argument("--adaptive-budgets", default=None, metavar="resampled|PATH",
+                    help="also time per-layer budgets of the same mean as the uniform one, summed over the preset's "
+                         "layers: the default model's calibration resampled to them, or a calibration .json")
+    ap.add_argument("--adaptive-only", action="store_true",
+                    help="only the adaptive comparison (report kernels_adaptive[_MODEL]_h200.json)")
+    args = ap.parse_args(argv)
+    if args.adaptive_only and not args.adaptive_budgets:
+        ap.error("--adaptive-only needs --adaptive-budgets")
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = os.environ.get("LSERVE_BENCH_COMMAND") or " ".join(["python -m lserve.bench.kernels", *argv])
+    out = Path(args.out)
+    if out.suffix != ".json":
+        out = out / report_name(args.model, args.adaptive_only)
+    only = {"decode_contexts": (), "prefill_contexts": ()} if args.adaptive_only else {}
+    try:
+        rep = run_kernel_bench(out, command=cmd, model=args.model, adaptive_budgets=args.adaptive_budgets, **only)
+    except ConfigError as e:
+        print(f"lserve: error: {e}", file=sys.stderr)
+        return 2
     print(summary_table(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

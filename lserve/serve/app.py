@@ -207,6 +207,18 @@ def _shutdown(settings: ServeSettings, head: RayHead | None) -> None:
             signal.signal(sig, handler)
 
 
+def _sparsity_summary(settings: ServeSettings) -> str:
+    """The sparsity in effect, asked of an engine replica: the ``summary`` that ``/v1/models``
+    shows in its ``sparsity`` field (:func:`lserve.sparsity.in_effect.summary`)."""
+    from ray import serve
+
+    try:
+        handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=settings.app_name)
+        return handle.info.remote().result(timeout_s=60)["sparsity"]["summary"]
+    except Exception as e:  # noqa: BLE001 - the server runs anyway; /v1/models asks again
+        return f"unknown (no engine replica answered: {type(e).__name__})"
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -272,6 +284,7 @@ def serve_main(args: argparse.Namespace) -> int:
             print(f"lserve: error: the deployment failed to start: {e}", file=sys.stderr)
             return 1
         running = True
+        print(f"lserve: sparsity: {_sparsity_summary(settings)}", flush=True)
         key = " (API key required)" if os.environ.get(API_KEY_ENV) else ""
         print(f"lserve: serving {settings.model_name} at http://{settings.host}:{settings.port}/v1 with "
               f"{settings.replicas} engine replica(s){key}; Ctrl-C to stop", flush=True)

@@ -291,7 +291,8 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     sparsity: dict[str, Any] | None = Field(None, description="The sparsity in effect: head pattern (and whether "
                                             "'auto' found a shipped one for this model), token budget, layer "
-                                            "selection and adaptive budgets.")
+                                            "selection, adaptive budgets, prefill sparsity, and `summary`: "
+                                            "all of it in one line, as `lserve serve` prints it at start.")
 
 
 class ModelList(BaseModel):

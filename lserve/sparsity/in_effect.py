@@ -1,4 +1,5 @@
-"""The sparsity an engine runs, in words, for ``describe()`` and ``/v1/models``."""
+"""The sparsity an engine runs, in words, for ``describe()``, ``/v1/models`` and the start-up line
+of ``lserve serve`` (which prints the ``summary`` that ``/v1/models`` shows, so the two agree)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,32 @@ def in_effect(sp: SparsityConfig, model: ModelConfig, streaming_fraction: float)
         prefill = f"tau {sp.prefill_sparsity:g}" if sp.prefill_sparsity > 0 else "off"
     else:
         prefill = f"shipped:{folder.name}" if ships(PREFILL_TAUS_NAME) else f"off ({missing})"
-    return {"shipped": folder.name if folder is not None else None, "pattern": pattern,
-            "streaming_fraction": round(streaming_fraction, 4), "token_budget": sp.token_budget,
-            "select_layers": layers, "adaptive_budgets": budgets, "prefill_sparsity": prefill}
+    facts = {"shipped": folder.name if folder is not None else None, "pattern": pattern,
+             "streaming_fraction": round(streaming_fraction, 4), "token_budget": sp.token_budget,
+             "select_layers": layers, "adaptive_budgets": budgets, "prefill_sparsity": prefill}
+    return {**facts, "summary": summary(facts)}
+
+
+def summary(facts: dict) -> str:
+    """One line of :func:`in_effect`'s facts: head pattern and streaming fraction, decode budgets
+    (off, uniform, or adaptive around their mean) and which layers select, prefill sparsity.
+
+    Examples
+    --------
+    ``pattern shipped:smollm2-135m (0.5 of KV heads streaming); decode budgets adaptive
+    (shipped:smollm2-135m), mean 2048 tokens, selecting layers all; prefill sparsity off``
+    """
+    head = f"pattern {facts['pattern']} ({facts['streaming_fraction']:g} of KV heads streaming)"
+    budgets, mean = facts["adaptive_budgets"], facts["token_budget"]
+    if mean <= 0:
+        decode = "decode page selection off (token budget 0)"
+    elif budgets.startswith("off"):
+        decode = f"decode budget uniform {mean} tokens, selecting layers {facts['select_layers']}"
+    else:
+        decode = f"decode budgets adaptive ({budgets}), mean {mean} tokens, selecting layers {facts['select_layers']}"
+    prefill = facts["prefill_sparsity"]
+    if prefill.startswith("shipped:"):
+        prefill = f"on, per-layer taus {prefill}"
+    elif prefill.startswith("tau"):
+        prefill = f"on, {prefill}"
+    return f"{head}; {decode}; prefill sparsity {prefill}"

@@ -135,6 +135,11 @@ def test_dashboards_and_rules_use_only_exported_metrics(exported_names):
             used[m] = r["alert"]
     unknown = {m: where for m, where in used.items() if m not in exported_names}
     assert not unknown, f"metrics the server does not export: {unknown}"
+    # The KV-read fraction (issue 37) is on the dashboard, from the gauge and from the two counters.
+    kv = {m for m in used if m.startswith("lserve:decode_kv_")}
+    assert kv == {"lserve:decode_kv_read_fraction", "lserve:decode_kv_read_head_tokens_total",
+                  "lserve:decode_kv_dense_head_tokens_total"}, kv
+    assert all(used[m].startswith("lserve-overview.json: Decode KV read fraction [") for m in kv), used
 
 
 # -- Grafana ------------------------------------------------------------------------------------
@@ -169,7 +174,7 @@ def test_dashboard_structure():
             assert used <= variables | {k.lstrip("$") for k in GRAFANA_VARS}, t["expr"]
     titles = " ".join(p["title"] for p in panels)
     for needed in ("TTFT", "ITL", "TPOT", "Tokens / s", "Running / waiting", "KV usage per", "Preemptions",
-                   "selector", "Pages selected", "per replica"):
+                   "selector", "Pages selected", "per replica", "KV read fraction"):
         assert needed.lower() in titles.lower(), needed
 
 

@@ -56,7 +56,7 @@ def qwen2_server(tmp_path_factory, smol):
                 pass
             assert time.monotonic() < deadline, f"not healthy after {START_TIMEOUT_S}s:\n{log.read_text()}"
             time.sleep(0.5)
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120), hf
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120), hf, log
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # drains (grace 1 s), stops Ray and exits
@@ -69,7 +69,7 @@ def qwen2_server(tmp_path_factory, smol):
 
 
 def test_qwen2_dir_served_over_http_equals_transformers_generate(qwen2_server, smol):
-    client, hf = qwen2_server
+    client, hf, log = qwen2_server
     model = client.models.list().data[0]
     assert model.id == "tiny-qwen2"
     sparsity = model.model_extra["sparsity"]
@@ -77,6 +77,12 @@ def test_qwen2_dir_served_over_http_equals_transformers_generate(qwen2_server, s
     assert sparsity["shipped"] is None and sparsity["streaming_fraction"] == 0.0
     assert sparsity["pattern"] == f"none {missing}", sparsity  # `serve` asks for `auto` by default
     assert sparsity["select_layers"] == f"all {missing}", sparsity
+    # The start-up line prints the summary /v1/models shows (one function feeds both).
+    assert sparsity["summary"] == (f"pattern none {missing} (0 of KV heads streaming); decode budget uniform "
+                                   f"{sparsity['token_budget']} tokens, selecting layers all {missing}; "
+                                   "prefill sparsity off"), sparsity
+    started = [line for line in log.read_text().splitlines() if line.startswith("lserve: sparsity: ")]
+    assert started == [f"lserve: sparsity: {sparsity['summary']}"], log.read_text()
     for prompt in PROMPTS:
         ids = smol.tokenizer.encode(prompt)  # BOS included, as the server encodes it
         with torch.inference_mode():
