@@ -370,8 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_drain(sub)
 
-    from lserve.eval.cli import register as register_eval  # classify-heads, calibrate-selection, eval
+    from lserve.calibration.cli import register as register_calibration  # classify-heads, calibrate-*
+    from lserve.eval.cli import register as register_eval
 
+    register_calibration(sub)
     register_eval(sub)
     return p
 

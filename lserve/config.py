@@ -50,7 +50,7 @@ class ModelConfig:
     hidden_act : str
         The MLP's gate activation (:data:`HIDDEN_ACTS`).
     fingerprint : str
-        A digest of a few weights (:func:`lserve.models.identity.fingerprint`), set by the loader;
+        A digest of a few weights (:func:`lserve.identity.fingerprint`), set by the loader;
         with the shapes it identifies the model for its shipped calibrations.
     """
 
@@ -175,7 +175,7 @@ class SparsityConfig:
         Dynamic block-sparse prefill of dense heads (:mod:`lserve.sparsity.prefill_blocks`): the
         estimated attention mass each (KV head, query block) keeps, in [0, 1]; 0 is off, 1 keeps
         every causal block; -1 (auto): per-layer values calibrated for the model (``lserve
-        calibrate-prefill``, :mod:`lserve.sparsity.prefill_calibration`), off without one.
+        calibrate-prefill``, :mod:`lserve.calibration.prefill`), off without one.
     prefill_sparsity_min_len : int
         Context (cached + chunk tokens) from which a prefill chunk is block-sparse; -1 (auto):
         the length from which it paid on this device and model shape

@@ -1,5 +1,5 @@
-"""Per-layer budgets (lserve.sparsity.adaptive_budget): the allocation by hand, the ratios at run
-time on the torch backend (pages kept per layer, bytes read), and the refusal elsewhere."""
+"""Per-layer budgets: the allocation by hand (lserve.calibration.budgets), the ratios at run time
+on the torch backend (lserve.sparsity.adaptive_budget: pages kept per layer, bytes read), and the refusal elsewhere."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ import random
 import pytest
 
 from lserve.attention.base import AttentionBackend
+from lserve.calibration.budgets import allocate, calibrate_budgets
 from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
 from lserve.sparsity.adaptive_budget import (
     ADAPTIVE_KIND,
     DEFAULT_RESAMPLE_SOURCE,
-    allocate,
-    calibrate_budgets,
     layer_pages,
     load_ratios,
     resample_calibration,

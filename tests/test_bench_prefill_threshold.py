@@ -2,8 +2,8 @@
 
 import json
 
+from lserve.calibration.threshold_sweep import first_paying
 from lserve.cli import main
-from lserve.sparsity.threshold import first_paying
 
 
 def test_first_paying_needs_every_longer_context_to_pay():

@@ -1,4 +1,4 @@
-"""Mass-kept curves (lserve.sparsity.mass_curves) against the engine's own key statistics and
+"""Mass-kept curves (lserve.calibration.mass_curves) against the engine's own key statistics and
 selector, and the ordering the diagnosis relies on (bound <= page oracle <= token oracle)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from lserve.bench.selection_mass import SelectionMassConfig, layer_masses
 from lserve.cache.key_stats import KeyStats
-from lserve.sparsity.mass_curves import (
+from lserve.calibration.mass_curves import (
     kept_mass_curve,
     key_stats_from_keys,
     mass_at_budgets,

@@ -168,8 +168,8 @@ def test_family_presets_have_the_real_shapes_and_transformers_runs_their_weights
 def test_classify_heads_and_calibrate_selection_run_on_the_family(family_dirs, family, tmp_path):
     """The gate trainer (whose forward reuses the model's q/k/v projection, norms and MLP) and the
     selection calibration run on a tiny checkpoint of the family; the pattern loads into an engine."""
-    from lserve.sparsity.calibrate import CalibrationConfig, calibrate_selection
-    from lserve.sparsity.classifier import GateTrainConfig, train_gates
+    from lserve.calibration.classifier import GateTrainConfig, train_gates
+    from lserve.calibration.selection import CalibrationConfig, calibrate_selection
 
     path, _ = family_dirs[family]
     loaded = load_model(str(path))

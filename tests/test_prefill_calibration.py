@@ -6,11 +6,11 @@ import logging
 import pytest
 import torch
 
+from lserve.calibration.prefill import choose_taus
 from lserve.cli import main
 from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
-from lserve.sparsity.prefill_calibration import choose_taus
 from lserve.sparsity.prefill_taus import CALIBRATION_KIND, TAU_GRID, default_calibration_for, load_layer_taus
 
 

@@ -52,7 +52,7 @@ def test_same_shapes_other_weights_are_not_the_shipped_model(smol):
     """The default model's shapes and name with other weights: the shipped pattern is not used."""
     w = dict(smol.weights)
     w["model.norm.weight"] = w["model.norm.weight"] * 1.5
-    from lserve.models.identity import fingerprint
+    from lserve.identity import fingerprint
 
     assert fingerprint(w) != smol.config.fingerprint
     assert fingerprint({k: v.to(torch.bfloat16) for k, v in smol.weights.items()}) == smol.config.fingerprint

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from lserve.calibration.threshold_sweep import choose_ratio
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.sparsity import threshold as th
@@ -20,9 +21,9 @@ def test_choose_ratio_needs_every_larger_context_to_pay():
             {"context": 2000, "dense_ms": 1.0, "dynamic_ms": 1.1},
             {"context": 4000, "dense_ms": 2.0, "dynamic_ms": 1.5},
             {"context": 8000, "dense_ms": 4.0, "dynamic_ms": 1.6}]
-    assert th.choose_ratio(rows, 1000) == (4.0, 4000)
+    assert choose_ratio(rows, 1000) == (4.0, 4000)
     never = [dict(r, dynamic_ms=r["dense_ms"] * 2) for r in rows]
-    assert th.choose_ratio(never, 1000) == (16.0, None)  # twice the largest measured ratio
+    assert choose_ratio(never, 1000) == (16.0, None)  # twice the largest measured ratio
 
 
 def test_user_profile_overrides_shipped(tmp_path, monkeypatch):

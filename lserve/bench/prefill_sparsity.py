@@ -62,6 +62,7 @@ def run_prefill_sparsity(out_dir: str, contexts=CONTEXTS, taus=TAUS, block: int 
     import torch
 
     from lserve.bench.report import header, write_json
+    from lserve.calibration.prefill import capture_prefill_qk
     from lserve.config import CacheConfig, EngineConfig
     from lserve.engine import LLMEngine
     from lserve.eval.tasks import make_passkey_case
@@ -73,7 +74,6 @@ def run_prefill_sparsity(out_dir: str, contexts=CONTEXTS, taus=TAUS, block: int 
         recalled_mass,
         select_blocks,
     )
-    from lserve.sparsity.prefill_calibration import capture_prefill_qk
 
     if q_block % block or block % stride:
         raise ValueError(f"need q_block % block == 0 and block % stride == 0, got {q_block}, {block}, {stride}")

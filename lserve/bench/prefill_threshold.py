@@ -20,10 +20,11 @@ from tqdm import tqdm
 from lserve.bench.e2e import measure_engine
 from lserve.bench.report import header
 from lserve.bench.threshold import finish_sweep
+from lserve.calibration.threshold_sweep import first_paying
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.models.loader import load_model
-from lserve.sparsity.threshold import PREFILL, first_paying, profile_key
+from lserve.sparsity.threshold import PREFILL, profile_key
 
 TAU = 0.9  # the lserve-prefill-sparse eval preset's
 

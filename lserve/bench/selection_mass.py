@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from lserve.bench.report import header, write_json
-from lserve.sparsity.mass_curves import (
+from lserve.calibration.mass_curves import (
     kept_mass_curve,
     key_stats_from_keys,
     mass_at_budgets,
@@ -260,7 +260,7 @@ def run_selection_mass(cfg: SelectionMassConfig, out_dir: str | Path = "benchmar
     from lserve.engine import LLMEngine, SamplingParams
     from lserve.engine.llm_engine import build_layout
     from lserve.eval.harness import EvalPlan
-    from lserve.models.identity import identity
+    from lserve.identity import identity
     from lserve.models.loader import load_model
 
     t0 = time.perf_counter()

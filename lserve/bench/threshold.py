@@ -17,11 +17,12 @@ from tqdm import tqdm
 
 from lserve.bench.e2e import measure_engine
 from lserve.bench.report import header, write_json
+from lserve.calibration.threshold_sweep import choose_ratio
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.llm_engine import LLMEngine
 from lserve.models.loader import load_model
 from lserve.plotting import pyplot
-from lserve.sparsity.threshold import DECODE, choose_ratio, profile_key, save_profile
+from lserve.sparsity.threshold import DECODE, profile_key, save_profile
 
 
 def default_contexts(budget: int, device: str) -> list[int]:

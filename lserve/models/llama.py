@@ -11,15 +11,19 @@ the layout the two-way cache and the kernels expect.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from lserve.attention.base import AttentionBackend
 from lserve.config import ModelConfig
 from lserve.models.norm import rms_norm
 from lserve.models.rope import Rope
-from lserve.sparsity.patterns import HeadLayout
-from lserve.sparsity.plan import StepPlan
+
+if TYPE_CHECKING:  # the engine hands the forward these; the model layer imports neither at run time
+    from lserve.attention.base import AttentionBackend
+    from lserve.sparsity.patterns import HeadLayout
+    from lserve.sparsity.plan import StepPlan
 
 
 class _Layer:

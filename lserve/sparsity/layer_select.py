@@ -2,7 +2,7 @@
 
 On a small model the min/max selector keeps nearly all of the attention mass in some layers
 and drops a third of it in others, where attention is diffuse (``benchmarks/accuracy/accuracy_notes.md``).
-``lserve calibrate-selection`` (:mod:`lserve.sparsity.calibrate`) measures, per layer, the mass
+``lserve calibrate-selection`` (:mod:`lserve.calibration.selection`) measures, per layer, the mass
 the selected pages hold and writes a calibration JSON; here a ``select_layers`` setting becomes
 one flag per layer. In layers without selection dense heads read every page, exactly as below
 the dynamic threshold.
@@ -30,7 +30,7 @@ def default_calibration_for(model: ModelConfig) -> Path | None:
 
 
 def load_calibration(path: str | Path) -> dict:
-    """Read a calibration written by :func:`lserve.sparsity.calibrate.calibrate_selection`."""
+    """Read a calibration written by :func:`lserve.calibration.selection.calibrate_selection`."""
     return read_calibration(path, CALIBRATION_KIND, "selection calibration", "a selection calibration",
                             "lserve calibrate-selection", "select_layers")
 

@@ -1,6 +1,6 @@
 """Per-layer thresholds of block-sparse prefill (``prefill_sparsity`` "auto"): where the shipped
 calibration lives, how it is read and checked against the model. Written by ``lserve
-calibrate-prefill`` (:mod:`lserve.sparsity.prefill_calibration`)."""
+calibrate-prefill`` (:mod:`lserve.calibration.prefill`)."""
 
 from __future__ import annotations
 

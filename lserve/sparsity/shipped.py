@@ -1,9 +1,9 @@
 """The head patterns and calibrations that ship with LServe, found by what the model is.
 
 Each folder under ``lserve/patterns/`` holds a ``model.json`` with the identity of the model it
-was trained on (:func:`lserve.models.identity.identity`: family, shapes and a fingerprint of the
+was trained on (:func:`lserve.identity.identity`: family, shapes and a fingerprint of the
 weights); a model gets the folder whose identity equals its own, whatever its file or directory
-is called. The DuoAttention-style trainer is :mod:`lserve.sparsity.classifier`.
+is called. The DuoAttention-style trainer is :mod:`lserve.calibration.classifier`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from lserve.config import ConfigError, ModelConfig
-from lserve.models.identity import identity
+from lserve.identity import identity
 
 log = logging.getLogger("lserve")
 
@@ -41,7 +41,7 @@ def shipped_folder(model: ModelConfig | dict) -> Path | None:
     ----------
     model : ModelConfig or dict
         A loaded model's config (its ``fingerprint`` set by the loader), or an identity dict as
-        :func:`lserve.models.identity.identity` gives it (reports carry one).
+        :func:`lserve.identity.identity` gives it (reports carry one).
     """
     ident = _identity_of(model)
     if not ident.get("fingerprint"):

@@ -2,8 +2,8 @@
 
 Below some context length the selector (scoring every page, top-k) costs more than the pages
 it lets the dense heads skip (SPEC.md section 4). ``lserve bench profile-threshold`` measures
-that length on the current device and writes it here; engines whose ``dynamic_threshold`` is
-``-1`` ("auto") look it up at start-up.
+that length on the current device (the sweep is read by :mod:`lserve.calibration.threshold_sweep`)
+and writes it here; engines whose ``dynamic_threshold`` is ``-1`` ("auto") look it up at start-up.
 
 The threshold is stored as a ratio of context to token budget (selection pays once the context
 is ``ratio`` times the budget), so one profile serves every budget, per-request ones included.
@@ -26,6 +26,8 @@ import math
 import os
 from pathlib import Path
 
+from lserve.paths import cache_root
+
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # shipped: <kind>.json
 DECODE, PREFILL = "dynamic_threshold", "prefill_threshold"  # profile kinds (file stems)
 _ENV = {DECODE: "LSERVE_THRESHOLD_FILE", PREFILL: "LSERVE_PREFILL_THRESHOLD_FILE"}
@@ -34,11 +36,7 @@ _ENV = {DECODE: "LSERVE_THRESHOLD_FILE", PREFILL: "LSERVE_PREFILL_THRESHOLD_FILE
 def user_file(kind: str = DECODE) -> Path:
     """The profile file of ``kind`` that the profiling bench writes and engines read first."""
     env = os.environ.get(_ENV[kind])
-    if env:
-        return Path(env)
-    from lserve.models.loader import cache_root
-
-    return cache_root() / f"{kind}.json"
+    return Path(env) if env else cache_root() / f"{kind}.json"
 
 
 def device_name(device: str) -> str:
@@ -93,29 +91,3 @@ def save_profile(key: str, entry: dict, path: Path | None = None, kind: str = DE
 def threshold_tokens(ratio: float, budget: int) -> int:
     """Context length (tokens) from which selection runs for a given budget."""
     return math.ceil(ratio * budget)
-
-
-def first_paying(rows: list[dict], base: str, candidate: str) -> tuple[int | None, int]:
-    """(threshold, context to switch on from) of a sweep: the smallest measured context from which
-    ``candidate`` is faster than ``base`` at every larger measured context too (None: not at the
-    largest), and that context, or twice the largest measured one where it never paid (off as
-    far as measured)."""
-    threshold = None
-    for r in sorted(rows, key=lambda r: -r["context"]):
-        if r[candidate] >= r[base]:
-            break
-        threshold = r["context"]
-    return threshold, threshold if threshold is not None else 2 * max(r["context"] for r in rows)
-
-
-def choose_ratio(rows: list[dict], budget: int) -> tuple[float, int | None]:
-    """The ratio from a sweep of ``{"context", "dense_ms", "dynamic_ms"}`` rows.
-
-    The threshold is the smallest measured context from which dynamic selection is faster at
-    every larger measured context too. If it never pays within the sweep, the ratio is twice
-    the largest measured one (selection stays off as far as we know) and the threshold None.
-    """
-    threshold, switch_on = first_paying(rows, "dense_ms", "dynamic_ms")
-    if threshold is None:
-        return switch_on / budget, None
-    return threshold / budget, threshold

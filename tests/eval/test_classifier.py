@@ -1,4 +1,4 @@
-"""Gate training (lserve.sparsity.classifier): the differentiable forward agrees with the engine,
+"""Gate training (lserve.calibration.classifier): the differentiable forward agrees with the engine,
 the trainer lowers its loss and sends a provably local head to streaming, files round-trip."""
 
 from __future__ import annotations
@@ -11,20 +11,20 @@ import pytest
 import torch
 from logits_capture import capture_logits
 
-from lserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SparsityConfig
-from lserve.engine import LLMEngine, SamplingParams
-from lserve.models.loader import load_model
-from lserve.models.presets import preset_config
-from lserve.sparsity.classifier import (
+from lserve.calibration.classifier import (
     GatedLlama,
     GateTrainConfig,
-    default_pattern_for,
     gate_loss,
     lambda_mask,
     make_gate_sample,
     train_gates,
 )
+from lserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SparsityConfig
+from lserve.engine import LLMEngine, SamplingParams
+from lserve.models.loader import load_model
+from lserve.models.presets import preset_config
 from lserve.sparsity.patterns import HeadLayout, HeadPattern, load_pattern
+from lserve.sparsity.shipped import default_pattern_for
 
 
 @pytest.fixture(autouse=True, scope="module")

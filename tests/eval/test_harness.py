@@ -10,7 +10,7 @@ from lserve.config import ConfigError
 from lserve.eval.cli import print_table
 from lserve.eval.harness import EvalPlan, Harness, RunConfig, compare, parse_config
 from lserve.models.loader import load_model
-from lserve.sparsity.classifier import default_pattern_for, resolve_pattern
+from lserve.sparsity.shipped import default_pattern_for, resolve_pattern
 
 
 def test_parse_config_presets_variants_and_errors():

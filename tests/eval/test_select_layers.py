@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lserve.calibration.selection import CalibrationConfig, MassProbe, calibrate_selection
 from lserve.cli import main
 from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
-from lserve.sparsity.calibrate import CalibrationConfig, MassProbe, calibrate_selection
 from lserve.sparsity.layer_select import default_calibration_for, load_calibration, resolve_select_layers
 
 PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=16 * 256)

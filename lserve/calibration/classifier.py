@@ -41,12 +41,6 @@ from lserve.models.llama import LlamaModel
 from lserve.models.norm import rms_norm
 from lserve.plotting import pyplot
 from lserve.sparsity.patterns import HeadLayout, HeadPattern
-from lserve.sparsity.shipped import (  # noqa: F401 - re-exported: the trainer's callers look them up here too
-    LEARNED_ALIASES,
-    PATTERN_ROOT,
-    default_pattern_for,
-    resolve_pattern,
-)
 
 log = logging.getLogger("lserve.classifier")
 

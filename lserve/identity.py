@@ -2,6 +2,8 @@
 
 Shipped calibrations (:mod:`lserve.sparsity.shipped`) are keyed by this identity, so the same
 weights get the same head pattern and calibrations whatever their file or directory is called.
+It stands beside the config, below both the loader (which sets the fingerprint) and the
+shipped-calibration lookup (which matches it), so neither layer imports the other for it.
 """
 
 from __future__ import annotations

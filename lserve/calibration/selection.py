@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from lserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SparsityConfig
-from lserve.models.identity import identity
+from lserve.identity import identity
 from lserve.sparsity.layer_select import CALIBRATION_KIND, CALIBRATION_NAME
 from lserve.sparsity.selector import page_scores, top_pages
 
