@@ -17,6 +17,8 @@ from lserve.kernels.loader import KernelError, Variant, f32, get_kernel, i32, la
 
 LOG2E = 1.4426950408889634
 THREADS = 512  # EST_THREADS of the kernel
+DEVICE_TYPE = "cuda"  # where the kernel runs (a CPU test swaps in an emulation of it)
+GEMM_GROUPS = 16  # the rows of a chunk are scored in about this many GEMMs (memory permitting)
 MAX_SHARED = 200 * 1024  # block sums of one row in shared memory: nkb * 4 bytes
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -51,7 +53,7 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
     """
     hq, lq, d = q.shape
     h, L, _ = k.shape
-    if q.dtype not in DTYPE_NAMES or k.dtype != q.dtype or not q.is_cuda:
+    if q.dtype not in DTYPE_NAMES or k.dtype != q.dtype or q.device.type != DEVICE_TYPE:
         raise KernelError(f"antidiagonal estimate: CUDA bf16/fp16/fp32 q and k of one dtype, got {q.dtype}/{k.dtype}")
     if block % stride or q_block % block or L != start + lq:
         raise KernelError(f"antidiagonal estimate: block {block} / q_block {q_block} / stride {stride} / "
@@ -64,15 +66,18 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
     R = (L - 1) // q_block - b0 + 1
     gpr, kpb = q_block // S, block // S
     kg = _pad_to(k, 0, nkb * block, 0).view(h, -1, S, d).flip(2).reshape(h, -1, S * d)  # [Hkv, nkb*B/S, S*D]
-    qa = _pad_to(q, b0 * q_block, (b0 + R) * q_block, start)  # [Hq, R*QB, D], zeros outside the chunk
     out = torch.zeros(hq, R, nkb, dtype=torch.float32, device=q.device)
     kern = get_kernel(Variant("prefill_estimate", DTYPE_NAMES[q.dtype], 128), "ls_antidiag_mass")
+    # A GEMM spans its rows up to the last one's causal extent: fewer rows per GEMM waste fewer
+    # FLOPs above the diagonal (~1/(2 * GEMM_GROUPS) of the causal work), more rows fewer launches.
     per_row = hq * gpr * (nkb * kpb) * q.element_size()
-    rows = max(1, min(R, max_bytes // per_row))
+    rows = max(1, min(R, max_bytes // per_row, -(-R // GEMM_GROUPS)))
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
-        nkg = (min(L, (b0 + r1) * q_block) - 1) // block * kpb + kpb  # key groups of the last row's causal blocks
-        qg = qa[:, r0 * q_block: r1 * q_block].reshape(h, g * (r1 - r0) * gpr, S * d)
+        lo, hi = (b0 + r0) * q_block, (b0 + r1) * q_block  # positions of the rows, zeros outside the chunk
+        a, e = max(lo, start), min(hi, L)
+        nkg = (e - 1) // block * kpb + kpb  # key groups of the last row's causal blocks
+        qg = _pad_to(q[:, a - start: e - start], lo, hi, a).view(h, g * (r1 - r0) * gpr, S * d)
         s = torch.bmm(qg, kg[:, :nkg].transpose(1, 2))  # [Hkv, G * ng, nkg] = [Hq, ng, nkg]
         launch(kern, (r1 - r0, hq), (THREADS,),
                (ptr(s), i32((r1 - r0) * gpr), i32(nkg), i32((b0 + r0) * gpr), i32(gpr), i32(kpb),
