@@ -4,8 +4,8 @@
 * ``k8s/grafana-dashboards.yaml``: a ConfigMap with ``deploy/grafana/dashboards/*.json``, labelled
   for the Grafana dashboard sidecar of kube-prometheus-stack;
 * ``serveConfigV2`` of ``k8s/rayservice.yaml``: ``deploy/serve_config.yaml`` with the cluster
-  overrides of :data:`CLUSTER_ARGS` and :data:`CLUSTER_HTTP_OPTIONS` (GPU device and kernels,
-  listening on the pod's address), the ``--grace-s`` of the head's preStop ``lserve drain`` and
+  overrides of :data:`CLUSTER_ARGS`, :data:`CLUSTER_HTTP_OPTIONS` and :data:`CLUSTER_PROXY_LOCATION`
+  (GPU device and kernels, listening on the pod's address, a proxy on every pod), the ``--grace-s`` of the head's preStop ``lserve drain`` and
   every pod template's ``terminationGracePeriodSeconds`` (:func:`termination_grace_s`), both from
   the config's ``shutdown_grace_s``; the rest of that file is kept as written.
 
@@ -40,6 +40,10 @@ LSERVE_IMPORT_PATH = "lserve.serve.app:build_app"
 CLUSTER_ARGS = {"device": "cuda", "backend": "cupy"}
 #: Ray Serve's proxies listen on the pod address, port 8000 (the Serve Service's target port).
 CLUSTER_HTTP_OPTIONS = {"host": "0.0.0.0", "port": 8000}
+#: A proxy on every node: a GPU worker pod is Ready when its own proxy answers ``/-/healthz``, and
+#: KubeRay's Serve Service targets every pod whose proxy is healthy. With ``HeadOnly`` (fine for
+#: ``serve run`` on one machine) no worker pod would ever turn Ready.
+CLUSTER_PROXY_LOCATION = "EveryNode"
 #: Labels that kube-prometheus-stack's default selectors look for (the Helm release name).
 PROMETHEUS_LABELS = {"app.kubernetes.io/name": "lserve", "release": "kube-prometheus-stack"}
 GRAFANA_LABELS = {"app.kubernetes.io/name": "lserve", "grafana_dashboard": "1"}
@@ -108,6 +112,7 @@ def cluster_serve_config(local: dict) -> dict:
     for app in apps:
         app["args"] = {**(app.get("args") or {}), **CLUSTER_ARGS}
     doc["http_options"] = {**(doc.get("http_options") or {}), **CLUSTER_HTTP_OPTIONS}
+    doc["proxy_location"] = CLUSTER_PROXY_LOCATION
     return doc
 
 

@@ -363,6 +363,16 @@ def test_serve_config_v2_builds_valid_settings_within_the_gpu_bounds(rayservice)
     assert cfg["http_options"]["host"] == "0.0.0.0" and cfg["http_options"]["port"] == 8000
 
 
+def test_worker_readiness_is_a_proxy_that_runs_on_workers(rayservice):
+    """Worker pods turn Ready when their own Serve proxy answers: the cluster config must put a
+    proxy on every node (HeadOnly would leave every GPU worker unready forever)."""
+    cfg = serve_config_v2(rayservice)
+    for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        probe = containers(g["template"])["ray-worker"]["readinessProbe"]["httpGet"]
+        if probe["path"] == "/-/healthz" and probe["port"] == cfg["http_options"]["port"]:
+            assert cfg.get("proxy_location") == "EveryNode", g["groupName"]
+
+
 def test_pods_outlive_the_shutdown_grace_period(rayservice, tmp_path):
     """Every pod waits out its preStop hook, then the longest replica stop Ray Serve allows."""
     from lserve.serve.app import stop_timeouts_s
