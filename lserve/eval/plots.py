@@ -1,4 +1,5 @@
-"""Plots of an accuracy run: NIAH depth x length heatmaps and accuracy vs budget."""
+"""Plots of an accuracy run: NIAH depth x length heatmaps, accuracy vs budget, per configuration,
+and against the decode KV bytes read."""
 
 from __future__ import annotations
 
@@ -110,6 +111,37 @@ def plot_bars(summary: dict, path: str | Path) -> bool:
     return True
 
 
+def plot_bytes(summary: dict, path: str | Path) -> bool:
+    """Accuracy against the share of dense attention's decode KV bytes read, one panel per task:
+    a point per (configuration, context), one marker per configuration, labelled with the context."""
+    rows = [r for r in summary["rows"] if r.get("kv_read_fraction") is not None and "@" not in r["config"]]
+    if not rows:
+        return False
+    tasks = sorted({r["task"] for r in rows})
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for i, c in enumerate(configs):
+            pts = sorted((r["kv_read_fraction"], r["accuracy"], r["context"]) for r in rows
+                         if r["task"] == task and r["config"] == c)
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "osD^v*"[i % 6], label=c, alpha=0.8)
+            for x, y, ctx in pts:
+                ax.annotate(f"{ctx // 1024}k", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("decode KV bytes read / dense")
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title(task, fontsize=8)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_all(summary: dict, out: str) -> list[str]:
     """Every plot the summary supports; returns the written paths (none without matplotlib)."""
     written = []
@@ -123,4 +155,6 @@ def plot_all(summary: dict, out: str) -> list[str]:
         written.append(f"{out}_budget.png")
     if plot_bars(summary, f"{out}_configs.png"):
         written.append(f"{out}_configs.png")
+    if plot_bytes(summary, f"{out}_bytes.png"):
+        written.append(f"{out}_bytes.png")
     return written
