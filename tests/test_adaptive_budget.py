@@ -14,7 +14,7 @@ from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
 from lserve.sparsity.adaptive_budget import ADAPTIVE_KIND, allocate, calibrate_budgets, layer_pages, load_ratios
 
-PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=16 * 256)
+PAGES = CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=16 * 256)
 
 
 def test_allocate_by_hand():
