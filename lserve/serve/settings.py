@@ -62,6 +62,8 @@ def _coerce(name: str, value: Any, type_name: str, parse=None) -> Any:
     return value
 
 
+# The serving half of ServeSettings, which adds the engine fields at the end of this module
+# (the methods read both halves; not used alone).
 @dataclass
 class _Serving:
     """Everything a deployment needs; validated on construction.
@@ -290,5 +292,6 @@ def _engine_field(flag) -> tuple[str, str, Any]:
     return flag.name, flag.annotation, field(default=SERVE_ENGINE_DEFAULTS.get(flag.name, flag.default), metadata=meta)
 
 
+#: The settings class: the serving fields above, then one field per engine flag.
 ServeSettings = make_dataclass("ServeSettings", [_engine_field(f) for f in engine_flags()], bases=(_Serving,),
                                namespace={"__module__": __name__, "__doc__": _Serving.__doc__})
