@@ -8,92 +8,59 @@ import os
 import sys
 
 from lserve.config import (  # noqa: F401 - engine_config_from_args: the CLI's flags -> EngineConfig
-    PREFILL_ESTIMATORS,
+    CacheConfig,
     ConfigError,
+    EngineConfig,
+    Flag,
     SparsityConfig,
     engine_config_from_args,
-    engine_flag_defaults,
+    engine_flags,
 )
-from lserve.serve.settings import DEFAULT_SHUTDOWN_GRACE_S, DEFAULT_SSE_KEEPALIVE_S
+from lserve.serve.settings import SERVE_ENGINE_DEFAULTS, SERVE_FLAGS
 
 DEMO_PROMPT = "The three most important ideas in computer science are"
+#: Help groups of the engine flags, by the config dataclass that declares them.
+_GROUPS = {EngineConfig: "engine", SparsityConfig: "sparsity", CacheConfig: "cache"}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine (defaults: :func:`engine_flag_defaults`)."""
-    D = engine_flag_defaults()
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=D["model"],
-                   help="'default' (SmolLM2-135M-Instruct), a preset (llama3-8b, llama2-7b, minitron-4b, "
-                        "qwen2.5-7b, qwen3-8b, mistral-7b, tiny), "
-                        "a .gguf file or a Hugging Face directory")
-    g.add_argument("--device", default=D["device"], help="cpu or cuda[:N]")
-    g.add_argument("--dtype", default=D["dtype"], choices=["auto", "float32", "float16", "bfloat16"],
-                   help="activations and KV cache (auto: float32 on a CPU, bfloat16 on a GPU)")
-    g.add_argument("--backend", default=D["backend"], choices=["torch", "cupy"], help="attention backend")
-    g.add_argument("--max-model-len", type=int, default=D["max_model_len"], help="context limit (0: the model's)")
-    g.add_argument("--allow-long-max-model-len", action="store_true", default=D["allow_long_max_model_len"],
-                   help="accept a --max-model-len past the model's context (its trained length, stretched by its "
-                        "rope scaling), whose outputs there are unreliable")
-    g.add_argument("--max-num-seqs", type=int, default=D["max_num_seqs"], help="sequences decoded together at most")
-    g.add_argument("--max-batched-tokens", type=int, default=D["max_batched_tokens"],
-                   help="token-equivalents per step at most (long prompts are prefilled in chunks)")
-    g.add_argument("--step-time-target", type=float, default=D["step_time_target"],
-                   help="seconds a step with prefill should take, from measured speed (0: token cap only)")
-    g.add_argument("--itl-slo-ms", type=float, default=D["itl_slo_ms"],
-                   help="ms a step that carries decodes may take (the ITL of running requests while prompts are "
-                        "prefilled); prefill gets the rest, never less than --min-prefill-share (0: the step target)")
-    g.add_argument("--min-prefill-share", type=float, default=D["min_prefill_share"],
-                   help="least fraction of the time of steps with decodes that prefill gets (at its own speed), "
-                        "however many requests decode")
-    g.add_argument("--seed", type=int, default=D["seed"], help="seed for random-weight presets")
-    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=D["cuda_graphs"],
-                   help="replay decode steps as CUDA graphs (cupy backend)")
-    g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=D["fused_ops"],
-                   help="fused CUDA kernels for RMSNorm/RoPE/SiLU (cupy backend; self-checked at start)")
-    g.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=D["async_decode"],
-                   help="launch each greedy decode step before reading the previous one's tokens (same outputs)")
-    s = p.add_argument_group("sparsity")
-    s.add_argument("--pattern", default=D["pattern"],
-                   help="head pattern: 'auto' (the model's shipped learned pattern, if any), 'none', 'random' "
-                        "or a DuoAttention-format dir/TSV")
-    s.add_argument("--static-sparsity", type=float, default=D["static_sparsity"], help="fraction of KV heads made streaming")
-    s.add_argument("--sink", type=int, default=D["sink"], help="streaming heads: sink tokens")
-    s.add_argument("--local", type=int, default=D["local"], help="streaming heads: local window tokens")
-    s.add_argument("--token-budget", type=int, default=D["token_budget"], help="dense heads' decode budget (0: off)")
-    s.add_argument("--reuse-interval", type=int, default=D["reuse_interval"], help="run the page selector every C steps")
-    s.add_argument("--dynamic-threshold", type=int, default=D["dynamic_threshold"],
-                   help="context below which selection is off (-1: the profiled length for this device, "
-                        "see lserve bench profile-threshold)")
-    s.add_argument("--dense-layers", type=int, default=D["dense_layers"], help="first N layers stay fully dense")
-    s.add_argument("--select-mode", default=D["select_mode"], choices=["kv", "query"],
-                   help="dynamic selection once per KV head (kv) or per query head (query)")
-    s.add_argument("--select-layers", default=D["select_layers"],
-                   help="layers where dense heads select pages: 'auto' (the model's shipped calibration, see "
-                        "lserve calibrate-selection; else all), 'all', 'none', indices '0,5,7' or a calibration .json")
-    s.add_argument("--adaptive-budgets", default=D["adaptive_budgets"],
-                   help="per-layer decode budgets around the mean --token-budget: 'auto' (the model's shipped "
-                        "calibration, see lserve calibrate-budgets), a calibration .json, or '' (off)")
-    s.add_argument("--prefill-sparsity", type=_prefill_tau, default=D["prefill_sparsity"],
-                   help="dynamic block-sparse prefill of dense heads: estimated attention mass each query "
-                        "block keeps, in [0, 1] (0: off; torch and cupy backends), or 'auto': per-layer values "
-                        "calibrated for the model (lserve calibrate-prefill; off when none ships)")
-    s.add_argument("--prefill-sparsity-min-len", type=int, default=D["prefill_sparsity_min_len"],
-                   help="context (cached + chunk tokens) from which a prefill chunk is block-sparse "
-                        "(-1: auto, from lserve bench profile-prefill-threshold's profile of this device)")
-    s.add_argument("--prefill-block", type=int, default=D["prefill_block"],
-                   help="block-sparse prefill: tokens per key block")
-    s.add_argument("--prefill-q-block", type=int, default=D["prefill_q_block"],
-                   help="block-sparse prefill: query positions sharing one block list (a multiple of --prefill-block)")
-    s.add_argument("--prefill-estimator", default=D["prefill_estimator"], choices=list(PREFILL_ESTIMATORS),
-                   help="block-sparse prefill: how a block's attention mass is estimated")
-    c = p.add_argument_group("cache")
-    c.add_argument("--page-size", type=int, default=D["page_size"], help="physical page N_P")
-    c.add_argument("--logical-page-size", type=int, default=D["logical_page_size"], help="logical page N_L")
-    c.add_argument("--kv-quant", default=D["kv_quant"], choices=["none", "int8", "int4"], help="KV cache quantization")
-    c.add_argument("--max-cache-tokens", type=int, default=D["max_cache_tokens"], help="dense-pool capacity in tokens")
-    c.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=D["prefix_cache"],
-                   help="reuse the KV pages of prompt prefixes seen before (--no-prefix-cache: recompute every prompt)")
+def _parser_of(flag: Flag):
+    """An argparse ``type`` for a flag with its own parser: its :class:`ConfigError` becomes argparse's
+    one-line usage error."""
+    def parse(text: str):
+        try:
+            return flag.parse(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = flag.name  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
+def add_flags(p: argparse.ArgumentParser, flags: tuple[Flag, ...], defaults: dict | None = None) -> None:
+    """One ``--flag-name`` per :class:`~lserve.config.Flag` (name, help, choices and default from the
+    field that declares it; ``defaults`` overrides some), engine flags in their config's help group."""
+    groups = {}
+    for f in flags:
+        title = _GROUPS.get(f.owner)
+        if title is not None and title not in groups:
+            groups[title] = p.add_argument_group(title)
+        target = groups.get(title, p)
+        kw: dict = {"default": (defaults or {}).get(f.name, f.default), "help": f.help}
+        if f.kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif f.parse is not None:
+            kw["type"] = _parser_of(f)
+        elif f.kind != "str":
+            kw["type"] = {"int": int, "float": float}[f.kind]
+        if f.choices:
+            kw["choices"] = list(f.choices)
+        target.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """Flags shared by every command that builds an engine, from the config dataclasses' metadata
+    (:func:`lserve.config.engine_flags`)."""
+    add_flags(p, engine_flags(), defaults)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -119,14 +86,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(f"[{m['prompt_tokens']} prompt + {m['completion_tokens']} generated tokens, "
               f"finish: {out.finish_reason}, ttft {m.get('ttft_s', 0):.2f}s]", file=sys.stderr)
     return 0
-
-
-def _prefill_tau(spec: str) -> float:
-    """``--prefill-sparsity``: a number (its range is the config's to check), or "auto"."""
-    try:
-        return SparsityConfig.parse_prefill_sparsity(spec)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _batched(spec: str) -> tuple[int, int] | None:
@@ -345,26 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (Ray Serve)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
-    s.add_argument("--replicas", type=int, default=1, help="engine replicas (the initial count with --autoscaling)")
-    s.add_argument("--autoscaling", action="store_true",
-                   help="let Ray Serve scale engine replicas between --min-replicas and --max-replicas")
-    s.add_argument("--min-replicas", type=int, default=1, help="with --autoscaling: fewest engine replicas")
-    s.add_argument("--max-replicas", type=int, default=1, help="with --autoscaling: most engine replicas")
-    s.add_argument("--max-ongoing-requests", type=int, default=0,
-                   help="requests one engine replica holds at once (0: 2 x --max-num-seqs)")
-    s.add_argument("--max-queued-requests", type=int, default=64,
-                   help="requests admitted beyond what the replicas hold; more get 429 + Retry-After")
-    s.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model value)")
-    s.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
-                   help="on Ctrl-C/SIGTERM: refuse new requests (503), give running ones this long to finish, "
-                        "then end them with an error event")
-    s.add_argument("--sse-keepalive-s", type=float, default=DEFAULT_SSE_KEEPALIVE_S,
-                   help="a stream silent this long (queued, prefilling) sends an SSE comment line ': keep-alive' "
-                        "(0: never)")
-    add_engine_args(s)
-    s.set_defaults(func=cmd_serve, device="auto")  # serving: one GPU per replica when there is one
+    add_flags(s, SERVE_FLAGS)
+    add_engine_args(s, SERVE_ENGINE_DEFAULTS)  # serving: one GPU per replica when there is one
+    s.set_defaults(func=cmd_serve)
 
     from lserve.serve.drain import register as register_drain
 

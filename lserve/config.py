@@ -1,14 +1,19 @@
-"""Configuration dataclasses: one source of defaults, validated in one place.
+"""Configuration dataclasses: each engine setting declared once, validated in one place.
 
-Every user-facing knob of the engine lives here. Each dataclass checks its own fields in
-``__post_init__`` and raises :class:`ConfigError` with a one-line message, which the CLI
-and the HTTP layer show as-is.
+Every user-facing knob of the engine lives here as a dataclass field. A field made with
+:func:`setting` also carries its ``lserve`` flag in its metadata (help text, choices, the command
+line's default where it differs, the flag name where it is not the field's); the CLI's engine flags
+(:func:`lserve.cli.add_engine_args`) and the serve settings (:class:`lserve.serve.settings.ServeSettings`)
+are built from that metadata (:func:`engine_flags`), and :func:`engine_config_from_args` maps the flags
+back. Each dataclass checks its own fields in ``__post_init__`` and raises :class:`ConfigError`
+with a one-line message, which the CLI and the HTTP layer show as-is.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 KV_QUANT_CHOICES = ("none", "int8", "int4")
@@ -22,6 +27,7 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 #: MLP gate activations: SiLU (every supported family's default) and the GELU variants.
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -31,6 +37,64 @@ class ConfigError(ValueError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def setting(default: Any, help: str = "", *, flag: str = "", choices: tuple = (),
+            parse: Callable[[str], Any] | None = None, cli_default: Any = MISSING) -> Any:
+    """A dataclass field with its default and, when ``help`` is given, the flag that sets it.
+
+    Parameters
+    ----------
+    default
+        The library's default (what ``EngineConfig()`` gets).
+    help : str
+        The flag's help text; a field without one is not a flag (library-only).
+    flag : str
+        The flag's name with underscores (``--sink`` -> ``"sink"``), when not the field's own.
+    choices : tuple
+        The values the flag takes (``__post_init__`` checks the same tuple).
+    parse : callable, optional
+        Turns a string (a flag, a YAML or ``key=value`` setting) into the value; raises
+        :class:`ConfigError`. Without one the field's type (int, float, bool, str) decides.
+    cli_default
+        The default of the command line and the serve settings, where it departs from ``default``.
+    """
+    meta: dict[str, Any] = {}
+    if help:
+        meta.update(help=help, flag=flag, choices=tuple(choices), parse=parse,
+                    cli_default=default if cli_default is MISSING else cli_default)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One ``lserve`` flag (and serve setting), read off a config field made with :func:`setting`.
+
+    ``name`` is the flag with underscores (``--token-budget`` -> ``token_budget``, also the serve
+    setting's key); ``owner`` and ``field_name`` say which dataclass field it sets; ``annotation`` is
+    that field's type as written; ``default`` the command line's default.
+    """
+
+    name: str
+    owner: type
+    field_name: str
+    annotation: str
+    default: Any
+    help: str
+    choices: tuple = ()
+    parse: Callable[[str], Any] | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"int"``, ``"float"``, ``"bool"`` or ``"str"`` (anything else is given as text)."""
+        return self.annotation if self.annotation in ("int", "float", "bool") else "str"
+
+
+def flags_of(cls: type) -> tuple[Flag, ...]:
+    """The flags a dataclass declares: its fields made with :func:`setting` and a help text."""
+    return tuple(Flag(f.metadata["flag"] or f.name, cls, f.name, str(f.type), f.metadata["cli_default"],
+                      f.metadata["help"], f.metadata["choices"], f.metadata["parse"])
+                 for f in fields(cls) if f.metadata.get("help"))
 
 
 @dataclass
@@ -135,6 +199,18 @@ def _layer_spec(spec) -> str | tuple[int, ...]:
     return tuple(sorted(set(spec)))
 
 
+def parse_prefill_sparsity(spec: str | float) -> float:
+    """A ``prefill_sparsity`` as a flag or a config file writes it: a number, or "auto" (-1)."""
+    if isinstance(spec, str):
+        if spec.strip().lower() == "auto":
+            return -1.0
+        try:
+            return float(spec)
+        except ValueError:
+            raise ConfigError(f"prefill_sparsity must be a number in [0, 1] or 'auto', got {spec!r}") from None
+    return float(spec)
+
+
 @dataclass
 class SparsityConfig:
     """Unified block-sparse attention settings (SPEC.md sections 2-4).
@@ -191,23 +267,40 @@ class SparsityConfig:
         Antidiagonal stride S: the estimate costs about 1/S of the attention's score products.
     """
 
-    pattern: str | None = None
-    static_sparsity: float = 0.5
-    sink_tokens: int = 128
-    local_tokens: int = 256
-    token_budget: int = 4096
-    reuse_interval: int = 4
-    dynamic_threshold: int = -1
-    dense_layers: int = 0
-    select_mode: str = "kv"
+    pattern: str | None = setting(
+        None, "head pattern: 'auto' (the model's shipped learned pattern, if any), 'none', 'random' "
+              "or a DuoAttention-format dir/TSV", cli_default="auto")
+    static_sparsity: float = setting(0.5, "fraction of KV heads made streaming")
+    sink_tokens: int = setting(128, "streaming heads: sink tokens", flag="sink")
+    local_tokens: int = setting(256, "streaming heads: local window tokens", flag="local")
+    token_budget: int = setting(4096, "dense heads' decode budget (0: off)")
+    reuse_interval: int = setting(4, "run the page selector every C steps")
+    dynamic_threshold: int = setting(
+        -1, "context below which selection is off (-1: the profiled length for this device, "
+            "see lserve bench profile-threshold)")
+    dense_layers: int = setting(0, "first N layers stay fully dense")
+    select_mode: str = setting("kv", "dynamic selection once per KV head (kv) or per query head (query)",
+                               choices=SELECT_MODES)
     pattern_seed: int = 0
-    select_layers: str | tuple[int, ...] = "auto"
-    adaptive_budgets: str = ""
-    prefill_sparsity: float = 0.0
-    prefill_sparsity_min_len: int = -1
-    prefill_block: int = 64
-    prefill_q_block: int = 2048
-    prefill_estimator: str = "antidiagonal"
+    select_layers: str | tuple[int, ...] = setting(
+        "auto", "layers where dense heads select pages: 'auto' (the model's shipped calibration, see "
+                "lserve calibrate-selection; else all), 'all', 'none', indices '0,5,7' or a calibration .json")
+    adaptive_budgets: str = setting(
+        "", "per-layer decode budgets around the mean --token-budget: 'auto' (the model's shipped "
+            "calibration, see lserve calibrate-budgets), a calibration .json, or '' (off)")
+    prefill_sparsity: float = setting(
+        0.0, "dynamic block-sparse prefill of dense heads: estimated attention mass each query "
+             "block keeps, in [0, 1] (0: off; torch and cupy backends), or 'auto': per-layer values "
+             "calibrated for the model (lserve calibrate-prefill; off when none ships)",
+        parse=parse_prefill_sparsity)
+    prefill_sparsity_min_len: int = setting(
+        -1, "context (cached + chunk tokens) from which a prefill chunk is block-sparse "
+            "(-1: auto, from lserve bench profile-prefill-threshold's profile of this device)")
+    prefill_block: int = setting(64, "block-sparse prefill: tokens per key block")
+    prefill_q_block: int = setting(
+        2048, "block-sparse prefill: query positions sharing one block list (a multiple of --prefill-block)")
+    prefill_estimator: str = setting("antidiagonal", "block-sparse prefill: how a block's attention mass is estimated",
+                                     choices=PREFILL_ESTIMATORS)
     prefill_stride: int = 16
 
     def __post_init__(self) -> None:
@@ -244,18 +337,6 @@ class SparsityConfig:
     def streaming_enabled(self) -> bool:
         return self.pattern not in (None, "none") and self.static_sparsity > 0
 
-    @staticmethod
-    def parse_prefill_sparsity(spec: str | float) -> float:
-        """A ``prefill_sparsity`` as a flag or a config file writes it: a number, or "auto" (-1)."""
-        if isinstance(spec, str):
-            if spec.strip().lower() == "auto":
-                return -1.0
-            try:
-                return float(spec)
-            except ValueError:
-                raise ConfigError(f"prefill_sparsity must be a number in [0, 1] or 'auto', got {spec!r}") from None
-        return float(spec)
-
     def request_prefill_sparsity(self, override: float | None) -> float:
         """A request's prefill tau: its own (``SamplingParams.prefill_sparsity``), else this config's."""
         return self.prefill_sparsity if override is None else override
@@ -272,16 +353,18 @@ class CacheConfig:
     logical_page_size : int
         Logical page N_L for key statistics; ``page_size`` must be a multiple of it.
     num_pages : int
-        Dense-pool pages; 0 sizes the pool from ``max_tokens``.
+        Dense-pool pages; 0 sizes the pool from ``dense_pool_tokens``.
+    dense_pool_tokens : int
+        Tokens the dense pool holds (``--max-cache-tokens``), when ``num_pages`` is 0.
     kv_quant : str
         ``"none"``, ``"int8"`` or ``"int4"`` storage of K/V.
     """
 
-    page_size: int = 64
-    logical_page_size: int = 16
+    page_size: int = setting(64, "physical page N_P")
+    logical_page_size: int = setting(16, "logical page N_L")
     num_pages: int = 0
-    max_tokens: int = 65536
-    kv_quant: str = "none"
+    dense_pool_tokens: int = setting(65536, "dense-pool capacity in tokens", flag="max_cache_tokens")
+    kv_quant: str = setting("none", "KV cache quantization", choices=KV_QUANT_CHOICES)
 
     def __post_init__(self) -> None:
         _check(self.page_size > 0 and self.logical_page_size > 0, "page sizes must be positive")
@@ -289,9 +372,11 @@ class CacheConfig:
                f"page_size {self.page_size} must be a multiple of logical_page_size {self.logical_page_size}")
         _check(self.kv_quant in KV_QUANT_CHOICES,
                f"kv_quant must be one of {KV_QUANT_CHOICES}, got {self.kv_quant!r}")
-        _check(self.num_pages >= 0 and self.max_tokens > 0, "num_pages must be >= 0 and max_tokens > 0")
+        _check(self.num_pages >= 0 and self.dense_pool_tokens > 0,
+               f"num_pages must be >= 0 and dense_pool_tokens (--max-cache-tokens) > 0, got "
+               f"{self.num_pages}/{self.dense_pool_tokens}")
         if self.num_pages == 0:
-            self.num_pages = -(-self.max_tokens // self.page_size)
+            self.num_pages = -(-self.dense_pool_tokens // self.page_size)
 
     @property
     def pages_per_logical(self) -> int:
@@ -342,29 +427,43 @@ class EngineConfig:
         recently used first, only when an allocation needs them.
     """
 
-    model: str = "default"
+    # The command line's defaults (cli_default) aim steps at 0.25 s within 8192 token-equivalents,
+    # steps that carry decodes at 100 ms (issue 40's ITL bound; lserve.engine.step_budget), and use
+    # the model's shipped head pattern; the library keeps the deterministic 2048-token cap.
+    model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a preset (llama3-8b, llama2-7b, minitron-4b, "
+                                    "qwen2.5-7b, qwen3-8b, mistral-7b, tiny), a .gguf file or a Hugging Face directory")
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    backend: str = "torch"
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_num_seqs: int = 16
-    max_batched_tokens: int = 2048
-    max_model_len: int = 0  # 0 -> model's max_position_embeddings
-    allow_long_max_model_len: bool = False
-    seed: int = 0
-    cuda_graphs: bool = True
-    fused_ops: bool = True
-    async_decode: bool = True
-    step_time_target: float = 0.0
-    itl_slo_ms: float = 0.0
-    min_prefill_share: float = 0.3
-    prefix_cache: bool = True
+    device: str = setting("cpu", "cpu or cuda[:N]")
+    dtype: str = setting("auto", "activations and KV cache (auto: float32 on a CPU, bfloat16 on a GPU)", choices=DTYPES)
+    backend: str = setting("torch", "attention backend", choices=BACKENDS)
+    max_model_len: int = setting(0, "context limit (0: the model's)")
+    allow_long_max_model_len: bool = setting(
+        False, "accept a --max-model-len past the model's context (its trained length, stretched by its "
+               "rope scaling), whose outputs there are unreliable")
+    max_num_seqs: int = setting(16, "sequences decoded together at most")
+    max_batched_tokens: int = setting(
+        2048, "token-equivalents per step at most (long prompts are prefilled in chunks)", cli_default=8192)
+    step_time_target: float = setting(
+        0.0, "seconds a step with prefill should take, from measured speed (0: token cap only)", cli_default=0.25)
+    itl_slo_ms: float = setting(
+        0.0, "ms a step that carries decodes may take (the ITL of running requests while prompts are "
+             "prefilled); prefill gets the rest, never less than --min-prefill-share (0: the step target)",
+        cli_default=100.0)
+    min_prefill_share: float = setting(
+        0.3, "least fraction of the time of steps with decodes that prefill gets (at its own speed), "
+             "however many requests decode")
+    seed: int = setting(0, "seed for random-weight presets")
+    cuda_graphs: bool = setting(True, "replay decode steps as CUDA graphs (cupy backend)")
+    fused_ops: bool = setting(True, "fused CUDA kernels for RMSNorm/RoPE/SiLU (cupy backend; self-checked at start)")
+    async_decode: bool = setting(
+        True, "launch each greedy decode step before reading the previous one's tokens (same outputs)")
+    prefix_cache: bool = setting(
+        True, "reuse the KV pages of prompt prefixes seen before (--no-prefix-cache: recompute every prompt)")
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        _check(self.dtype in ("auto", "float32", "float16", "bfloat16"),
-               f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_batched_tokens >= 16, f"max_batched_tokens must be >= 16, got {self.max_batched_tokens}")
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
@@ -375,14 +474,14 @@ class EngineConfig:
             _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":
             _check(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
-        sp, cc = self.sparsity, self.cache
-        _check(sp.sink_tokens % cc.page_size == 0 and sp.local_tokens % cc.page_size == 0,
-               f"sink_tokens ({sp.sink_tokens}) and local_tokens ({sp.local_tokens}) must be multiples "
-               f"of the page size ({cc.page_size})")
-        if sp.token_budget:
-            _check(sp.token_budget >= 2 * cc.page_size,
-                   f"token_budget ({sp.token_budget}) must be 0 (off) or at least two pages "
-                   f"({2 * cc.page_size} tokens)")
+        sparsity, page = self.sparsity, self.cache.page_size
+        _check(sparsity.sink_tokens % page == 0 and sparsity.local_tokens % page == 0,
+               f"sink_tokens ({sparsity.sink_tokens}) and local_tokens ({sparsity.local_tokens}) must be multiples "
+               f"of the page size ({page})")
+        if sparsity.token_budget:
+            _check(sparsity.token_budget >= 2 * page,
+                   f"token_budget ({sparsity.token_budget}) must be 0 (off) or at least two pages "
+                   f"({2 * page} tokens)")
 
     def check_max_model_len(self, mc: ModelConfig) -> None:
         """Refuse a ``max_model_len`` past what model ``mc`` is made for (:attr:`ModelConfig.context_limit`)
@@ -403,17 +502,18 @@ class EngineConfig:
     def prefix_namespace(self) -> dict[str, Any]:
         """What, besides the tokens, decides a KV page's contents: the prefix cache's hash seed
         (:func:`lserve.cache.page_hash.namespace_seed`), computed alike by the router."""
-        sp, cc = self.sparsity, self.cache
+        sparsity, cache = self.sparsity, self.cache
         # dtype as given (not resolved by device): every replica of a deployment shares its settings
         return {"model": self.model, "dtype": self.dtype, "backend": self.backend, "seed": self.seed,
-                "max_model_len": self.max_model_len, "page_size": cc.page_size,
-                "logical_page_size": cc.logical_page_size, "kv_quant": cc.kv_quant, "pattern": sp.pattern,
-                "static_sparsity": sp.static_sparsity if sp.streaming_enabled() else 0.0,
-                "sink": sp.sink_tokens, "local": sp.local_tokens, "dense_layers": sp.dense_layers,
-                "pattern_seed": sp.pattern_seed,
+                "max_model_len": self.max_model_len, "page_size": cache.page_size,
+                "logical_page_size": cache.logical_page_size, "kv_quant": cache.kv_quant, "pattern": sparsity.pattern,
+                "static_sparsity": sparsity.static_sparsity if sparsity.streaming_enabled() else 0.0,
+                "sink": sparsity.sink_tokens, "local": sparsity.local_tokens, "dense_layers": sparsity.dense_layers,
+                "pattern_seed": sparsity.pattern_seed,
                 # block-sparse prefill changes later layers' K/V (only named when on: old hashes stay)
-                **({"prefill": [sp.prefill_sparsity, sp.prefill_sparsity_min_len, sp.prefill_block, sp.prefill_q_block,
-                                sp.prefill_estimator, sp.prefill_stride]} if sp.prefill_sparsity != 0 else {})}
+                **({"prefill": [sparsity.prefill_sparsity, sparsity.prefill_sparsity_min_len, sparsity.prefill_block,
+                                sparsity.prefill_q_block, sparsity.prefill_estimator, sparsity.prefill_stride]}
+                   if sparsity.prefill_sparsity != 0 else {})}
 
     def torch_dtype(self):
         """The activation/cache dtype: fp32 on CPU, bf16 on CUDA unless set."""
@@ -424,59 +524,23 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
 
-def engine_config_from_args(a) -> EngineConfig:
-    """Build (and validate) an :class:`EngineConfig` from parsed ``lserve`` engine flags (an
-    ``argparse.Namespace``, or anything with the same attributes: the serve settings pass theirs)."""
-    sd = SparsityConfig  # the class's field defaults, for namespaces without the newer flags
-    sp = SparsityConfig(pattern=a.pattern, static_sparsity=a.static_sparsity, sink_tokens=a.sink,
-                        local_tokens=a.local, token_budget=a.token_budget, reuse_interval=a.reuse_interval,
-                        dynamic_threshold=a.dynamic_threshold, dense_layers=a.dense_layers,
-                        select_mode=a.select_mode, select_layers=a.select_layers,
-                        adaptive_budgets=getattr(a, "adaptive_budgets", ""),
-                        prefill_sparsity=getattr(a, "prefill_sparsity", sd.prefill_sparsity),
-                        prefill_sparsity_min_len=getattr(a, "prefill_sparsity_min_len", sd.prefill_sparsity_min_len),
-                        prefill_block=getattr(a, "prefill_block", sd.prefill_block),
-                        prefill_q_block=getattr(a, "prefill_q_block", sd.prefill_q_block),
-                        prefill_estimator=getattr(a, "prefill_estimator", sd.prefill_estimator))
-    cc = CacheConfig(page_size=a.page_size, logical_page_size=a.logical_page_size, kv_quant=a.kv_quant,
-                     max_tokens=a.max_cache_tokens)
-    return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
-                        max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
-                        max_model_len=a.max_model_len, seed=a.seed,
-                        allow_long_max_model_len=getattr(a, "allow_long_max_model_len", False),
-                        cuda_graphs=a.cuda_graphs, fused_ops=a.fused_ops, async_decode=a.async_decode,
-                        step_time_target=a.step_time_target, itl_slo_ms=a.itl_slo_ms,
-                        min_prefill_share=a.min_prefill_share,
-                        prefix_cache=getattr(a, "prefix_cache", True))
-
-
-#: Where the command line (``lserve generate`` / ``lserve serve`` flags, the serve settings)
-#: departs from the dataclasses' library defaults: the model's shipped head pattern, and steps
-#: that aim at 0.25 s within 8192 token-equivalents, steps that carry decodes at most 100 ms (issue
-#: 40's default ITL bound; see :mod:`lserve.engine.step_budget`; the library keeps the deterministic
-#: 2048-token cap).
-CLI_OVERRIDES = {"pattern": "auto", "max_batched_tokens": 8192, "step_time_target": 0.25, "itl_slo_ms": 100.0}
-#: Engine flag name -> (config object, field) where its default lives.
-_FLAG_FIELDS = {"sink": ("sparsity", "sink_tokens"), "local": ("sparsity", "local_tokens"),
-                "max_cache_tokens": ("cache", "max_tokens")}
+def engine_flags() -> tuple[Flag, ...]:
+    """Every engine flag, in help order: those of :class:`EngineConfig`, :class:`SparsityConfig`
+    and :class:`CacheConfig` (the fields made with :func:`setting` and a help text)."""
+    return flags_of(EngineConfig) + flags_of(SparsityConfig) + flags_of(CacheConfig)
 
 
 def engine_flag_defaults() -> dict[str, Any]:
-    """The default of every engine flag (CLI names, underscores): the config dataclasses' own
-    values with :data:`CLI_OVERRIDES` applied. The CLI and the serve settings read theirs here."""
-    objs = {"engine": EngineConfig(), "sparsity": SparsityConfig(), "cache": CacheConfig()}
-    flags = ("model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
-             "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "itl_slo_ms", "min_prefill_share",
-             "prefix_cache", "allow_long_max_model_len")
-    out = {f: getattr(objs["engine"], f) for f in flags}
-    for f in ("pattern", "static_sparsity", "token_budget", "reuse_interval", "dynamic_threshold", "dense_layers",
-              "select_mode", "select_layers", "adaptive_budgets", "prefill_sparsity", "prefill_sparsity_min_len",
-              "prefill_block", "prefill_q_block", "prefill_estimator"):
-        out[f] = getattr(objs["sparsity"], f)
-    for f in ("page_size", "logical_page_size", "kv_quant"):
-        out[f] = getattr(objs["cache"], f)
-    for flag, (obj, name) in _FLAG_FIELDS.items():
-        out[flag] = getattr(objs[obj], name)
-    out.update(CLI_OVERRIDES)
-    return out
+    """The default of every engine flag (flag names, underscores), as the command line has them."""
+    return {f.name: f.default for f in engine_flags()}
 
+
+def engine_config_from_args(a) -> EngineConfig:
+    """Build (and validate) an :class:`EngineConfig` from parsed ``lserve`` engine flags (an
+    ``argparse.Namespace``, or anything with an attribute per :func:`engine_flags` name: the serve
+    settings pass themselves)."""
+    values: dict[type, dict[str, Any]] = {EngineConfig: {}, SparsityConfig: {}, CacheConfig: {}}
+    for f in engine_flags():
+        values[f.owner][f.field_name] = getattr(a, f.name)
+    return EngineConfig(sparsity=SparsityConfig(**values[SparsityConfig]), cache=CacheConfig(**values[CacheConfig]),
+                        **values[EngineConfig])

@@ -35,7 +35,7 @@ def main() -> None:
     a = ap.parse_args()
     loaded = load_model(a.model, dtype=torch.bfloat16, device="cuda")
     n = a.context + 4 * a.steps + 64
-    eng = LLMEngine(EngineConfig(model=a.model, sparsity=CONFIGS[a.config], cache=CacheConfig(max_tokens=n),
+    eng = LLMEngine(EngineConfig(model=a.model, sparsity=CONFIGS[a.config], cache=CacheConfig(dense_pool_tokens=n),
                                  device="cuda", backend="cupy", max_num_seqs=1, max_batched_tokens=a.context,
                                  max_model_len=n, cuda_graphs=False), loaded)
     ids = torch.randint(0, loaded.config.vocab_size - 2, (a.context,)).tolist()

@@ -118,7 +118,7 @@ def run(device: SimDevice, budget: StepBudget, requests: list[tuple[float, int, 
     """Play ``requests`` ((arrival s, prompt tokens, output tokens)) through a scheduler with
     ``budget`` on ``device``, until all finished or ``until_s`` simulated seconds passed."""
     need = sum(p + o + 64 for _, p, o in requests)
-    cache = KVCache(preset_config("tiny"), CacheConfig(max_tokens=need), [1] * 4, 64, 256, max_num_seqs,
+    cache = KVCache(preset_config("tiny"), CacheConfig(dense_pool_tokens=need), [1] * 4, 64, 256, max_num_seqs,
                     torch.float32, "meta")
     sched = Scheduler(cache, max_num_seqs, budget, lambda seq_id: None)
     seqs = [Sequence(i, f"r{i}", [1 + (i + j) % 400 for j in range(p)],

@@ -22,7 +22,7 @@ from lserve.sparsity.adaptive_budget import (
     resample_ratios,
 )
 
-PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=16 * 256)
+PAGES = CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=16 * 256)
 
 
 def test_allocate_by_hand():

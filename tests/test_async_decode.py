@@ -11,7 +11,7 @@ from lserve.config import CacheConfig, ConfigError, EngineConfig
 from lserve.engine import LLMEngine, SamplingParams
 
 PROMPTS = ["hello world", "abc", "the quick brown fox jumps", "zz", "Once upon a time"]
-PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=4096)
+PAGES = CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=4096)
 
 
 @pytest.fixture(scope="module")

@@ -62,12 +62,12 @@ def test_bad_settings_print_one_line(args, message):
 
 def test_engine_flag_defaults_have_one_source():
     """The CLI flags and the serve settings take their engine defaults from one table (the
-    config dataclasses' values plus the command line's documented overrides)."""
+    config dataclasses' fields, with the command line's defaults declared beside them)."""
     import argparse
     from dataclasses import fields
 
     from lserve.cli import add_engine_args
-    from lserve.config import CLI_OVERRIDES, SparsityConfig, engine_flag_defaults
+    from lserve.config import CacheConfig, EngineConfig, SparsityConfig, engine_flag_defaults
     from lserve.serve.settings import ENGINE_FIELDS, ServeSettings
 
     table = engine_flag_defaults()
@@ -77,7 +77,37 @@ def test_engine_flag_defaults_have_one_source():
     serve = {f.name: f.default for f in fields(ServeSettings) if f.name in ENGINE_FIELDS}
     assert set(serve) == set(table)
     assert {k: v for k, v in serve.items() if v != table[k]} == {"device": "auto"}
-    assert table["sink"] == SparsityConfig().sink_tokens and table["pattern"] == CLI_OVERRIDES["pattern"]
+    assert table["sink"] == SparsityConfig().sink_tokens and table["max_cache_tokens"] == CacheConfig().dense_pool_tokens
+    # where the command line departs from the library: declared on the field (cli_default)
+    library = {"pattern": SparsityConfig().pattern, "max_batched_tokens": EngineConfig().max_batched_tokens,
+               "step_time_target": EngineConfig().step_time_target, "itl_slo_ms": EngineConfig().itl_slo_ms}
+    assert library == {"pattern": None, "max_batched_tokens": 2048, "step_time_target": 0.0, "itl_slo_ms": 0.0}
+    assert {k: table[k] for k in library} == {"pattern": "auto", "max_batched_tokens": 8192, "step_time_target": 0.25,
+                                              "itl_slo_ms": 100.0}
+
+
+def test_every_engine_flag_sets_its_config_field():
+    """Each engine flag, given a value of its own, lands on the field that declares it (and only there)."""
+    from lserve.cli import build_parser
+    from lserve.config import CacheConfig, EngineConfig, SparsityConfig, engine_config_from_args, engine_flags
+
+    given = {"model": "tiny", "device": "cpu", "dtype": "float16", "backend": "torch", "max_model_len": 123,
+             "allow_long_max_model_len": True, "max_num_seqs": 3, "max_batched_tokens": 99, "step_time_target": 0.5,
+             "itl_slo_ms": 7.0, "min_prefill_share": 0.2, "seed": 5, "cuda_graphs": False, "fused_ops": False,
+             "async_decode": False, "prefix_cache": False, "pattern": "random", "static_sparsity": 0.25, "sink": 32,
+             "local": 48, "token_budget": 64, "reuse_interval": 2, "dynamic_threshold": 9, "dense_layers": 1,
+             "select_mode": "query", "select_layers": "none", "adaptive_budgets": "", "prefill_sparsity": 0.5,
+             "prefill_sparsity_min_len": 11, "prefill_block": 32, "prefill_q_block": 96, "prefill_estimator": "bound",
+             "page_size": 16, "logical_page_size": 8, "max_cache_tokens": 1000, "kv_quant": "int8"}
+    assert set(given) == {f.name for f in engine_flags()}
+    argv = ["generate", "hi"]
+    for name, value in given.items():
+        flag = "--" + name.replace("_", "-")
+        argv += ([flag] if value else ["--no-" + flag[2:]]) if isinstance(value, bool) else [flag, str(value)]
+    cfg = engine_config_from_args(build_parser().parse_args(argv))
+    owners = {EngineConfig: cfg, SparsityConfig: cfg.sparsity, CacheConfig: cfg.cache}
+    assert {f.name: getattr(owners[f.owner], f.field_name) for f in engine_flags()} == given
+    assert (cfg.sparsity.sink_tokens, cfg.sparsity.local_tokens, cfg.cache.dense_pool_tokens) == (32, 48, 1000)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

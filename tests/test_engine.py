@@ -21,7 +21,7 @@ PROMPTS = [
     "Water boils at",
 ]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-SMALL_PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=4096)
+SMALL_PAGES = CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=4096)
 # Sparsity on everywhere it can bite at these lengths: random streaming heads and a tiny budget.
 SPARSE = SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=16, local_tokens=16,
                         token_budget=32, reuse_interval=2)

@@ -97,7 +97,7 @@ def test_meter_equals_what_the_torch_backend_reads(smol, mode):
         sp = SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=16, local_tokens=32, token_budget=64,
                             reuse_interval=3, dynamic_threshold=0, select_layers=(1, 4, 7, 20))
     eng = LLMEngine(EngineConfig(model="default", sparsity=sp, max_num_seqs=2, max_batched_tokens=512,
-                                 cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=2048)), smol)
+                                 cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=2048)), smol)
     counted = _counting_backend(eng.backend)
     prompts = ["The quick brown fox jumps over the lazy dog. " * 12, "Count: one two three four five six seven."]
     outs = eng.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))

@@ -84,7 +84,7 @@ def test_auto_uses_the_shipped_per_layer_taus():
     prompt = list(range(100, 100 + 1100))
     sp = SparsityConfig(pattern="auto", token_budget=0, prefill_sparsity=-1.0, prefill_sparsity_min_len=256,
                         prefill_q_block=256)
-    eng = LLMEngine(EngineConfig(model="default", sparsity=sp, cache=CacheConfig(max_tokens=1280),
+    eng = LLMEngine(EngineConfig(model="default", sparsity=sp, cache=CacheConfig(dense_pool_tokens=1280),
                                  max_batched_tokens=1280, prefix_cache=False), loaded)
     assert eng.backend.prefill_layer_taus == tuple(shipped["layer_taus"])
 

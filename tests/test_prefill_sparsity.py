@@ -122,7 +122,7 @@ def _prefill_engine(model, loaded, tau, **sp):
     from lserve.config import CacheConfig, EngineConfig, SparsityConfig
     from lserve.engine import LLMEngine
 
-    cfg = EngineConfig(model=model, cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=4096),
+    cfg = EngineConfig(model=model, cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=4096),
                        max_batched_tokens=96,  # chunked: later chunks attend to cached blocks (start > 0)
                        sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=16, local_tokens=16,
                                                token_budget=0, prefill_sparsity=tau, prefill_sparsity_min_len=128,
@@ -180,7 +180,7 @@ def test_engine_prefill_sparsity_keeps_the_passkey(smol):
     case = make_passkey_case(smol.tokenizer, 2048, 0.5, seed=0)
     sp = SparsityConfig(pattern=None, token_budget=0, prefill_sparsity=0.9, prefill_sparsity_min_len=0,
                         prefill_q_block=256)
-    eng = LLMEngine(EngineConfig(model="default", sparsity=sp, cache=CacheConfig(max_tokens=2400),
+    eng = LLMEngine(EngineConfig(model="default", sparsity=sp, cache=CacheConfig(dense_pool_tokens=2400),
                                  max_model_len=2400, max_batched_tokens=4096), smol)
     out = eng.generate([case.prompt_ids], SamplingParams(max_tokens=8, temperature=0))[0]
     kept, causal = eng.backend.prefill_tiles

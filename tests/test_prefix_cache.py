@@ -27,7 +27,7 @@ CONFIGS = {
 
 def _engine(smol, prefix_cache: bool, sparsity: str = "lserve", kv_quant: str = "none", dtype: str = "float32",
             **kw) -> LLMEngine:
-    kw.setdefault("cache", CacheConfig(page_size=16, logical_page_size=4, max_tokens=2048, kv_quant=kv_quant))
+    kw.setdefault("cache", CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=2048, kv_quant=kv_quant))
     return LLMEngine(EngineConfig(model="default", sparsity=CONFIGS[sparsity], dtype=dtype, prefix_cache=prefix_cache,
                                   **kw), smol)
 
@@ -124,7 +124,7 @@ def test_abort_and_preemption_never_free_a_page_another_sequence_reads(smol):
     outs = eng.generate(prompts, params)
     assert eng.scheduler.num_preemptions > 0
     plain = LLMEngine(EngineConfig(model="default", sparsity=CONFIGS["lserve"], prefix_cache=False,
-                                   cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=2048)), smol)
+                                   cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=2048)), smol)
     assert [o.token_ids for o in outs] == [o.token_ids for o in _one_by_one(plain, prompts, params)]
     assert eng.cache.all_free()
     # Abort one of two readers of a cached prefix: the other one's pages stay held and correct.

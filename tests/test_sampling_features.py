@@ -10,7 +10,7 @@ from lserve.config import CacheConfig, ConfigError, EngineConfig
 from lserve.engine import LLMEngine, RequestError, SamplingParams
 from lserve.engine.sampling import sample
 
-PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=4096)
+PAGES = CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=4096)
 PROMPT = "The list: apple, apple, apple, banana, apple, apple,"
 
 

@@ -115,7 +115,7 @@ def test_slow_decodes_leave_prefill_its_share():
 
 def test_itl_slo_needs_no_step_target():
     """``itl_slo_s`` alone turns the time model on for steps with decodes; prefill-only steps keep
-    the token cap (a prompt of max_tokens tokens is one step)."""
+    the token cap (a prompt of max_batched_tokens tokens is one step)."""
     b = StepBudget(4096, target_s=0.0, itl_slo_s=0.05)
     assert b.timed and b.prefill_budget(0) == b.cap
     b.observe(4096, 0, 4096 / 60000.0)

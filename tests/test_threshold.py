@@ -42,7 +42,7 @@ def test_user_profile_overrides_shipped(tmp_path, monkeypatch):
 
 def _engine(threshold: int = -1) -> LLMEngine:
     sp = SparsityConfig(token_budget=128, dynamic_threshold=threshold)
-    return LLMEngine(EngineConfig(model="tiny", sparsity=sp, cache=CacheConfig(max_tokens=2048), max_model_len=2048))
+    return LLMEngine(EngineConfig(model="tiny", sparsity=sp, cache=CacheConfig(dense_pool_tokens=2048), max_model_len=2048))
 
 
 def _dynamic_at(engine: LLMEngine, length: int) -> bool:

@@ -61,7 +61,7 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 def _engine(loaded: LoadedModel, model: str, sp: SparsityConfig, context: int, device: str, backend: str,
             decode_steps: int, kv_quant: str = "none", num_seqs: int = 1, async_decode: bool = True) -> LLMEngine:
-    cache = CacheConfig(max_tokens=num_seqs * (context + decode_steps + 64), kv_quant=kv_quant)
+    cache = CacheConfig(dense_pool_tokens=num_seqs * (context + decode_steps + 64), kv_quant=kv_quant)
     cfg = EngineConfig(model=model, sparsity=sp, cache=cache, device=device, backend=backend, max_num_seqs=num_seqs,
                        max_batched_tokens=max(context, 16), max_model_len=context + decode_steps + 64,
                        async_decode=async_decode)
@@ -160,7 +160,7 @@ def _cache(loaded: LoadedModel, model: str, sp: SparsityConfig, device: str, kv_
     from lserve.engine.llm_engine import build_cache, build_layout
 
     mc = loaded.config
-    cfg = EngineConfig(model=model, sparsity=sp, cache=CacheConfig(max_tokens=tokens, kv_quant=kv_quant),
+    cfg = EngineConfig(model=model, sparsity=sp, cache=CacheConfig(dense_pool_tokens=tokens, kv_quant=kv_quant),
                        device=device, max_num_seqs=1)
     return build_cache(cfg, mc, build_layout(cfg, mc), cfg.torch_dtype())
 

@@ -87,7 +87,7 @@ def run_prefill_sparsity(out_dir: str, contexts=CONTEXTS, taus=TAUS, block: int 
         case = make_passkey_case(loaded.tokenizer, ctx, PASSKEY_DEPTH, seed=0)
         max_len = ctx + 256
         eng = LLMEngine(EngineConfig(model=model, sparsity=SparsityConfig(pattern=None, token_budget=0),
-                                     cache=CacheConfig(max_tokens=max_len), max_num_seqs=1,
+                                     cache=CacheConfig(dense_pool_tokens=max_len), max_num_seqs=1,
                                      max_batched_tokens=max_len, max_model_len=max_len), loaded)
         try:
             captured = capture_prefill_qk(eng, case.prompt_ids)

@@ -52,7 +52,7 @@ def run_prefill_threshold(model: str = "default", device: str = "cpu", backend: 
     top = max(contexts) + 64
     # the model's own streaming pattern (auto), prefill sparsity off unless a request asks for it
     sp = SparsityConfig(prefill_sparsity=0.0, prefill_sparsity_min_len=0)
-    eng = LLMEngine(EngineConfig(model=model, sparsity=sp, cache=CacheConfig(max_tokens=top), device=device,
+    eng = LLMEngine(EngineConfig(model=model, sparsity=sp, cache=CacheConfig(dense_pool_tokens=top), device=device,
                                  backend=backend, max_num_seqs=1, max_batched_tokens=top, max_model_len=top,
                                  prefix_cache=False), loaded)
     measure_engine(eng, 128, 1)  # warm-up: kernels compiled, allocator primed

@@ -273,7 +273,7 @@ def run_selection_mass(cfg: SelectionMassConfig, out_dir: str | Path = "benchmar
     page, logical = cfg.engine_page
     max_len = max(c.context for c in cases) + cfg.decode_steps + 2 * page
     sp = SparsityConfig(pattern=None, token_budget=0, dynamic_threshold=0, select_layers="none")
-    cc = CacheConfig(page_size=page, logical_page_size=logical, max_tokens=max_len)
+    cc = CacheConfig(page_size=page, logical_page_size=logical, dense_pool_tokens=max_len)
     engine = LLMEngine(EngineConfig(model=cfg.model, sparsity=sp, cache=cc, device=cfg.device, dtype=cfg.dtype,
                                     max_num_seqs=1, max_batched_tokens=max_len, max_model_len=max_len), loaded)
     rec = MassRecorder(engine.backend, cfg)

@@ -50,7 +50,7 @@ def run_profile_threshold(model: str = "default", device: str = "cpu", backend: 
     top = max(contexts) + decode_steps + 64
     sp = SparsityConfig(token_budget=budget, reuse_interval=reuse_interval, dynamic_threshold=0)
     chunk = max(top, 16) if device.startswith("cuda") else 2048
-    eng = LLMEngine(EngineConfig(model=model, sparsity=sp, cache=CacheConfig(max_tokens=top), device=device,
+    eng = LLMEngine(EngineConfig(model=model, sparsity=sp, cache=CacheConfig(dense_pool_tokens=top), device=device,
                                  backend=backend, max_num_seqs=1, max_batched_tokens=chunk, max_model_len=top),
                     loaded)
     measure_engine(eng, 128, 4)  # warm-up: kernels compiled, allocator primed

@@ -33,8 +33,8 @@ class StreamRing:
 
     def slot_of_page(self, i: torch.Tensor) -> torch.Tensor:
         """Ring slot of logical page index ``i`` (elementwise)."""
-        sp = self.sink_pages
-        return torch.where(i < sp, i, sp + (i - sp) % self.local_pages)
+        sink = self.sink_pages
+        return torch.where(i < sink, i, sink + (i - sink) % self.local_pages)
 
     def page_in_slot(self, length: int) -> list[int]:
         """For each slot, the logical page it holds once ``length`` tokens are written (-1: none)."""
@@ -42,11 +42,11 @@ class StreamRing:
             return [-1] * self.num_slots
         last = (length - 1) // self.page_size
         out = [i if i <= last else -1 for i in range(self.sink_pages)]
-        sp = self.sink_pages
+        sink = self.sink_pages
         for r in range(self.local_pages):
-            # The latest page i <= last with (i - sp) % local_pages == r.
-            i = last - ((last - sp - r) % self.local_pages)
-            out.append(i if i >= sp else -1)
+            # The latest page i <= last with (i - sink) % local_pages == r.
+            i = last - ((last - sink - r) % self.local_pages)
+            out.append(i if i >= sink else -1)
         return out
 
 

@@ -151,7 +151,7 @@ def calibrate_prefill(cfg: PrefillCalibrationConfig, progress: bool = True) -> d
     cases = plan.cases(loaded.tokenizer)
     max_len = max(len(c.prompt_ids) for c in cases) + 64
     engine = LLMEngine(EngineConfig(model=cfg.model, sparsity=SparsityConfig(pattern=None, token_budget=0),
-                                    cache=CacheConfig(max_tokens=max_len), device=cfg.device, dtype=cfg.dtype,
+                                    cache=CacheConfig(dense_pool_tokens=max_len), device=cfg.device, dtype=cfg.dtype,
                                     max_num_seqs=1, max_batched_tokens=max_len, max_model_len=max_len,
                                     prefix_cache=False), loaded)
     scale = mc.head_dim ** -0.5

@@ -174,7 +174,7 @@ def calibrate_selection(cfg: CalibrationConfig, progress: bool = True) -> dict:
     # while the planner still sizes each request's budget (SeqPlan.budget_pages).
     sp = SparsityConfig(pattern=None, token_budget=0, dynamic_threshold=0, select_mode=cfg.select_mode,
                         select_layers="none")
-    cc = CacheConfig(page_size=cfg.page_size, logical_page_size=cfg.logical_page_size, max_tokens=max_len)
+    cc = CacheConfig(page_size=cfg.page_size, logical_page_size=cfg.logical_page_size, dense_pool_tokens=max_len)
     engine = LLMEngine(EngineConfig(model=cfg.model, sparsity=sp, cache=cc, device=cfg.device, dtype=cfg.dtype,
                                     max_num_seqs=1, max_batched_tokens=cfg.max_batched_tokens,
                                     max_model_len=max_len), loaded)

@@ -107,14 +107,14 @@ def build_layout(cfg: EngineConfig, mc: ModelConfig) -> HeadLayout:
     ships for it) or a random one."""
     from lserve.sparsity.shipped import auto_pattern
 
-    sp = cfg.sparsity
+    sparsity = cfg.sparsity
     num_layers, num_kv_heads = mc.num_layers, mc.num_kv_heads
-    source = (auto_pattern(mc) if sp.streaming_enabled() else None) if sp.pattern == "auto" else sp.pattern
-    if not sp.streaming_enabled() or source is None:
+    source = (auto_pattern(mc) if sparsity.streaming_enabled() else None) if sparsity.pattern == "auto" else sparsity.pattern
+    if not sparsity.streaming_enabled() or source is None:
         return HeadLayout.all_dense(num_layers, num_kv_heads)
-    pattern = (random_pattern(num_layers, num_kv_heads, sp.pattern_seed) if source == "random"
+    pattern = (random_pattern(num_layers, num_kv_heads, sparsity.pattern_seed) if source == "random"
                else load_pattern(source))
-    return HeadLayout.from_pattern(pattern, num_layers, num_kv_heads, sp.static_sparsity, sp.dense_layers)
+    return HeadLayout.from_pattern(pattern, num_layers, num_kv_heads, sparsity.static_sparsity, sparsity.dense_layers)
 
 
 def step_alpha(mc, layout: HeadLayout) -> float:
@@ -123,21 +123,21 @@ def step_alpha(mc, layout: HeadLayout) -> float:
                            [n * mc.group_size for n in layout.n_dense()])
 
 
-def resolve_prefill_min_len(sp: SparsityConfig, device: str, model_cfg, dtype) -> tuple[SparsityConfig, str | None]:
-    """``sp`` with an "auto" (-1) ``prefill_sparsity_min_len`` resolved: the profiled length of this
+def resolve_prefill_min_len(sparsity: SparsityConfig, device: str, model_cfg, dtype) -> tuple[SparsityConfig, str | None]:
+    """``sparsity`` with an "auto" (-1) ``prefill_sparsity_min_len`` resolved: the profiled length of this
     device and model shape, else :data:`~lserve.config.PREFILL_MIN_LEN_UNPROFILED`; and the profile
     file it came from (None: not from a profile)."""
-    if sp.prefill_sparsity_min_len >= 0:
-        return sp, None
+    if sparsity.prefill_sparsity_min_len >= 0:
+        return sparsity, None
     found = lookup(profile_key(device, model_cfg, dtype), PREFILL, "min_len")
     min_len, source = (int(found[0]), found[1]) if found else (PREFILL_MIN_LEN_UNPROFILED, None)
-    return replace(sp, prefill_sparsity_min_len=min_len), source
+    return replace(sparsity, prefill_sparsity_min_len=min_len), source
 
 
 def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCache:
     """The two-way paged KV cache an engine with config ``cfg`` allocates."""
-    sp = cfg.sparsity
-    return KVCache(model_cfg, cfg.cache, layout.n_dense(), sp.sink_tokens, sp.local_tokens, cfg.max_num_seqs,
+    sparsity = cfg.sparsity
+    return KVCache(model_cfg, cfg.cache, layout.n_dense(), sparsity.sink_tokens, sparsity.local_tokens, cfg.max_num_seqs,
                    dtype, cfg.device, prefix_cache=cfg.prefix_cache, prefix_seed=namespace_seed(cfg.prefix_namespace()))
 
 
@@ -165,18 +165,18 @@ class LLMEngine:
             raise ConfigError("INT4 KV needs an even head_dim")
         self.layout = build_layout(config, mc)
         self.model = LlamaModel(mc, self.loaded.weights, self.layout, dtype, config.device)
-        sp, self.prefill_threshold_source = resolve_prefill_min_len(config.sparsity, config.device, mc, dtype)
+        sparsity, self.prefill_threshold_source = resolve_prefill_min_len(config.sparsity, config.device, mc, dtype)
         self.cache = build_cache(config, mc, self.layout, dtype)
-        self.backend = make_backend(config.backend, mc, sp, self.cache)
-        if sp.prefill_sparsity < 0:  # auto: say which taus are in effect
+        self.backend = make_backend(config.backend, mc, sparsity, self.cache)
+        if sparsity.prefill_sparsity < 0:  # auto: say which taus are in effect
             if self.backend.prefill_taus_source is None:
                 log.warning("prefill_sparsity auto: no prefill calibration ships for model %r; block-sparse "
                             "prefill is off (lserve calibrate-prefill makes one)", mc.name)
             else:
                 log.info("prefill_sparsity auto: per-layer taus from %s", self.backend.prefill_taus_source)
-        self.sparsity_in_effect = in_effect(sp, mc, self.layout.streaming_fraction())
+        self.sparsity_in_effect = in_effect(sparsity, mc, self.layout.streaming_fraction())
         self.threshold_source = None
-        if sp.dynamic_threshold < 0:  # auto: the profile of this device and model shape, if any
+        if sparsity.dynamic_threshold < 0:  # auto: the profile of this device and model shape, if any
             found = lookup_ratio(profile_key(config.device, mc, dtype))
             if found is not None:
                 self.backend.planner.threshold_ratio, self.threshold_source = found
@@ -252,9 +252,9 @@ class LLMEngine:
           steps without decodes, whose chunks are large; a chunk next to decodes stays as small as
           the step budget says (the backend runs an off-grid chunk through flash).
         """
-        sp = self.config.sparsity
-        if sp.request_prefill_sparsity(seq.params.prefill_sparsity) != 0:
-            return sp.prefill_q_block
+        sparsity = self.config.sparsity
+        if sparsity.request_prefill_sparsity(seq.params.prefill_sparsity) != 0:
+            return sparsity.prefill_q_block
         return 0 if decoding else self.backend.chunk_align(len(seq.prompt_ids))
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
@@ -404,7 +404,7 @@ class LLMEngine:
         else:
             parts, marks = [self._forward_part(batch, prev)], None
         samplers = [s for p in parts for s in p.samplers]
-        spans = [sp for p in parts for sp in p.spans]
+        spans = [span for p in parts for span in p.spans]
         sampled = [p for p in parts if p.samplers] or parts[:1]
         logits = sampled[0].logits if len(sampled) == 1 else torch.cat([p.logits for p in sampled])
         greedy_dev = None
@@ -584,7 +584,7 @@ class LLMEngine:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        rids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, plist)]
+        rids = [self.add_request(prompt, sampling, chat=chat) for prompt, sampling in zip(prompts, plist)]
         final: dict[str, RequestOutput] = {}
         bar = None
         if progress:

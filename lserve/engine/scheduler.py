@@ -60,7 +60,7 @@ class Scheduler:
         self.cache = cache
         self.row_align = row_align
         self.max_num_seqs = max_num_seqs
-        self.budget = budget  # its max_tokens caps a step (decodes included)
+        self.budget = budget  # its max_batched_tokens caps a step (decodes included)
         self.last_prefill_cost = 0.0  # token-equivalents of prefill the last schedule() picked
         self.on_release = on_release  # called with a seq_id whenever its pages are dropped
         self.waiting: deque[Sequence] = deque()
@@ -208,13 +208,13 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq in self.running and n_decode < self.budget.max_tokens:
+            if seq in self.running and n_decode < self.budget.max_batched_tokens:
                 out.append(Scheduled(seq, 1, True))
                 n_decode += 1
         # 2) prefill chunks, shortest remaining prompt first (running mid-prefill and waiting).
         b = self.budget
         room = b.prefill_budget(n_decode)
-        tokens_left = self.budget.max_tokens - n_decode
+        tokens_left = self.budget.max_batched_tokens - n_decode
         cost = 0.0
         for seq in self.running:  # pages the last step finished writing become shareable
             self._index_prompt_pages(seq)

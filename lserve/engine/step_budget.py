@@ -85,13 +85,13 @@ class StepBudget:
 
     Parameters
     ----------
-    max_tokens : int
-        Tokens per step at most (``max_batched_tokens``); a step's cost is capped at
-        :attr:`cap`, that of prefilling ``max_tokens`` tokens from an empty cache.
+    max_batched_tokens : int
+        Tokens per step at most (:attr:`~lserve.config.EngineConfig.max_batched_tokens`); a step's
+        cost is capped at :attr:`cap`, that of prefilling that many tokens from an empty cache.
     alpha : float
         :func:`attention_alpha` of the model.
     target_s : float
-        Seconds a prefill-only step should take; 0: ``max_tokens`` alone sizes them.
+        Seconds a prefill-only step should take; 0: ``max_batched_tokens`` alone sizes them.
     itl_slo_s : float
         Seconds a step that carries decodes should take at most (0: ``target_s``); the time
         model is on when either is set (:attr:`timed`).
@@ -102,7 +102,7 @@ class StepBudget:
         Prefill tokens every step may carry, whatever the measurements say.
     """
 
-    max_tokens: int
+    max_batched_tokens: int
     alpha: float = 0.0
     target_s: float = 0.0
     itl_slo_s: float = 0.0
@@ -134,8 +134,8 @@ class StepBudget:
 
     @property
     def cap(self) -> float:
-        """Token-equivalents a step may carry: a fresh prompt of ``max_tokens`` tokens."""
-        return self.cost(self.max_tokens, 0)
+        """Token-equivalents a step may carry: a fresh prompt of ``max_batched_tokens`` tokens."""
+        return self.cost(self.max_batched_tokens, 0)
 
     def cost(self, n: int, start: int) -> float:
         """Token-equivalents of prefilling ``n`` tokens after ``start`` cached ones."""
@@ -150,7 +150,7 @@ class StepBudget:
         # n (1 + a s) + a n^2 / 2 = budget  ->  the positive root
         b = 1.0 + self.alpha * start
         n = min(remaining, int((-b + (b * b + 2 * self.alpha * budget) ** 0.5) / self.alpha))
-        # the root in floats can land just below an exact fit (a prompt of max_tokens tokens)
+        # the root in floats can land just below an exact fit (a prompt of max_batched_tokens tokens)
         return n + 1 if n < remaining and self.cost(n + 1, start) <= budget else n
 
     def mixed_prefill_s(self) -> float:

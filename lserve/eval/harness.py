@@ -269,7 +269,7 @@ class Harness:
 
             dtype = EngineConfig(model=self.model, device=self.device, dtype=self.dtype).torch_dtype()
             self.loaded = load_model(self.model, dtype=dtype, device=self.device)
-        cc = CacheConfig(max_tokens=num_seqs * (max_len + 64), kv_quant=rc.kv_quant,
+        cc = CacheConfig(dense_pool_tokens=num_seqs * (max_len + 64), kv_quant=rc.kv_quant,
                          logical_page_size=rc.logical_page_size)
         cfg = EngineConfig(model=self.model, sparsity=rc.sparsity(self.loaded.config), cache=cc, backend=self.backend,
                            device=self.device, dtype=self.dtype, max_num_seqs=num_seqs,

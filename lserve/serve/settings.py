@@ -1,31 +1,29 @@
 """Serving settings: one validated dataclass shared by ``lserve serve``, the YAML config and tests.
 
-The engine fields carry the CLI flag names (``--token-budget`` -> ``token_budget``) so that a
-``serve run`` YAML file, the command line and :func:`lserve.config.engine_config_from_args` all speak
-the same language. Everything crosses process boundaries as a plain dict (:meth:`to_dict`).
+:class:`ServeSettings` holds the serving fields declared here plus one field per engine flag, made
+from the config dataclasses' metadata (:func:`lserve.config.engine_flags`): named as the flags
+(``--token-budget`` -> ``token_budget``), with the command line's defaults, so that a ``serve run``
+YAML file, the command line and :func:`lserve.config.engine_config_from_args` all speak the same
+language. The serving fields made with :func:`lserve.config.setting` and a help text are also
+``lserve serve`` flags (:data:`SERVE_FLAGS`). Everything crosses process boundaries as a plain dict
+(:meth:`ServeSettings.to_dict`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
-from lserve.config import ConfigError, EngineConfig, SparsityConfig, engine_config_from_args, engine_flag_defaults
+from lserve.config import ConfigError, EngineConfig, engine_config_from_args, engine_flags, flags_of, setting
 
-#: Fields that describe the engine (names of the ``lserve`` CLI flags, with underscores).
-ENGINE_FIELDS = (
-    "model", "device", "dtype", "backend", "max_model_len", "max_num_seqs", "max_batched_tokens", "seed",
-    "pattern", "static_sparsity", "sink", "local", "token_budget", "reuse_interval", "dynamic_threshold",
-    "dense_layers", "select_mode", "select_layers", "adaptive_budgets", "prefill_sparsity", "prefill_sparsity_min_len",
-    "prefill_block", "prefill_q_block", "prefill_estimator", "page_size", "logical_page_size", "kv_quant",
-    "max_cache_tokens",
-    "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "itl_slo_ms", "min_prefill_share",
-    "prefix_cache", "allow_long_max_model_len",
-)
+#: Fields that describe the engine (names of the ``lserve`` engine flags, with underscores).
+ENGINE_FIELDS = tuple(f.name for f in engine_flags())
+#: Where serving departs from the engine flags' defaults: ``device`` "auto" becomes ``"cuda"``
+#: (one GPU per replica) when a CUDA GPU is visible, else ``"cpu"``.
+SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"device": "auto"}
 
-_D = engine_flag_defaults()
 API_KEY_ENV = "LSERVE_API_KEY"
 #: Seconds a shutdown lets running requests finish (Kubernetes' default termination grace period;
 #: vLLM-style servers drain for about as long). The one default of ``--shutdown-grace-s``.
@@ -40,12 +38,13 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _coerce(name: str, value: Any, type_name: str) -> Any:
-    """Convert a string to the field's declared type (``int``, ``float``, ``bool``, optional)."""
+def _coerce(name: str, value: Any, type_name: str, parse=None) -> Any:
+    """Convert a string to the field's declared type (``int``, ``float``, ``bool``, optional), or
+    with the field's own ``parse`` (its :func:`~lserve.config.setting` metadata) when it has one."""
     if not isinstance(value, str):
         return value
-    if name == "prefill_sparsity":  # a number or "auto"
-        return SparsityConfig.parse_prefill_sparsity(value)
+    if parse is not None:
+        return parse(value)
     base = type_name.replace(" | None", "").strip()
     if "None" in type_name and value.strip().lower() in ("", "none", "null"):
         return None
@@ -63,15 +62,20 @@ def _coerce(name: str, value: Any, type_name: str) -> Any:
     return value
 
 
+# The serving half of ServeSettings, which adds the engine fields at the end of this module
+# (the methods read both halves; not used alone).
 @dataclass
-class ServeSettings:
+class _Serving:
     """Everything a deployment needs; validated on construction.
 
     Parameters
     ----------
-    model ... max_cache_tokens
-        Engine settings, as the ``lserve`` flags of the same names. ``device="auto"`` (the serving
-        default) becomes ``"cuda"`` (one GPU per replica) when a CUDA GPU is visible, else ``"cpu"``.
+    model ... prefix_cache
+        Engine settings (:data:`ENGINE_FIELDS`), as the ``lserve`` flags of the same names.
+        ``device="auto"`` (the serving default) becomes ``"cuda"`` (one GPU per replica) when a
+        CUDA GPU is visible, else ``"cpu"``.
+    host, port
+        Where the HTTP API listens.
     served_model_name : str or None
         The ``model`` id clients send and ``/v1/models`` lists (default: the ``model`` string).
     replicas : int
@@ -117,57 +121,19 @@ class ServeSettings:
         fresh temporary folder per deployment).
     """
 
-    # -- engine (CLI flag names) --------------------------------------------------------------
-    # Defaults from lserve.config.engine_flag_defaults (as the CLI); "device" alone differs here:
-    # "auto" picks a GPU when one is visible.
-    model: str = _D["model"]
-    device: str = "auto"
-    dtype: str = _D["dtype"]
-    backend: str = _D["backend"]
-    max_model_len: int = _D["max_model_len"]
-    max_num_seqs: int = _D["max_num_seqs"]
-    max_batched_tokens: int = _D["max_batched_tokens"]
-    seed: int = _D["seed"]
-    pattern: str | None = _D["pattern"]
-    static_sparsity: float = _D["static_sparsity"]
-    sink: int = _D["sink"]
-    local: int = _D["local"]
-    token_budget: int = _D["token_budget"]
-    reuse_interval: int = _D["reuse_interval"]
-    dynamic_threshold: int = _D["dynamic_threshold"]
-    dense_layers: int = _D["dense_layers"]
-    select_mode: str = _D["select_mode"]
-    select_layers: str = _D["select_layers"]
-    adaptive_budgets: str = _D["adaptive_budgets"]
-    prefill_sparsity: float = _D["prefill_sparsity"]
-    prefill_sparsity_min_len: int = _D["prefill_sparsity_min_len"]
-    prefill_block: int = _D["prefill_block"]
-    prefill_q_block: int = _D["prefill_q_block"]
-    prefill_estimator: str = _D["prefill_estimator"]
-    page_size: int = _D["page_size"]
-    logical_page_size: int = _D["logical_page_size"]
-    kv_quant: str = _D["kv_quant"]
-    max_cache_tokens: int = _D["max_cache_tokens"]
-    cuda_graphs: bool = _D["cuda_graphs"]
-    fused_ops: bool = _D["fused_ops"]
-    async_decode: bool = _D["async_decode"]
-    step_time_target: float = _D["step_time_target"]
-    itl_slo_ms: float = _D["itl_slo_ms"]
-    min_prefill_share: float = _D["min_prefill_share"]
-    prefix_cache: bool = _D["prefix_cache"]
-    allow_long_max_model_len: bool = _D["allow_long_max_model_len"]
-    # -- serving ------------------------------------------------------------------------------
-    host: str = "127.0.0.1"
-    port: int = 8000
+    # Fields with a help text are also `lserve serve` flags (SERVE_FLAGS); the engine fields are
+    # added below, from the config dataclasses (ServeSettings).
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    port: int = setting(8000, "HTTP port of the OpenAI-compatible API")
     app_name: str = "lserve"
-    served_model_name: str | None = None
-    replicas: int = 1
-    autoscaling: bool = False
-    min_replicas: int = 1
-    max_replicas: int = 1
+    served_model_name: str | None = setting(None, "model id in the API (default: the --model value)")
+    replicas: int = setting(1, "engine replicas (the initial count with --autoscaling)")
+    autoscaling: bool = setting(False, "let Ray Serve scale engine replicas between --min-replicas and --max-replicas")
+    min_replicas: int = setting(1, "with --autoscaling: fewest engine replicas")
+    max_replicas: int = setting(1, "with --autoscaling: most engine replicas")
     target_ongoing_requests: float = 8.0
-    max_ongoing_requests: int = 0
-    max_queued_requests: int = 64
+    max_ongoing_requests: int = setting(0, "requests one engine replica holds at once (0: 2 x --max-num-seqs)")
+    max_queued_requests: int = setting(64, "requests admitted beyond what the replicas hold; more get 429 + Retry-After")
     overload_status_code: int = 429
     retry_after_s: float = 1.0
     num_cpus: float = 0.0
@@ -186,8 +152,12 @@ class ServeSettings:
     max_body_bytes: int = 16 * 1024 * 1024
     default_max_tokens: int = 1024
     request_timeout_s: float | None = None
-    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
-    sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S
+    shutdown_grace_s: float = setting(
+        DEFAULT_SHUTDOWN_GRACE_S, "on Ctrl-C/SIGTERM: refuse new requests (503), give running ones this long to "
+                                  "finish, then end them with an error event")
+    sse_keepalive_s: float = setting(
+        DEFAULT_SSE_KEEPALIVE_S, "a stream silent this long (queued, prefilling) sends an SSE comment line "
+                                 "': keep-alive' (0: never)")
     metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -236,10 +206,10 @@ class ServeSettings:
         rejected.
         """
         d = {str(k).replace("-", "_"): v for k, v in (d or {}).items()}
-        types = {f.name: str(f.type) for f in fields(cls)}
-        unknown = sorted(set(d) - set(types))
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
         _check(not unknown, f"unknown serve setting(s): {', '.join(unknown)}")
-        return cls(**{k: _coerce(k, v, types[k]) for k, v in d.items()})
+        return cls(**{k: _coerce(k, v, str(known[k].type), known[k].metadata.get("parse")) for k, v in d.items()})
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
@@ -274,7 +244,7 @@ class ServeSettings:
     # -- derived ------------------------------------------------------------------------------
     def engine_config(self) -> EngineConfig:
         """The engine's :class:`EngineConfig` (built by the CLI's own flag mapping)."""
-        return engine_config_from_args(argparse.Namespace(**{k: getattr(self, k) for k in ENGINE_FIELDS}))
+        return engine_config_from_args(self)
 
     @property
     def model_name(self) -> str:
@@ -310,3 +280,18 @@ class ServeSettings:
         if self.torch_threads:
             return self.torch_threads
         return max(1, (os.cpu_count() or 1) // self.peak_replicas)
+
+
+#: The ``lserve serve`` flags of the serving fields (the engine flags come from the config).
+SERVE_FLAGS = flags_of(_Serving)
+
+
+def _engine_field(flag) -> tuple[str, str, Any]:
+    """A :class:`ServeSettings` field for one engine flag: its name, type and (serving) default."""
+    meta = {"parse": flag.parse} if flag.parse else {}
+    return flag.name, flag.annotation, field(default=SERVE_ENGINE_DEFAULTS.get(flag.name, flag.default), metadata=meta)
+
+
+#: The settings class: the serving fields above, then one field per engine flag.
+ServeSettings = make_dataclass("ServeSettings", [_engine_field(f) for f in engine_flags()], bases=(_Serving,),
+                               namespace={"__module__": __name__, "__doc__": _Serving.__doc__})

@@ -87,13 +87,13 @@ def main() -> None:
     V = loaded.config.vocab_size
     max_len = max(a.long, 5 * max(a.chunks) + 64) + 512
     eng = LLMEngine(EngineConfig(model=a.model, sparsity=CONFIGS[a.config], device="cuda", backend="cupy",
-                                 cache=CacheConfig(max_tokens=64 * 4096 + 2 * max_len), max_num_seqs=40,
+                                 cache=CacheConfig(dense_pool_tokens=64 * 4096 + 2 * max_len), max_num_seqs=40,
                                  max_batched_tokens=BIG, max_model_len=max_len), loaded)
     timer, budget, rows = Timed(eng), eng.scheduler.budget, []
     greedy = dict(temperature=0, ignore_eos=True)
     for b in a.batches:
         rids = [eng.add_request(rand_ids(2048, V), SamplingParams(max_tokens=4000, **greedy)) for _ in range(b)]
-        budget.max_tokens = BIG
+        budget.max_batched_tokens = BIG
         while not all(s.in_decode for s in eng.scheduler.running) or eng.scheduler.waiting:
             eng.step()
         for _ in range(4):
@@ -103,14 +103,14 @@ def main() -> None:
         rows.append(summary("decode_eager", [step(eng, timer) for _ in range(8)], batch=b))
         eng.graphs = graphs
         for n in a.chunks:
-            budget.max_tokens = b + n
+            budget.max_batched_tokens = b + n
             rid = eng.add_request(rand_ids(5 * n + 64, V), SamplingParams(max_tokens=1, **greedy))
             got = [step(eng, timer) for _ in range(5)]  # the first chunk starts at 0, the rest after a past
             rows.append(summary("mixed_first", got[:1], batch=b, chunk=n))
             rows.append(summary("mixed_cont", got[1:], batch=b, chunk=n, past=f"{n}-{4 * n}"))
             eng.abort(rid)
         if b == a.batches[0]:  # where the host time of a mixed step goes: a first chunk, then later ones
-            budget.max_tokens = b + 256
+            budget.max_batched_tokens = b + 256
             rid = eng.add_request(rand_ids(4096, V), SamplingParams(max_tokens=1, **greedy))
             for part, n_steps in (("first", 1), ("cont", 3)):
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -133,7 +133,7 @@ def main() -> None:
             if key and impl != "-":
                 chunked._IMPL[key] = impl
             for rep in range(2):  # the second run reuses whatever the first planned
-                budget.max_tokens = n
+                budget.max_batched_tokens = n
                 eng.add_request(ids, SamplingParams(max_tokens=1, **greedy))
                 torch.cuda.synchronize()
                 t = time.perf_counter()

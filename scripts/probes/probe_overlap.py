@@ -80,7 +80,7 @@ class Prefiller:
     def one(self, n: int, chunk: int) -> list[float]:
         """Prefill one ``n``-token prompt in ``chunk``-token steps; milliseconds of each step."""
         eng = self.eng
-        eng.scheduler.budget.max_tokens = chunk
+        eng.scheduler.budget.max_batched_tokens = chunk
         eng.add_request(rand_ids(n, self.vocab), SamplingParams(max_tokens=1, **GREEDY))
         got = []
         while eng.has_unfinished():
@@ -146,10 +146,10 @@ def main() -> None:
     vocab = loaded.config.vocab_size
     sp = CONFIGS[a.config]
     eng_a = LLMEngine(EngineConfig(model=a.model, sparsity=sp, device="cuda", backend="cupy",
-                                   cache=CacheConfig(max_tokens=a.batch * 16384), max_num_seqs=a.batch,
+                                   cache=CacheConfig(dense_pool_tokens=a.batch * 16384), max_num_seqs=a.batch,
                                    max_model_len=16384), loaded)
     eng_b = LLMEngine(EngineConfig(model=a.model, sparsity=sp, device="cuda", backend="cupy", cuda_graphs=False,
-                                   cache=CacheConfig(max_tokens=2 * a.long + 4096), max_num_seqs=2,
+                                   cache=CacheConfig(dense_pool_tokens=2 * a.long + 4096), max_num_seqs=2,
                                    max_model_len=a.long + 1024, max_batched_tokens=a.long), loaded)
     dec, pre = Decoder(eng_a, a.batch, a.prompt, vocab), Prefiller(eng_b, vocab)
     for _ in range(2):  # compile B's kernels and flash shapes

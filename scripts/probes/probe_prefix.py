@@ -22,7 +22,7 @@ from lserve.models.loader import load_model
 def main() -> None:
     loaded = load_model("llama3-8b", dtype=torch.bfloat16, device="cuda")
     eng = LLMEngine(EngineConfig(model="llama3-8b", sparsity=CONFIGS["lserve"], device="cuda", backend="cupy",
-        cache=CacheConfig(max_tokens=80000), max_num_seqs=8, max_batched_tokens=8192, max_model_len=40000,
+        cache=CacheConfig(dense_pool_tokens=80000), max_num_seqs=8, max_batched_tokens=8192, max_model_len=40000,
         step_time_target=0.25, itl_slo_ms=100.0), loaded)
     rng = random.Random(0)
     for ctx in (8192, 32768):

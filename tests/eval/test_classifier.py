@@ -63,7 +63,7 @@ def test_gated_forward_matches_engine_prefill(tiny, tmp_path, kind):
     sp = SparsityConfig(pattern=str(tmp_path) if frac else None, static_sparsity=frac, sink_tokens=16,
                         local_tokens=32, token_budget=0)
     eng = LLMEngine(EngineConfig(model="tiny", sparsity=sp, cache=CacheConfig(page_size=16, logical_page_size=4,
-                                                                           max_tokens=1024),
+                                                                           dense_pool_tokens=1024),
                                  max_batched_tokens=96), tiny)
     assert eng.layout.streaming_fraction() == pytest.approx(frac)
     ids = [random.Random(0).randrange(256) for _ in range(300)]

@@ -21,7 +21,7 @@ def tiny():
 def _engine(tiny, kv_quant="none", reuse=2):
     sp = SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=16, local_tokens=32, token_budget=64,
                         reuse_interval=reuse)
-    cc = CacheConfig(page_size=16, logical_page_size=4, max_tokens=16 * 512, kv_quant=kv_quant)
+    cc = CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=16 * 512, kv_quant=kv_quant)
     # Room for both prompts in one step: forked and separate runs then cut the same prefill chunks
     # (numerics depend on where chunks end: a chunk attends to its own K/V unquantized, to the
     # cached past as stored, e.g. INT8), which shortest-first scheduling of shared steps would not keep.

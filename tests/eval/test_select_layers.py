@@ -16,7 +16,7 @@ from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
 from lserve.sparsity.layer_select import default_calibration_for, load_calibration, resolve_select_layers
 
-PAGES = CacheConfig(page_size=16, logical_page_size=4, max_tokens=16 * 256)
+PAGES = CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=16 * 256)
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,7 @@ def test_cupy_engine_long_prompt_chunks_run_cudnn(seed):
         cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="bfloat16", cuda_graphs=False,
                            sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
                                                    local_tokens=64, token_budget=0),
-                           cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=24576),
+                           cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=24576),
                            max_num_seqs=2, max_batched_tokens=chunk, max_model_len=24576)
         eng = LLMEngine(cfg, loaded=loaded)
         if chunk < len(prompt):  # the plans a server builds at start (cuDNN chunks: one shape per piece)

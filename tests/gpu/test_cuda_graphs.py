@@ -28,7 +28,7 @@ def _engine(loaded, graphs: bool, kv_quant: str = "none", dtype: str = "float32"
                                                local_tokens=64, token_budget=64, reuse_interval=4,
                                                dynamic_threshold=0, adaptive_budgets=adaptive,
                                                select_layers="all" if adaptive else "auto"),
-                       cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=16384, kv_quant=kv_quant),
+                       cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=16384, kv_quant=kv_quant),
                        max_num_seqs=4, max_batched_tokens=2048)
     return LLMEngine(cfg, loaded=loaded)
 
@@ -103,7 +103,7 @@ def test_steps_that_decode_and_prefill_split_into_replay_and_eager_prefill(seed)
     runs = []
     for graphs in (False, True):
         eng = _engine(loaded, graphs)
-        eng.scheduler.budget.max_tokens = 256  # the long prompts prefill in chunks next to the decodes
+        eng.scheduler.budget.max_batched_tokens = 256  # the long prompts prefill in chunks next to the decodes
         runs.append(_staggered(eng, prompts, max_tokens, arrive_at))
     ref, got = runs
     assert eng.step_kinds["mixed_graph"] >= 4, eng.step_kinds  # decodes replayed, chunks eager, same step
@@ -162,7 +162,7 @@ def test_mixed_graph_steps_time_their_prefill_part(seed):
     CUDA events, for the step budget's rate of prefill next to decodes."""
     loaded = load_model("tiny", dtype=torch.bfloat16, device="cuda", seed=seed % 1000)
     cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="bfloat16", step_time_target=0.05,
-                       itl_slo_ms=40.0, cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=32768),
+                       itl_slo_ms=40.0, cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=32768),
                        max_num_seqs=4, max_batched_tokens=2048)
     eng = LLMEngine(cfg, loaded=loaded)
     rng = random.Random(seed)

@@ -60,7 +60,7 @@ def run_engine(backend: str, loaded, kv_quant: str, select_mode: str, dtype: str
                        sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
                                                local_tokens=64, token_budget=budget, reuse_interval=4,
                                                select_mode=select_mode),
-                       cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=16384, kv_quant=kv_quant),
+                       cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=16384, kv_quant=kv_quant),
                        max_num_seqs=4, max_batched_tokens=256, cuda_graphs=False,  # the spy reads every forward
                        async_decode=False,  # chained steps skip schedule(): the spy pairs forwards with batches
                        fused_ops=False)  # attention kernels against the oracle; fused ops: test_cuda_graphs

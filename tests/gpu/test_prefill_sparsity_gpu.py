@@ -59,7 +59,7 @@ def _engine(loaded, tau: float, backend: str = "cupy", chunk: int = 4096) -> LLM
                        sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32, local_tokens=64,
                                                token_budget=0, prefill_sparsity=tau, prefill_sparsity_min_len=1024,
                                                prefill_block=64, prefill_q_block=256),
-                       cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=16384),
+                       cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=16384),
                        max_num_seqs=4, max_batched_tokens=chunk)
     return LLMEngine(cfg, loaded=loaded)
 

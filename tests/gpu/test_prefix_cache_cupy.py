@@ -43,7 +43,7 @@ def _engine(loaded, prefix_cache: bool, dtype: str, kv_quant: str = "none", grap
     cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype=dtype, prefix_cache=prefix_cache,
                        sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32, local_tokens=64,
                                                token_budget=64, reuse_interval=4, dynamic_threshold=0),
-                       cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=8192, kv_quant=kv_quant),
+                       cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=8192, kv_quant=kv_quant),
                        max_num_seqs=4, max_batched_tokens=1024, cuda_graphs=graphs, fused_ops=graphs)
     return LLMEngine(cfg, loaded=loaded)
 

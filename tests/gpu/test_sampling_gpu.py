@@ -20,7 +20,7 @@ def _engine(loaded, graphs: bool, fused: bool = True) -> LLMEngine:
     cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="float32", cuda_graphs=graphs,
                        fused_ops=fused, sparsity=SparsityConfig(pattern="random", static_sparsity=0.5,
                                                                 sink_tokens=32, local_tokens=64, token_budget=0),
-                       cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=16384), max_num_seqs=4,
+                       cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=16384), max_num_seqs=4,
                        max_batched_tokens=2048)
     return LLMEngine(cfg, loaded=loaded)
 

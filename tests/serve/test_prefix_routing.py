@@ -22,7 +22,7 @@ def test_route_keys_are_the_engines_page_hashes(smol):
     route = keys.route(DOC + " Q1?")
     assert route["keys"] == "pages"
     cfg = settings.engine_config()
-    eng = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, logical_page_size=4, max_tokens=512),
+    eng = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=512),
                                  sparsity=cfg.sparsity, prefix_cache=True), smol)
     # The engine's seed comes from its own config; the settings' config differs only in fields
     # that are not part of the seed (max tokens), so the keys agree.
