@@ -25,7 +25,7 @@ from lserve.serve.admission import Admission, SubRequest
 from lserve.serve.lifecycle import Lifecycle
 from lserve.serve.metrics import get_http_metrics
 from lserve.serve.middleware import auth_error
-from lserve.serve.params import check_unicode, engine_fields, message_dicts
+from lserve.serve.params import api_param, check_unicode, engine_fields, message_dicts
 from lserve.serve.prefix_keys import PrefixKeys
 from lserve.serve.protocol import (
     MAX_CHOICES,
@@ -80,7 +80,6 @@ class OpenAIServer:
         counts = [len(r.curr_replicas) for r in routers_for(self.settings.app_name)]
         return max(counts) if counts else self.settings.replicas
 
-
     # -- checks -------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
         """401 unless the request carries the configured API key (``Authorization: Bearer``).
@@ -98,10 +97,11 @@ class OpenAIServer:
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                               "invalid_request_error", "model", "model_not_found")
 
-
     # -- engine calls -------------------------------------------------------------------------
-    async def _open(self, index: int, payload: dict[str, Any]) -> SubRequest:
-        """Send one engine request and read its first event (raises :class:`OpenAIError`)."""
+    async def _open(self, index: int, payload: dict[str, Any], req: CompletionRequest | ChatCompletionRequest
+                    ) -> SubRequest:
+        """Send one engine request and read its first event (raises :class:`OpenAIError`; an
+        engine error names the field of ``req`` behind the engine field it names)."""
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
@@ -133,7 +133,7 @@ class OpenAIServer:
                 status = int(first.get("status", 500))
                 headers = retry if status in (429, 503) else None
                 etype = "invalid_request_error" if status == 400 else "service_unavailable"
-                raise OpenAIError(status, first.get("message", "engine error"), etype, first.get("param"),
+                raise OpenAIError(status, first.get("message", "engine error"), etype, api_param(req, first.get("param")),
                                   first.get("code"), headers)
         except BaseException:  # including the client going away while we waited
             stream.cancel()
@@ -141,7 +141,8 @@ class OpenAIServer:
             raise
         return SubRequest(index, stream, first, self.admission)
 
-    async def open_all(self, payloads: list[dict[str, Any]]) -> list[SubRequest]:
+    async def open_all(self, payloads: list[dict[str, Any]], req: CompletionRequest | ChatCompletionRequest
+                       ) -> list[SubRequest]:
         """Open every choice's engine stream; on any failure, cancel the opened ones and raise.
 
         The streams are opened one after the other: Ray Serve gives every handle call made while
@@ -152,13 +153,12 @@ class OpenAIServer:
         subs: list[SubRequest] = []
         try:
             for i, p in enumerate(payloads):
-                subs.append(await self._open(i, p))
+                subs.append(await self._open(i, p, req))
         except BaseException:
             for s in subs:
                 s.cancel()
             raise
         return subs
-
 
     # -- endpoints ----------------------------------------------------------------------------
     def _payloads(self, prompts: list, chat: bool, params: dict[str, Any], n: int, rid: str) -> list[dict[str, Any]]:
@@ -173,7 +173,6 @@ class OpenAIServer:
                 out.append({"request_id": f"{rid}-{len(out)}", "prompt": prompt, "chat": chat, "params": p})
         return out
 
-
     def _events(self, subs: list[SubRequest]):
         """All choices' events, ended with a 503 when a shutdown drain cuts the request."""
         return self.lifecycle.until_cut(merged_events(subs), self.settings.retry_after_s)
@@ -182,7 +181,6 @@ class OpenAIServer:
         """``POST /v1/completions``: JSON, or SSE chunks when ``stream`` is set."""
         self.authorize(request)
         self.check_model(req.model)
-        await self.max_model_len()  # known once, for the token_budget bound
         prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompts = [prompt]
@@ -191,9 +189,9 @@ class OpenAIServer:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise bad_request("the prompt is empty", "prompt")
         check_unicode([p for p in prompts if isinstance(p, str)], "prompt")
-        params = engine_fields(req, req.max_tokens, self.settings.page_size, self._max_model_len)
+        params = engine_fields(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        subs = await self.open_all(self._payloads(prompts, False, params, req.n, rid))
+        subs = await self.open_all(self._payloads(prompts, False, params, req.n, rid), req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(subs, self._events(subs), rid, "text_completion", self.model_name, include_usage,
@@ -205,12 +203,10 @@ class OpenAIServer:
         """``POST /v1/chat/completions`` (the model's chat template): JSON, or SSE chunks when ``stream`` is set."""
         self.authorize(request)
         self.check_model(req.model)
-        await self.max_model_len()
         messages = message_dicts(req.messages)
-        params = engine_fields(req, req.max_completion_tokens or req.max_tokens, self.settings.page_size,
-                               self._max_model_len)
+        params = engine_fields(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        subs = await self.open_all(self._payloads([messages], True, params, req.n, rid))
+        subs = await self.open_all(self._payloads([messages], True, params, req.n, rid), req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(subs, self._events(subs), rid, "chat.completion.chunk", self.model_name,
