@@ -93,7 +93,6 @@ def api_param(req: CompletionRequest | ChatCompletionRequest, engine_param: str 
     return engine_param
 
 
-# -- request fields -> engine fields ----------------------------------------------------------
 def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """400 for fields set to a value that would change the output in a way LServe does not implement."""
     fmt = req.response_format
