@@ -106,8 +106,18 @@ def test_request_errors_are_clear(smol):
         eng.add_request([], SamplingParams())
     with pytest.raises(RequestError, match="outside the vocabulary"):
         eng.add_request([10**9], SamplingParams())
-    with pytest.raises(ConfigError, match="top_p"):
+    with pytest.raises(RequestError, match="top_p") as e:
         SamplingParams(top_p=0)
+    assert e.value.param == "top_p"
+    # the per-request token budget: 0 or at least two pages (of 16 tokens here), at most the context
+    with pytest.raises(RequestError, match=r"at least two KV pages \(32 tokens\), got 20") as e:
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, token_budget=20))
+    assert e.value.param == "token_budget"
+    with pytest.raises(RequestError, match=r"token_budget \(512\) exceeds the model's context length \(256\)") as e:
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, token_budget=512))
+    assert e.value.param == "token_budget"
+    with pytest.raises(RequestError, match="token_budget must be an integer >= 0"):
+        SamplingParams(token_budget=-1)
     with pytest.raises(ConfigError, match="multiples of the page size"):
         EngineConfig(sparsity=SparsityConfig(sink_tokens=10))
     assert not eng.has_unfinished() and eng.cache.all_free()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lserve.config import CacheConfig, ConfigError, EngineConfig
+from lserve.config import CacheConfig, EngineConfig
 from lserve.engine import LLMEngine, RequestError, SamplingParams
 from lserve.engine.sampling import sample
 
@@ -174,11 +174,15 @@ def test_plain_greedy_decode_still_chains(smol):
 
 
 def test_bad_sampling_values_are_rejected(eng):
-    for kw in ({"max_tokens": 0}, {"max_tokens": 2, "min_tokens": 3}, {"presence_penalty": 2.5},
-               {"repetition_penalty": 0.0}, {"logit_bias": {"x": 1.0}}, {"logit_bias": {5: 101.0}},
-               {"logprobs": 21}):
-        with pytest.raises(ConfigError):
+    for kw, param in (({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+                      ({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                      ({"logit_bias": {"x": 1.0}}, "logit_bias"), ({"logit_bias": {5: 101.0}}, "logit_bias"),
+                      ({"logit_bias": {"²": 1.0}}, "logit_bias"), ({"logprobs": 21}, "logprobs"),
+                      ({"temperature": float("nan")}, "temperature"), ({"seed": 2**64}, "seed")):
+        with pytest.raises(RequestError) as e:
             SamplingParams(**kw)
+        assert e.value.param == param, (kw, e.value)
+    assert SamplingParams(logit_bias={"7": 1.5, 9: -2.0}).logit_bias == {7: 1.5, 9: -2.0}  # JSON keys are strings
     with pytest.raises(RequestError) as e:
         eng.add_request(PROMPT, SamplingParams(logit_bias={10**7: 1.0}))
     assert e.value.param == "logit_bias" and "outside the vocabulary" in str(e.value)

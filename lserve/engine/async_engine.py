@@ -18,7 +18,8 @@ import traceback
 from collections.abc import AsyncIterator
 
 from lserve.config import EngineConfig
-from lserve.engine.llm_engine import EngineStats, LLMEngine, RequestError
+from lserve.engine.llm_engine import EngineStats, LLMEngine
+from lserve.engine.request_check import RequestError
 from lserve.engine.sampling import SamplingParams
 from lserve.engine.sequence import RequestOutput
 from lserve.models.loader import LoadedModel

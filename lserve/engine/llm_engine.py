@@ -22,6 +22,7 @@ from lserve.cache.page_hash import namespace_seed
 from lserve.config import PREFILL_MIN_LEN_UNPROFILED, ConfigError, EngineConfig, ModelConfig, SparsityConfig
 from lserve.engine.async_decode import HostTokens, LaunchedStep
 from lserve.engine.cuda_graphs import DecodeGraphs
+from lserve.engine.request_check import RequestCheck, RequestError
 from lserve.engine.sampling import (
     SampleLogprobs,
     SamplingParams,
@@ -44,22 +45,6 @@ from lserve.sparsity.plan import SeqStep
 from lserve.sparsity.threshold import PREFILL, lookup, lookup_ratio, profile_key
 
 log = logging.getLogger("lserve")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (too long, bad parameters); message for the user.
-
-    ``param`` names the offending request field when it is not the prompt; ``code`` is the
-    OpenAI error code the serving layer answers with (e.g. ``context_length_exceeded``).
-    """
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 @dataclass
@@ -191,6 +176,9 @@ class LLMEngine:
         budget = StepBudget.for_engine(config, step_alpha(mc, self.layout))
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, budget, self.backend.release, self._row_align)
         self.eos_ids = tuple(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids))
+        self.request_check = RequestCheck(mc.vocab_size, self.max_model_len, self.cache.page_size,
+                                          self.cache.dense_alloc.num_pages, self.backend.name,
+                                          self.backend.supports_prefill_sparsity)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.steps = 0
@@ -216,30 +204,8 @@ class LLMEngine:
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise :class:`RequestError` if the request can never be served."""
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
-        bad = [t for t in params.logit_bias or {} if t >= self.model_config.vocab_size]
-        if bad:
-            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary "
-                               f"(0..{self.model_config.vocab_size - 1})", "logit_bias")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                               f"request asks for {total} ({len(prompt_ids)} in the prompt + {params.max_tokens} "
-                               f"to generate)", code=CONTEXT_LENGTH_EXCEEDED)
-        if params.prefill_sparsity and not self.backend.supports_prefill_sparsity:
-            raise RequestError(f"prefill_sparsity is not supported by the {self.backend.name!r} backend")
-        tb, page = params.token_budget, self.cache.page_size
-        if tb is not None and 0 < tb < 2 * page:
-            raise RequestError(f"token_budget must be 0 (off) or at least two pages ({2 * page} tokens), got {tb}")
-        pages = self.cache.pages_for(total)
-        if pages > self.cache.dense_alloc.num_pages:
-            raise RequestError(f"the request needs {pages} KV pages ({total} tokens) but the cache has "
-                               f"{self.cache.dense_alloc.num_pages}", code=CONTEXT_LENGTH_EXCEEDED)
+        """Raise :class:`RequestError` if the request can never be served (:meth:`RequestCheck.request`)."""
+        self.request_check.request(prompt_ids, params)
 
     def _row_align(self, seq: Sequence, decoding: bool) -> int:
         """Where a chunk of ``seq`` should end (0: anywhere). cuDNN builds a plan per new shape

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lserve.config import ConfigError
+from lserve.engine.request_check import RequestCheck
 
-MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; completions are capped at 5 by the server)
 PROMPT_LOGPROB_BLOCK = 256  # prompt rows turned into [rows, V] logits at a time (bounds the memory)
 
 # A token's logprob entry: (token id, logprob, ((alternative id, logprob), ...) best first).
@@ -28,7 +27,8 @@ GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM does)
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop.
+    """How to pick tokens and when to stop (checked when made: :meth:`RequestCheck.params`,
+    which raises :class:`~lserve.engine.request_check.RequestError` naming the field).
 
     Parameters
     ----------
@@ -87,41 +87,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        bias_ok = True
-        if self.logit_bias:
-            try:  # JSON object keys arrive as strings
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError):
-                bias_ok = False
-        min_max = 0 if self.prompt_logprobs is not None else 1
-        checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= min_max,
-             f"max_tokens must be an integer >= {min_max}, got {self.max_tokens!r}"
-             + (" (0 is allowed only with prompt logprobs)" if min_max else "")),
-            (0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (self.token_budget is None or self.token_budget >= 0, f"token_budget must be >= 0, got {self.token_budget}"),
-            (self.prefill_sparsity is None or 0.0 <= self.prefill_sparsity <= 1.0,
-             f"prefill_sparsity must be in [0, 1], got {self.prefill_sparsity}"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= max(self.max_tokens, 0),
-             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (0.0 < self.repetition_penalty <= 100.0,
-             f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"),
-            (bias_ok and all(k >= 0 and -100.0 <= v <= 100.0 for k, v in (self.logit_bias or {}).items()),
-             "logit_bias maps token ids (integers >= 0) to biases in [-100, 100]"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
-            (isinstance(self.prefix_cache, bool), f"prefix_cache must be true or false, got {self.prefix_cache!r}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ConfigError(msg)
+        RequestCheck.params(self)
+        if self.logit_bias:  # JSON object keys arrive as strings
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,7 @@
 
 Two deployments: ``LServeEngine`` (replicas of :class:`~lserve.serve.replica.EngineReplica`, one
 engine each, routed by :class:`~lserve.serve.ray_router.PrefixAwareRequestRouter`) behind
-``LServeIngress`` (the OpenAI-compatible FastAPI app of :mod:`lserve.serve.ingress`).
+``LServeIngress`` (the OpenAI-compatible FastAPI app of :mod:`lserve.serve.openai_app`).
 
 * ``serve run deploy/serve_config.yaml`` calls :func:`build_app` with the YAML's ``args``.
 * ``lserve serve`` calls :func:`serve_main`, which starts a local Ray, runs the app and blocks until
@@ -76,12 +76,12 @@ class OpenAIIngress:
         self.server = OpenAIServer(ServeSettings.from_dict(settings), engine, replica=_replica_id())
 
     def __serve_build_asgi_app__(self):
-        from lserve.serve.ingress import build_openai_app
+        from lserve.serve.openai_app import build_openai_app
 
         return build_openai_app(self.server)
 
     async def drain(self, grace_s: float) -> dict[str, Any]:
-        """Shutdown drain of this ingress (see :meth:`lserve.serve.ingress.Lifecycle.drain`)."""
+        """Shutdown drain of this ingress (see :meth:`lserve.serve.lifecycle.Lifecycle.drain`)."""
         return await self.server.lifecycle.drain(grace_s)
 
 
@@ -167,7 +167,7 @@ def _drain(settings: ServeSettings) -> None:
     """Drain the ingress (new requests 503, running ones finish up to the grace period, then cut)."""
     from ray import serve
 
-    from lserve.serve.ingress import Lifecycle
+    from lserve.serve.lifecycle import Lifecycle
 
     grace = settings.shutdown_grace_s
     print(f"lserve: shutting down: refusing new requests, giving running ones up to {grace:g}s "

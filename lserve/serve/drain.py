@@ -37,7 +37,7 @@ def wait_limit_s(grace_s: float) -> float:
     ----------
     grace_s : float
     """
-    from lserve.serve.ingress import Lifecycle
+    from lserve.serve.lifecycle import Lifecycle
 
     return grace_s + Lifecycle.CUT_FLUSH_S + WAIT_MARGIN_S
 

@@ -1,25 +1,24 @@
 """OpenAI-compatible request/response models and the error shape.
 
-Requests are validated strictly (wrong JSON types are rejected, not coerced) with OpenAI's bounds;
-parameters LServe does not implement (tools, structured output, ``best_of``, ``suffix``) are
-accepted only at their neutral values and answered 400 otherwise, so a client never gets silently
-different behaviour. vLLM's ``repetition_penalty``, ``min_tokens``, ``top_k`` and ``ignore_eos``
-are accepted too. The ``lserve`` object is LServe's per-request extension.
+Requests are validated strictly (wrong JSON types are rejected, not coerced); the ranges of the
+sampling fields are the engine's rules (:mod:`lserve.engine.request_check`), checked once there and
+answered as 400 naming the request field. Parameters LServe does not implement (tools, structured
+output, ``best_of``, ``suffix``) are accepted only at their neutral values and answered 400
+otherwise, so a client never gets silently different behaviour. vLLM's ``repetition_penalty``,
+``min_tokens``, ``top_k`` and ``ignore_eos`` are accepted too. The ``lserve`` object is LServe's per-request extension.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_CHOICES = 8  # n times the number of prompts, per request
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
-MAX_TOKENS_LIMIT = 1 << 20
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions (vLLM allows 20)
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 
 
 class OpenAIError(Exception):
@@ -67,13 +66,11 @@ class LServeOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     token_budget: int | None = Field(
-        None, ge=0, le=MAX_TOKENS_LIMIT,
-        description="Dense heads' decode token budget for this request: 0 turns page selection off, otherwise at "
-                    "least two KV pages and at most the model's context length.")
+        None, description="Dense heads' decode token budget for this request: 0 turns page selection off, "
+                          "otherwise at least two KV pages and at most the model's context length.")
     prefill_sparsity: float | None = Field(
-        None, ge=0.0, le=1.0,
-        description="Block-sparse prefill of dense heads for this request: the estimated attention mass each query "
-                    "block keeps (0 off, 1 every causal block); torch and cupy backends.")
+        None, description="Block-sparse prefill of dense heads for this request: the estimated attention mass "
+                          "each query block keeps (0 off, 1 every causal block); torch and cupy backends.")
     streaming: bool | None = Field(
         None, description="Streaming heads on/off. Only true (or absent) is accepted: this deployment cannot switch "
                           "streaming heads off per request.")
@@ -88,29 +85,26 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     model: str | None = Field(None, description="The served model id (see GET /v1/models); default: that model.")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT, description="0 or -1 disables.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="0 or -1 disables.")
+    seed: int | None = None
     stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP} stop strings.")
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0,
-                                    description="Subtracted from the logit of every token generated so far.")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0,
-                                     description="Times a token's count in the generated text, subtracted from its "
-                                                 "logit.")
+    presence_penalty: float = Field(0.0, description="Subtracted from the logit of every token generated so far.")
+    frequency_penalty: float = Field(0.0, description="Times a token's count in the generated text, subtracted from "
+                                                      "its logit.")
     repetition_penalty: float | None = Field(
-        None, gt=0.0, le=100.0, description="vLLM's: divides the positive logits (multiplies the negative ones) of "
-                                            "tokens in the prompt or the generated text; 1 is off.")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="vLLM's: divides the positive logits (multiplies the negative ones) of tokens in the "
+                          "prompt or the generated text; 1 is off.")
+    logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100] added to its logit.")
-    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT,
-                            description="EOS, stop_token_ids and stop strings do not end the output before this many "
-                                        "tokens.")
+    min_tokens: int = Field(0, description="EOS, stop_token_ids and stop strings do not end the output before "
+                                           "this many tokens.")
     response_format: dict[str, Any] | None = Field(
         None, description='Only {"type": "text"} (or null): structured output is not supported.')
     user: str | None = None
@@ -122,10 +116,11 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="Text, token ids, or a batch of either (each prompt gets n choices).")
-    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT, description="0 only with echo (score the prompt).")
+    max_tokens: int | None = Field(16, description="0 only with echo (score the prompt).")
     echo: bool = Field(False, description="Prepend the prompt to the text (and, with logprobs, its tokens' "
                                           "logprobs; the first prompt token's is null).")
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+    # OpenAI's cap for this endpoint, tighter than the engine's (chat allows 20)
+    logprobs: int | None = Field(None, le=MAX_COMPLETION_LOGPROBS,
                                  description="Each token's logprob and this many most likely alternatives.")
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Only 1 (or null) is supported.")
     suffix: str | None = Field(None, description="Not supported (null only).")
@@ -147,10 +142,9 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions`` (the model's chat template is applied)."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = Field(None, description="Return each generated token's logprob.")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
-                                     description="With logprobs: this many most likely alternatives per token.")
+    top_logprobs: int | None = Field(None, description="With logprobs: this many most likely alternatives per token.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported (null or empty only).")
     tool_choice: str | dict[str, Any] | None = Field(None, description='Not supported (null or "none" only).')
     parallel_tool_calls: bool | None = None

@@ -31,7 +31,7 @@ from typing import Any
 
 from lserve.config import ConfigError
 from lserve.engine.async_engine import AsyncEngine, EngineDeadError
-from lserve.engine.llm_engine import CONTEXT_LENGTH_EXCEEDED, RequestError
+from lserve.engine.request_check import CONTEXT_LENGTH_EXCEEDED, RequestError
 from lserve.engine.sampling import SamplingParams
 from lserve.serve.logprobs import TokenTexts
 from lserve.serve.metrics import EngineMetrics, get_engine_metrics
