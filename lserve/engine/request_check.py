@@ -14,7 +14,7 @@ from typing import Any
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; the server caps completions at 5)
-MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_TEMPERATURE = 100.0  # the engine's own bound; the OpenAI API caps at 2 (lserve.serve.protocol)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; the server adds the choice index to it
 MAX_BIAS = 100.0
 MAX_REPETITION_PENALTY = 100.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lserve.engine.sampling import SamplingParams
 from lserve.serve.protocol import (
     MAX_STOP,
     MAX_STOP_CHARS,
@@ -44,8 +45,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
 def engine_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """Engine sampling fields from an OpenAI request (400 for what the API itself refuses).
 
-    The ranges of the fields are the engine's to check (:mod:`lserve.engine.request_check`): the
-    replica answers a field out of range with a 400 event that :func:`api_param` names.
+    The ranges of the fields are the engine's rules (:mod:`lserve.engine.request_check`), applied
+    here before admission (:func:`check_sampling`) and again by the replica; :func:`api_param`
+    names the request field behind an engine field.
     """
     refuse_unsupported(req)
     if req.stream_options is not None and not req.stream:
@@ -71,12 +73,28 @@ def engine_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, A
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
-    return {"max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": req.top_k or 0, "seed": req.seed,
-            "stop": stop, "ignore_eos": req.ignore_eos, "presence_penalty": req.presence_penalty,
-            "frequency_penalty": req.frequency_penalty,
-            "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            "logit_bias": req.logit_bias or None, "min_tokens": req.min_tokens, **logprob_fields(req), **extra}
+    fields = {"max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
+              "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": req.top_k or 0, "seed": req.seed,
+              "stop": stop, "ignore_eos": req.ignore_eos, "presence_penalty": req.presence_penalty,
+              "frequency_penalty": req.frequency_penalty,
+              "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+              "logit_bias": req.logit_bias or None, "min_tokens": req.min_tokens, **logprob_fields(req), **extra}
+    check_sampling(req, fields)
+    return fields
+
+
+def check_sampling(req: CompletionRequest | ChatCompletionRequest, fields: dict[str, Any]) -> None:
+    """The engine's rules on the sampling fields alone (:meth:`RequestCheck.params
+    <lserve.engine.request_check.RequestCheck.params>`, run by :class:`SamplingParams`), here too, so
+    that a bad request gets its 400 before it takes an admission slot; the replica applies them again
+    with the real ``max_tokens`` and adds the rules that need the engine (context, pages)."""
+    p = {k: v for k, v in fields.items() if k != "echo"}
+    if p["max_tokens"] is None:  # the replica fills it from the room left; any valid value checks the rest
+        p["max_tokens"] = max(1, p.get("min_tokens") or 0)
+    try:
+        SamplingParams(**p)
+    except (ValueError, TypeError) as e:  # RequestError (a ValueError) names the engine field
+        raise bad_request(str(e), api_param(req, getattr(e, "param", None))) from None
 
 
 def api_param(req: CompletionRequest | ChatCompletionRequest, engine_param: str | None) -> str | None:

@@ -86,7 +86,8 @@ class StreamOptions(_Strict):
 class _SamplingRequest(_Strict):
     model: str | None = Field(None, description="The served model id (see GET /v1/models); default: that model.")
     max_tokens: int | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0, le=2, description="0..2 (OpenAI's range; the engine allows more "
+                                                                     "offline). 0: greedy.")
     top_p: float | None = None
     top_k: int | None = Field(None, description="0 or -1 disables.")
     seed: int | None = None

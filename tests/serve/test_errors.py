@@ -43,8 +43,8 @@ def chat(**kw) -> dict:
 
 
 @pytest.mark.parametrize("body, param, contains", [
-    (comp(temperature=-0.5), "temperature", "temperature must be in [0, 2], got -0.5"),
-    (comp(temperature=2.5), "temperature", "temperature must be in [0, 2], got 2.5"),
+    (comp(temperature=-0.5), "temperature", "greater than or equal to 0"),
+    (comp(temperature=2.5), "temperature", "less than or equal to 2"),
     (comp(temperature="hot"), "temperature", "valid number"),
     (comp(top_p=0), "top_p", "top_p must be in (0, 1]"),
     (comp(top_p=1.5), "top_p", "top_p must be in (0, 1]"),
