@@ -90,6 +90,10 @@ def _uploaded_once(st: CupyStep) -> None:
         assert np.array_equal(u.units.numpy(), t.units) and np.array_equal(u.work_start.numpy(), t.work_start)
         storages.add(u.units.untyped_storage().data_ptr())
     assert len(storages) <= 1
+    if st.cont:  # the int64 copies the chunk paths index with, made by plan() too
+        assert torch.equal(st.c_pages_long, st.c_pages.long())
+        assert all(torch.equal(x, y.long()) for x, y in zip(st.c_long, (st.c_loc, st.c_kmap, st.c_qmap, st.c_src,
+                                                                         st.c_dst)))
 
 
 def _script(sid_len: dict[int, int]):

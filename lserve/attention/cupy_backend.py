@@ -345,6 +345,11 @@ class CupyBackend(AttentionBackend):
         if st.arrays:
             flat = st.pack(units=True)
             st.bind(torch.from_numpy(flat).to(self.device, non_blocking=False), True, self.gq, self.D)
+        if st.cont:  # chunks with cached past index with int64, in the layers that have such heads
+            if any(self.cache.n_dense):
+                st.c_pages_long = st.c_pages.long()
+            if any(nd < self.hkv for nd in self.cache.n_dense):
+                st.c_long = tuple(t.long() for t in (st.c_loc, st.c_kmap, st.c_qmap, st.c_src, st.c_dst))
         return st
 
     def _graph_tables(self, plan: StepPlan) -> CupyStep | None:
@@ -704,8 +709,6 @@ class CupyBackend(AttentionBackend):
         G, nd = self.group, self.cache.n_dense[layer]
         hs = self.hkv - nd
         if nd:
-            if st.c_pages_long is None:
-                st.c_pages_long = st.c_pages.long()
             for sp, (off, npg) in zip(st.cont, st.c_page_off):
                 sl, start = slice(sp.t0, sp.t1), sp.step.start
                 pages = st.c_pages_long[off: off + npg]
@@ -741,8 +744,6 @@ class CupyBackend(AttentionBackend):
                 out[sl, : nd * G] = o.transpose(0, 1)  # o: [Hd*G, n, D]
         if not hs:
             return
-        if st.c_long is None:
-            st.c_long = tuple(t.long() for t in (st.c_loc, st.c_kmap, st.c_qmap, st.c_src, st.c_dst))
         loc, kmap, qmap, src, dst = st.c_long
         kr, vr = self.cache.stream[layer].read_tokens(loc[0], loc[1])  # [R, Hs, D]
         kv_ = torch.cat((kr, k[:, nd:]), 0).index_select(0, kmap)  # [V, Hs, D]

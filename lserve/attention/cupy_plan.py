@@ -193,9 +193,9 @@ class CupyStep:
     c_dst: torch.Tensor | None = None  # [C] their step rows
     c_tiles: torch.Tensor | None = None  # [n, 2] prefill-kernel tiles over the chunk rows only
     c_seqs: torch.Tensor | None = None  # [m, 2] (first virtual row, virtual length)
-    c_long: tuple | None = None  # c_loc, c_kmap, c_qmap, c_src, c_dst as long (built by the first layer)
+    c_long: tuple | None = None  # c_loc, c_kmap, c_qmap, c_src, c_dst as long (CupyBackend.plan)
     c_pages: torch.Tensor | None = None  # int32 [sum of P_j]: dense pages of each ``cont`` chunk's sequence
-    c_pages_long: torch.Tensor | None = None  # c_pages as long (built by the first layer)
+    c_pages_long: torch.Tensor | None = None  # c_pages as long (CupyBackend.plan)
     tiles: torch.Tensor | None = None  # int32 [n_tiles, 2]
     seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
     units: dict = field(default_factory=dict)  # (n_dense, selects, budget kind, impl) -> DecodeUnits
