@@ -14,7 +14,7 @@ the batch) therefore run as CUDA graphs:
   pinned staging buffers alternate, since the host fills the next step's while the GPU may
   not have copied the previous one yet.
 * Graphs are keyed by what fixes the launch shapes (batch size, a bucket of the longest
-  sequence, which sequences select pages this step; see ``CupyBackend._graph_tables``), so a
+  sequence, which sequences select pages this step; see ``CupyBackend.plan``), so a
   sequence growing token by token replays the same graph until its page table crosses a
   bucket (every 1/32 to 1/64 of its length), and the page-selection steps (every C-th) have their own.
 * A key is captured the second time it is seen (one-off shapes stay eager), after one eager
