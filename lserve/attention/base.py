@@ -1,8 +1,10 @@
 """The attention backend interface: ``plan`` once per step, ``run`` once per layer.
 
-``plan(steps)`` is host-side work (index tables, selection schedule); ``run(layer, q, k, v,
-plan)`` writes the layer's new K/V into the two-way cache and returns attention output. The
-torch backend is the reference every other backend is tested against.
+``plan(steps)`` does the step's host-side work (index tables, selection schedule, a backend's
+own tables in :attr:`~lserve.sparsity.plan.StepPlan.tables`) and returns the one object every
+layer reads; ``run(layer, q, k, v, plan)`` writes the layer's new K/V into the two-way cache and
+returns attention output, building nothing. The torch backend is the reference every other
+backend is tested against.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from lserve.config import ConfigError, ModelConfig, SparsityConfig
 from lserve.sparsity.adaptive_budget import layer_pages, resolve_ratios
 from lserve.sparsity.kv_read import KVReadMeter, ring_tokens, selected_tokens, step_read
 from lserve.sparsity.layer_select import resolve_select_layers
-from lserve.sparsity.plan import SeqPlan, SeqStep, StepPlan, StepPlanner
+from lserve.sparsity.plan import SeqPlan, SeqStep, StepPlan, StepPlanner, layer_budget
 from lserve.sparsity.prefill_blocks import PrefillBlocks, estimate_masses, prefill_blocks
 from lserve.sparsity.prefill_taus import resolve_layer_taus
 
@@ -90,10 +92,17 @@ class AttentionBackend(ABC):
         return 0
 
     def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
-        """Host-side metadata for one forward step (``host``: its tensors stay on the CPU)."""
+        """Everything the layers of one forward step read, built once before the first of them
+        (``host``: a decode-only step the engine may replay as a CUDA graph; its tensors stay on
+        the CPU, and :meth:`eager_plan` makes it runnable eagerly)."""
         plan = self.planner.plan(steps, host)
         self.meter_kv_reads(plan)
         return plan
+
+    def eager_plan(self, plan: StepPlan, device) -> StepPlan:
+        """A ``host`` plan that is not replayed as a CUDA graph, ready to run eagerly: its tensors
+        on ``device`` (a backend with its own tables builds their eager form here)."""
+        return plan.to(device)
 
     def meter_kv_reads(self, plan: StepPlan) -> None:
         """Add the decode sequences of ``plan`` to :attr:`kv_read` (host arithmetic on the plan's
@@ -109,19 +118,27 @@ class AttentionBackend(ABC):
             stream = ring_tokens(c.ring.page_in_slot(s.length), s.length, N) if c.has_streaming else 0
             per_layer = [None] * len(self._selecting)
             if s.dynamic:
-                for i, on in enumerate(self._selecting):
-                    k = self.layer_budget_pages(i, s.budget_pages)
-                    if on and k < s.pages_at_select:
+                for i in range(len(per_layer)):
+                    k = self.layer_budget(i, s)
+                    if k:
                         per_layer[i] = selected_tokens(s.length, N, k, s.pages_at_select, group)
             meter.add(s.step.seq_id, *step_read(c.n_dense, self.model.num_kv_heads, s.length, stream, per_layer))
 
+    def layer_ratio(self, layer: int) -> float | None:
+        """The layer's budget ratio (adaptive budgets), None: the sequences' own budget."""
+        return None if self.layer_ratios is None else self.layer_ratios[layer]
+
+    def layer_budget(self, layer: int, sp: SeqPlan) -> int:
+        """Pages ``layer`` reads from decode sequence ``sp``'s selection; 0: every page (no
+        selection there, or :func:`~lserve.sparsity.plan.layer_budget` says its budget covers them)."""
+        if not (sp.dynamic and self._selecting[layer]):
+            return 0
+        return layer_budget(self.layer_ratio(layer), sp.budget_pages, sp.pages_at_select, self.cache.page_size)
+
     def layer_budget_pages(self, layer: int, budget_pages: int) -> int:
-        """Pages a selecting layer keeps for a sequence whose (mean) budget is ``budget_pages``;
-        a layer reads every page while this is at least the sequence's pages at its last
-        selection (so the choice changes only when the selection does, on every backend)."""
-        if self.layer_ratios is None:
-            return budget_pages
-        return layer_pages(self.layer_ratios[layer], budget_pages, self.cache.page_size)
+        """Pages a selecting layer keeps at a (mean) budget of ``budget_pages``, whatever the
+        context (reports; whether a sequence reads its selection is :meth:`layer_budget`)."""
+        return layer_pages(self.layer_ratio(layer), budget_pages, self.cache.page_size)
 
     def prefill_tau(self, sp: SeqPlan, layer: int) -> float:
         """The estimated mass a prefill chunk's dense heads keep in ``layer`` (0: the chunk runs

@@ -28,18 +28,19 @@ On sm_90+ the decode-step kernels (1-3 and the merge) are launched as programmat
 (``pdl_wait``) before reading what it wrote; on a step whose layer ran no top-k the decode
 kernel reads the stored selection before waiting.
 
-Host work happens once per step (the first layer of a plan, :meth:`CupyBackend.tables`):
+Host work happens once per step, in :meth:`CupyBackend.plan`, before the first layer:
 :mod:`lserve.attention.cupy_plan` builds every int32 table of the step, the split-K unit table
-of each (n_dense, selects) layer kind included, as one :class:`~lserve.attention.cupy_plan.CupyStep`;
-its tables are packed into one buffer and copied in one transfer. The launches only read it.
+of each (n_dense, selects, budget kind) layer kind included, as one
+:class:`~lserve.attention.cupy_plan.CupyStep`; its tables are packed into one buffer and copied
+in one transfer, and the step's :class:`~lserve.sparsity.plan.StepPlan` carries the object
+(``plan.tables``). The launches of every layer only read it.
 
-CUDA graphs: with a fixed plan every launch of ``run`` is capturable (no host sync, no
-allocation outside torch's allocator; ``lserve.bench.kernels`` captures decode steps). For
-engine-level capture across steps, the per-step tables would have to live in fixed-capacity
-device buffers updated by one copy before replay, the grid sized by capacity with empty units
-exiting early (the kernels already take every count from device memory except the unit count
-and the split chunk), and the selector's ``select`` flag moved into ``meta`` so that the
-select and reuse graphs differ only by one branch in the kernels.
+CUDA graphs (:mod:`lserve.engine.cuda_graphs`): a decode-only step planned with ``host=True``
+gets its tables in capturable form instead: views of one fixed-capacity device buffer
+(:attr:`CupyBackend.static_buffer`) that the engine fills before each replay, page and ring
+tables padded so that consecutive steps share a graph key, and split-K units planned for
+entry-count bounds once per key (:meth:`CupyBackend.graph_units`, at capture). The kernels take
+every other count from device memory, so a replay with the same key is exact.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from lserve.attention.prefill_estimate import MAX_SHARED as MAX_EST_SHARED
 from lserve.attention.prefill_estimate import antidiagonal_masses
 from lserve.attention.torch_backend import TorchBackend
 from lserve.kernels.pdl import available as pdl_available
-from lserve.sparsity.plan import StepPlan
+from lserve.sparsity.plan import SeqStep, StepPlan
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 LOG2E = 1.4426950408889634
@@ -180,7 +181,6 @@ class CupyBackend(AttentionBackend):
         self._sel_page: torch.Tensor | None = None  # the physical pages of _sel_idx (decode_tc reads these)
         self._cap_slots = 0
         self._cap_u = 0
-        self._bound: tuple[StepPlan, CupyStep] | None = None  # the plan attend runs, and its tables
         self._static: torch.Tensor | None = None  # int32 tables of CUDA-graph steps
         self._static_units: dict = {}  # step key -> (host unit tables, {(nd, selects, budget kind, impl): DecodeUnits})
         self.static_generation = 0  # bumped when a buffer graphs point into is reallocated
@@ -321,37 +321,76 @@ class CupyBackend(AttentionBackend):
         :attr:`min_chunk`, :attr:`decode_impl`)."""
         return SplitK(self.decode_ctas(), self.min_chunk, self.decode_impl)
 
-    def tables(self, plan: StepPlan) -> CupyStep:
-        """The tables of ``plan``, planned and uploaded (one transfer) on the first call for it;
-        later calls (the other layers of the step) return the same object."""
-        if self._bound is not None and self._bound[0] is plan:
-            return self._bound[1]
+    def plan(self, steps: list[SeqStep], host: bool = False) -> StepPlan:
+        """The step's plan with its kernel tables on the device in :attr:`StepPlan.tables`
+        (:meth:`_eager_tables`); a ``host`` plan (a decode-only step the engine may replay as a
+        CUDA graph) carries them in capturable form instead (:meth:`_graph_tables`; None when the
+        step cannot be captured), and :meth:`eager_plan` gives it eager ones if it runs eagerly."""
+        plan = super().plan(steps, host)
+        plan.tables = self._graph_tables(plan) if host else self._eager_tables(plan)
+        return plan
+
+    def eager_plan(self, plan: StepPlan, device) -> StepPlan:
+        """A ``host`` plan that is not replayed (first sight of its graph key, past its bounds,
+        capture off): its tensors on ``device`` and its eager tables, as any other step's."""
+        moved = super().eager_plan(plan, device)
+        moved.tables = self._eager_tables(moved)
+        return moved
+
+    def _eager_tables(self, plan: StepPlan) -> CupyStep:
+        """The tables of ``plan``, planned for this step exactly and uploaded in one transfer."""
         st = self.table_planner.plan(plan, split=self.split_k())
         if st.nb:
             self._ensure_state(st.need_slots, st.need_entries)
         if st.arrays:
             flat = st.pack(units=True)
             st.bind(torch.from_numpy(flat).to(self.device, non_blocking=False), True, self.gq, self.D)
-        self._bound = (plan, st)
+        if st.cont:  # chunks with cached past index with int64, in the layers that have such heads
+            if any(self.cache.n_dense):
+                st.c_pages_long = st.c_pages.long()
+            if any(nd < self.hkv for nd in self.cache.n_dense):
+                st.c_long = tuple(t.long() for t in (st.c_loc, st.c_kmap, st.c_qmap, st.c_src, st.c_dst))
         return st
 
-    def bind(self, plan: StepPlan, st: CupyStep) -> None:
-        """Run ``attend`` calls with ``plan`` on the tables ``st`` (already on the device).
+    def _graph_tables(self, plan: StepPlan) -> CupyStep | None:
+        """Tables of a decode-only step in a capturable form, or None (run it eagerly).
 
-        CUDA graphs use it: ``plan`` is then the step's plan re-pointed at fixed input buffers
-        (same sequences). A CUDA-graph step gets its key's split-K units here, planned and
-        uploaded the first time the key is bound.
+        Page tables are padded to a bucket of the longest sequence (1/32..1/64 of its length),
+        ring tables to the ring's size, and the split-K units are planned for entry-count
+        upper bounds, so consecutive steps share a key (``CupyStep.key``), and with it one CUDA
+        graph. The tables are views of :attr:`static_buffer`, which the caller fills with
+        ``CupyStep.packed`` before the graph (or its capture) runs; their units are those the key
+        got at capture (:meth:`graph_units`), if it was captured. :attr:`static_generation` says
+        whether the buffers graphs point into are still those of earlier steps.
         """
-        dec = [s for s in plan.seqs if s.step.decode]
-        if len(dec) != len(st.dec) or any(a is not b for a, b in zip(dec, st.dec)):
-            raise ValueError("bind: the plan's decode sequences are not those the tables were planned for")
-        if st.key is not None and st.nb and not st.units:
+        if not plan.seqs or any(not s.step.decode for s in plan.seqs):
+            return None
+        st = self.table_planner.plan(plan, static=True)
+        self._ensure_state(st.need_slots, st.need_entries)
+        if st.bounds is None:
+            return None
+        st.packed = st.pack(units=False)
+        if self._static is None or self._static.numel() < st.packed.size:
+            self._static = torch.empty(max(st.packed.size, 2 * (0 if self._static is None else self._static.numel()),
+                                           4096), dtype=torch.int32, device=self.device)
+            self.static_generation += 1
+        st.bind(self._static, units=False)
+        cached = self._static_units.get(st.key)
+        if cached is not None:
+            st.unit_tables, st.units = cached
+        return st
+
+    def graph_units(self, st: CupyStep) -> None:
+        """Give the CUDA-graph step ``st`` its key's split-K units (fixed device buffers a graph
+        captures), planned for the key's bounds and uploaded the first time the key is captured."""
+        if st.key is None:
+            raise ValueError("graph_units: the tables are not a CUDA-graph step's (plan it with host=True)")
+        if st.nb and not st.units:
             cached = self._static_units.get(st.key)
             if cached is None:
                 host = self.table_planner.plan_units(st, self.split_k())
                 cached = self._static_units[st.key] = (host, self._upload_units(host))
             st.unit_tables, st.units = cached
-        self._bound = (plan, st)
 
     def replan_units(self, st: CupyStep) -> None:
         """Plan and upload ``st``'s split-K units again, for the current :attr:`target_ctas` /
@@ -371,35 +410,6 @@ class CupyBackend(AttentionBackend):
         return units
 
     # -- CUDA-graph steps -----------------------------------------------------------------------
-    def static_tables(self, plan: StepPlan) -> tuple[CupyStep, np.ndarray] | None:
-        """Tables of a decode-only step in a capturable form, or None (run it eagerly).
-
-        Page tables are padded to a bucket of the longest sequence (1/32..1/64 of its length),
-        ring tables to the ring's size, and the split-K units are planned for entry-count
-        upper bounds, so consecutive steps share a key (``CupyStep.key``), and with it one CUDA
-        graph. Returns (tables, int32 host tables): the tables are bound to
-        :attr:`static_buffer`, which the caller fills with the host tables before the graph (or
-        its eager warm-up, after :meth:`bind`) runs; :attr:`static_generation` says whether
-        the buffers graphs point into are still those of earlier steps.
-        """
-        if not plan.seqs or any(not s.step.decode for s in plan.seqs):
-            return None
-        st = self.table_planner.plan(plan, static=True)
-        self._ensure_state(st.need_slots, st.need_entries)
-        self._bound = None  # no eager step runs on these tables without bind()
-        if st.bounds is None:
-            return None
-        flat = st.pack(units=False)
-        if self._static is None or self._static.numel() < flat.size:
-            self._static = torch.empty(max(flat.size, 2 * (0 if self._static is None else self._static.numel()),
-                                           4096), dtype=torch.int32, device=self.device)
-            self.static_generation += 1
-        st.bind(self._static, units=False)
-        cached = self._static_units.get(st.key)
-        if cached is not None:
-            st.unit_tables, st.units = cached
-        return st, flat
-
     @property
     def static_buffer(self) -> torch.Tensor:
         """The device buffer every CUDA-graph step's tables live in (int32)."""
@@ -434,7 +444,10 @@ class CupyBackend(AttentionBackend):
         _check_rows(k, self.dtype, self.hkv, self.D, "k", self.device)
         _check_rows(v, self.dtype, self.hkv, self.D, "v", self.device)
         _check_rows(out, self.dtype, hq, self.D, "out", self.device)
-        st = self.tables(plan)
+        st = plan.tables
+        if not isinstance(st, CupyStep) or (st.nb and not st.units):
+            raise ValueError("attend: plan the step with this backend's plan() (a host plan: eager_plan() first; "
+                             "a CUDA-graph step's tables run only through DecodeGraphs)")
         self.write(layer, k, v, plan.dense_write_decode, plan.stream_write_decode)
         early = bool(st.cont) and self.one_call  # prefill_cont reads the chunks' dense keys from the pool
         if early:
@@ -696,8 +709,6 @@ class CupyBackend(AttentionBackend):
         G, nd = self.group, self.cache.n_dense[layer]
         hs = self.hkv - nd
         if nd:
-            if st.c_pages_long is None:
-                st.c_pages_long = st.c_pages.long()
             for sp, (off, npg) in zip(st.cont, st.c_page_off):
                 sl, start = slice(sp.t0, sp.t1), sp.step.start
                 pages = st.c_pages_long[off: off + npg]
@@ -733,8 +744,6 @@ class CupyBackend(AttentionBackend):
                 out[sl, : nd * G] = o.transpose(0, 1)  # o: [Hd*G, n, D]
         if not hs:
             return
-        if st.c_long is None:
-            st.c_long = tuple(t.long() for t in (st.c_loc, st.c_kmap, st.c_qmap, st.c_src, st.c_dst))
         loc, kmap, qmap, src, dst = st.c_long
         kr, vr = self.cache.stream[layer].read_tokens(loc[0], loc[1])  # [R, Hs, D]
         kv_ = torch.cat((kr, k[:, nd:]), 0).index_select(0, kmap)  # [V, Hs, D]

@@ -6,8 +6,8 @@ selector, the split-K unit tables of every layer kind, the virtual-sequence tabl
 chunks with cached past, the prefill tiles and, for CUDA-graph steps, the graph key and the
 entry-count bounds the units are planned for. :meth:`CupyStep.pack` lays the int32 tables out
 as one buffer and :meth:`CupyStep.bind` points the step's device fields at a device copy of it,
-so a step costs one host-to-device transfer; the launches of
-:class:`~lserve.attention.cupy_backend.CupyBackend` only read the bound object.
+so a step costs one host-to-device transfer. ``CupyBackend.plan`` does all of this once per step
+and hands the object to the layers in ``StepPlan.tables``; their launches only read it.
 
 The planner also keeps what outlives a step: each sequence's selection-state slot, the dense
 pages it had at its last selection and an int32 copy of its page list (extended in place).
@@ -24,7 +24,7 @@ import torch
 
 from lserve.attention.chunked import streaming_prefix
 from lserve.kernels.decode_args import META_FIELDS  # meta rows, read from kernels/decode_meta.cuh
-from lserve.sparsity.adaptive_budget import layer_pages
+from lserve.sparsity.plan import layer_budget
 
 if TYPE_CHECKING:
     from lserve.cache.kv_cache import StreamRing
@@ -174,6 +174,9 @@ class CupyStep:
     # step with the same key shares one unit table), else None (planned for this step exactly)
     bounds: tuple[list[np.ndarray], np.ndarray, int] | None = None  # ([dense dynamic [nb] per kind], dense all [nb], ring)
     key: tuple | None = None  # CUDA-graph steps: what fixes the launch shapes
+    # CUDA-graph steps: the packed int32 host tables (:meth:`pack`, no units), copied into the
+    # static buffer the device fields view before the graph (or its capture) runs
+    packed: np.ndarray | None = None
     # -- device fields (bind) -----------------------------------------------------------------
     meta: torch.Tensor | None = None  # int32 [8 * nb]
     pages: torch.Tensor | None = None  # int32 [nb, pages_stride]
@@ -190,9 +193,9 @@ class CupyStep:
     c_dst: torch.Tensor | None = None  # [C] their step rows
     c_tiles: torch.Tensor | None = None  # [n, 2] prefill-kernel tiles over the chunk rows only
     c_seqs: torch.Tensor | None = None  # [m, 2] (first virtual row, virtual length)
-    c_long: tuple | None = None  # c_loc, c_kmap, c_qmap, c_src, c_dst as long (built by the first layer)
+    c_long: tuple | None = None  # c_loc, c_kmap, c_qmap, c_src, c_dst as long (CupyBackend.plan)
     c_pages: torch.Tensor | None = None  # int32 [sum of P_j]: dense pages of each ``cont`` chunk's sequence
-    c_pages_long: torch.Tensor | None = None  # c_pages as long (built by the first layer)
+    c_pages_long: torch.Tensor | None = None  # c_pages as long (CupyBackend.plan)
     tiles: torch.Tensor | None = None  # int32 [n_tiles, 2]
     seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
     units: dict = field(default_factory=dict)  # (n_dense, selects, budget kind, impl) -> DecodeUnits
@@ -350,110 +353,148 @@ class CupyPlanner:
             Host fields set, device fields None. Updates the selection slots and ``nsel`` of
             the sequences that select now.
         """
-        g = self.geometry
-        N = g.page_size
         dec = [s for s in plan.seqs if s.step.decode]
-        pre = [s for s in plan.seqs if not s.step.decode]
-        nb = len(dec)
-        host = {f: np.zeros(nb, dtype=np.int32) for f in META_FIELDS}
-        st = CupyStep(nb=nb, dec=dec, fields=host)
-        chunks = st.arrays
-        if nb:
-            npages = [-(-s.length // N) for s in dec]
-            pstride = max(npages)
-            rings = []
-            for s in dec:
-                if g.ring is not None:
-                    slots = g.ring.page_in_slot(s.length)
-                    rings.append([(s.step.stream_pages[r], i * N) for r, i in enumerate(slots) if i >= 0])
-                else:
-                    rings.append([])
-            rstride = max(1, max(len(r) for r in rings))
-            if static:
-                rstride = max(1, g.ring.num_slots if g.ring is not None else 1)
-            ring_pages = np.zeros((nb, rstride), dtype=np.int32)
-            ring_pos = np.zeros((nb, rstride), dtype=np.int32)
-            sel_rows = []
-            u_needed = 1
-            for b, s in enumerate(dec):
-                for j, (p, pos) in enumerate(rings[b]):
-                    ring_pages[b, j], ring_pos[b, j] = p, pos
-                host["tok"][b] = s.t0
-                host["len"][b] = s.length
-                host["npages"][b] = npages[b]
-                host["nring"][b] = len(rings[b])
-                host["kk"][b] = s.budget_pages
-                if s.dynamic:
-                    sid = s.step.seq_id
-                    host["dyn"][b] = 1
-                    host["slot"][b] = self.slot_of(sid)
-                    if s.select or sid not in self.nsel:
-                        self.nsel[sid] = npages[b]
-                        sel_rows.append(b)
-                    host["nsel"][b] = self.nsel[sid]
-                    u_needed = max(u_needed, (s.budget_pages - 1) * (g.group if g.qmode else 1))
-            st.kinds = self._budget_kinds(host, sel_rows)
-            for h in st.kinds:
-                if h.dyn.any():
-                    u_needed = max(u_needed, int(h.kk[h.dyn != 0].max() - 1) * (g.group if g.qmode else 1))
-            st.need_slots, st.need_entries = len(self.slots) + len(self.free_slots) + 1, u_needed
-            if static:
-                pstride = self._static_bounds(st, npages)
-                if pstride is None:
-                    return st
-            pages = np.zeros((nb, pstride), dtype=np.int32)
-            for b, s in enumerate(dec):
-                pages[b, : npages[b]] = self.page_array(s.step)[: npages[b]]
-            meta = np.stack([host[f] for f in META_FIELDS]).reshape(-1)
-            chunks += [("meta", meta), ("pages", pages), ("ring_pages", ring_pages), ("ring_pos", ring_pos),
-                       ("sel_rows", np.asarray(sel_rows or [0], dtype=np.int32))]
-            if st.kinds:
-                r_max = max(1, max(len(h.sel_rows) for h in st.kinds))
-                kind_rows = np.zeros((len(st.kinds), r_max), dtype=np.int32)
-                for j, h in enumerate(st.kinds):
-                    kind_rows[j, : len(h.sel_rows)] = h.sel_rows
-                kind_meta = np.stack([np.stack([h.fields(host)[f] for f in META_FIELDS]).reshape(-1) for h in st.kinds])
-                chunks += [("kind_meta", kind_meta), ("kind_sel_rows", kind_rows)]
-            st.n_sel_rows = len(sel_rows)
-            st.n_dynamic = int(host["dyn"].sum())
-            st.sel_pages = int(sum(host["kk"][b] for b in sel_rows))
-            st.max_np_sel = max((npages[b] for b in sel_rows), default=0)
-            if static:
-                st.max_np_sel = pstride if sel_rows else 0
-                st.key = (nb, pstride, rstride, tuple(host["dyn"].tolist()), tuple(host["kk"].tolist()),
-                          tuple(sel_rows), tuple(tuple(h.dyn.tolist()) for h in st.kinds))
-            if split is not None:
-                st.unit_tables = self.plan_units(st, split)
-        fast_ok = g.fast_prefill
+        st = CupyStep(nb=len(dec), dec=dec, fields={f: np.zeros(len(dec), dtype=np.int32) for f in META_FIELDS})
+        if st.nb and not self._decode_tables(st, static, split):
+            return st  # a CUDA-graph step past its bounds: no tables, it runs eagerly
+        self._prefill_tables(st, [s for s in plan.seqs if not s.step.decode])
+        return st
+
+    def _decode_tables(self, st: CupyStep, static: bool, split: SplitK | None) -> bool:
+        """Meta rows, page / ring / selector tables, counts and unit tables of the decode
+        sequences; False (tables left empty) when a CUDA-graph step exceeds its bounds."""
+        npages = [-(-s.length // self.geometry.page_size) for s in st.dec]
+        ring_pages, ring_pos = self._ring_tables(st, static)
+        sel_rows = self._meta_rows(st, npages)
+        st.kinds = self._budget_kinds(st.fields, sel_rows)
+        st.need_slots, st.need_entries = len(self.slots) + len(self.free_slots) + 1, self._entries_needed(st)
+        pstride = max(npages)
+        if static:
+            pstride = self._static_bounds(st, npages)
+            if pstride is None:
+                return False
+        st.arrays += [("meta", np.stack([st.fields[f] for f in META_FIELDS]).reshape(-1)),
+                      ("pages", self._page_table(st.dec, npages, pstride)),
+                      ("ring_pages", ring_pages), ("ring_pos", ring_pos),
+                      ("sel_rows", np.asarray(sel_rows or [0], dtype=np.int32))]
+        st.arrays += self._kind_tables(st)
+        self._decode_counts(st, sel_rows, npages)
+        if static:
+            st.max_np_sel = pstride if sel_rows else 0
+            st.key = (st.nb, pstride, ring_pages.shape[1], tuple(st.fields["dyn"].tolist()),
+                      tuple(st.fields["kk"].tolist()), tuple(sel_rows), tuple(tuple(h.dyn.tolist()) for h in st.kinds))
+        if split is not None:
+            st.unit_tables = self.plan_units(st, split)
+        return True
+
+    def _ring_tables(self, st: CupyStep, static: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(ring pages, first position of each) [nb, stride]: the streaming pages each decode
+        sequence reads; the stride is the ring's size on CUDA-graph steps. Sets ``nring``."""
+        g = self.geometry
+        rings = []
+        for s in st.dec:
+            slots = g.ring.page_in_slot(s.length) if g.ring is not None else []
+            rings.append([(s.step.stream_pages[r], i * g.page_size) for r, i in enumerate(slots) if i >= 0])
+        rstride = max(1, max(len(r) for r in rings))
+        if static:
+            rstride = max(1, g.ring.num_slots if g.ring is not None else 1)
+        ring_pages = np.zeros((st.nb, rstride), dtype=np.int32)
+        ring_pos = np.zeros((st.nb, rstride), dtype=np.int32)
+        for b, ring in enumerate(rings):
+            for j, (p, pos) in enumerate(ring):
+                ring_pages[b, j], ring_pos[b, j] = p, pos
+            st.fields["nring"][b] = len(ring)
+        return ring_pages, ring_pos
+
+    def _meta_rows(self, st: CupyStep, npages: list[int]) -> list[int]:
+        """Fill the decode meta fields; hand out selection slots and record ``nsel`` of the
+        sequences that select now. Returns the rows that run the selector (mean budget)."""
+        host, sel_rows = st.fields, []
+        for b, s in enumerate(st.dec):
+            host["tok"][b] = s.t0
+            host["len"][b] = s.length
+            host["npages"][b] = npages[b]
+            host["kk"][b] = s.budget_pages
+            if s.dynamic:
+                sid = s.step.seq_id
+                host["dyn"][b] = 1
+                host["slot"][b] = self.slot_of(sid)
+                if s.select or sid not in self.nsel:
+                    self.nsel[sid] = npages[b]
+                    sel_rows.append(b)
+                host["nsel"][b] = self.nsel[sid]
+        return sel_rows
+
+    def _entries_needed(self, st: CupyStep) -> int:
+        """Selection entries per (slot, head): the largest ``K - 1`` of any budget kind's dynamic
+        rows, per query head in query mode (at least 1)."""
+        g = self.geometry
+        need = 1
+        for kind in range(len(st.kinds) + 1):
+            f = st.kind_fields(kind)
+            dyn = f["dyn"] != 0
+            if dyn.any():
+                need = max(need, int(f["kk"][dyn].max() - 1) * (g.group if g.qmode else 1))
+        return need
+
+    def _page_table(self, dec: list[SeqPlan], npages: list[int], stride: int) -> np.ndarray:
+        """int32 [nb, stride]: each decode sequence's dense pages, zero-padded."""
+        pages = np.zeros((len(dec), stride), dtype=np.int32)
+        for b, s in enumerate(dec):
+            pages[b, : npages[b]] = self.page_array(s.step)[: npages[b]]
+        return pages
+
+    @staticmethod
+    def _kind_tables(st: CupyStep) -> list[tuple[str, np.ndarray]]:
+        """``kind_meta`` and ``kind_sel_rows`` of budget kinds 1, 2, ... (none without them)."""
+        if not st.kinds:
+            return []
+        r_max = max(1, max(len(h.sel_rows) for h in st.kinds))
+        kind_rows = np.zeros((len(st.kinds), r_max), dtype=np.int32)
+        for j, h in enumerate(st.kinds):
+            kind_rows[j, : len(h.sel_rows)] = h.sel_rows
+        kind_meta = np.stack([np.stack([h.fields(st.fields)[f] for f in META_FIELDS]).reshape(-1) for h in st.kinds])
+        return [("kind_meta", kind_meta), ("kind_sel_rows", kind_rows)]
+
+    @staticmethod
+    def _decode_counts(st: CupyStep, sel_rows: list[int], npages: list[int]) -> None:
+        """The launch counts of the mean budget (selecting rows, dynamic rows, pages kept)."""
+        st.n_sel_rows = len(sel_rows)
+        st.n_dynamic = int(st.fields["dyn"].sum())
+        st.sel_pages = int(sum(st.fields["kk"][b] for b in sel_rows))
+        st.max_np_sel = max((npages[b] for b in sel_rows), default=0)
+
+    def _prefill_tables(self, st: CupyStep, pre: list[SeqPlan]) -> None:
+        """Sort prefill sequences into fresh, continued and fp32 ones; their int32 tables."""
+        fast_ok, N = self.geometry.fast_prefill, self.geometry.page_size
         st.fast = [s for s in pre if s.step.start == 0 and fast_ok]
         st.cont = [s for s in pre if s.step.start > 0 and fast_ok]
         st.slow = [s for s in pre if not fast_ok]
         if st.cont:
             lists = [s.step.dense_pages[: -(-(s.step.start + s.step.num_new) // N)] for s in st.cont]
             st.c_page_off = [(o, len(p)) for o, p in zip(np.cumsum([0] + [len(p) for p in lists]), lists)]
-            chunks.append(("c_pages", np.asarray([p for lst in lists for p in lst], dtype=np.int32)))
-        if st.cont and g.ring is not None:
-            chunks += self.cont_tables(st.cont)
+            st.arrays.append(("c_pages", np.asarray([p for lst in lists for p in lst], dtype=np.int32)))
+        if st.cont and self.geometry.ring is not None:
+            st.arrays += self.cont_tables(st.cont)
         if st.fast:
             seqs = np.array([[s.t0, s.step.num_new] for s in st.fast], dtype=np.int32)
             tiles = np.array([[j, q0] for j, s in enumerate(st.fast) for q0 in range(0, s.step.num_new, PREFILL_BM)],
                              dtype=np.int32)
             st.n_tiles = len(tiles)
-            chunks += [("seqs", seqs), ("tiles", tiles)]
-        return st
+            st.arrays += [("seqs", seqs), ("tiles", tiles)]
 
     def _budget_kinds(self, host: dict[str, np.ndarray], sel_rows: list[int]) -> list[KindHost]:
-        """Meta ``kk``/``dyn`` and selecting rows of each budget kind >= 1 (adaptive budgets).
-
-        A dynamic sequence keeps ``layer_pages(ratio, K)`` pages in those layers, and reads every
-        page there while that covers its pages at the last selection (``nsel``): the decision
-        changes only when the selection does, so a reused selection always exists."""
+        """Meta ``kk``/``dyn`` and selecting rows of each budget kind >= 1 (adaptive budgets):
+        a dynamic row keeps :func:`~lserve.sparsity.plan.layer_budget` pages in those layers
+        (against ``nsel``, its pages at the last selection), or reads every page there (``dyn``
+        0, ``kk`` the mean budget's)."""
         g = self.geometry
         out = []
         for ratio in g.budget_ratios:
-            kk = np.array([layer_pages(ratio, int(k), g.page_size) for k in host["kk"]], dtype=np.int32)
-            dyn = ((host["dyn"] != 0) & (kk < host["nsel"])).astype(np.int32)
-            kk = np.where(dyn != 0, kk, host["kk"]).astype(np.int32)
+            kp = np.array([layer_budget(ratio, int(k), int(n), g.page_size) if d else 0
+                           for k, n, d in zip(host["kk"], host["nsel"], host["dyn"])], dtype=np.int32)
+            dyn = (kp != 0).astype(np.int32)
+            kk = np.where(dyn != 0, kp, host["kk"]).astype(np.int32)
             rows = [b for b in sel_rows if dyn[b]]
             out.append(KindHost(kk, dyn, rows, int(dyn.sum()), int(sum(kk[b] for b in rows))))
         return out

@@ -130,8 +130,8 @@ class TorchBackend(AttentionBackend):
         N = self.cache.page_size
         out = torch.empty_like(q)
         if nd:
-            kp = self.layer_budget_pages(layer, sp.budget_pages)  # K of this layer
-            if sp.dynamic and self.layer_selects(layer) and kp < sp.pages_at_select:
+            kp = self.layer_budget(layer, sp)  # pages of this layer's selection, 0: every page
+            if kp:
                 table = self._page_table(layer, sp, q[: nd * G], kp)  # [H_sel, C] indices into sp.pages
                 rows = table.shape[0]
                 heads = torch.arange(rows, device=q.device)[:, None] // (rows // nd)

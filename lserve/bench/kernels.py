@@ -153,8 +153,8 @@ class DecodeSetup:
             for i in range(n_sets):
                 step = SeqStep(i, context - 1, 1, True, list(range(i * pages, (i + 1) * pages)),
                                list(range(i * ring, (i + 1) * ring)))
-                sel.append(be.tables(be.plan([step])))
-                reuse.append(be.tables(be.plan([step])))
+                sel.append(be.plan([step]).tables)
+                reuse.append(be.plan([step]).tables)
             self.tables[budget] = (sel, reuse)
 
     def select_all(self, budget: int = BUDGET) -> None:
@@ -405,7 +405,7 @@ def _prefill_row(mc, context: int) -> dict:
     step = SeqStep(0, 0, context, False, [], [])
     for local, key in ((LOCAL, "lserve_ms"), (LOCAL_PREFILL_LONG, "lserve_local8192_ms")):
         be = prefill_backend(mc, nd, local)
-        st = be.tables(be.plan([with_pages(be, step, context)]))
+        st = be.plan([with_pages(be, step, context)]).tables
         row[key] = median_events(lambda be=be, st=st: be.prefill(0, q, k, v, out, st), iters)
         if local == LOCAL:
             row["lserve_streaming_part_ms"] = median_events(
@@ -416,7 +416,7 @@ def _prefill_row(mc, context: int) -> dict:
                 lambda be=be, st=st: be.prefill_kernel(q, k, v, out, st, nd * G, (Hkv - nd) * G, True), iters)
     if context <= DENSE_KERNEL_PREFILL_MAX:
         be = prefill_backend(mc, Hkv, LOCAL)
-        st = be.tables(be.plan([with_pages(be, step, context)]))
+        st = be.plan([with_pages(be, step, context)]).tables
         row["kernel_dense_ms"] = median_events(lambda: be.prefill_kernel(q, k, v, out, st, 0, H, False), iters)
         row["kernel_dense_tflops"] = flops / (row["kernel_dense_ms"] * 1e-3) / 1e12
     return row

@@ -61,7 +61,7 @@ def _row(context: int, taus, iters: int) -> dict:
     row["sdpa_dense_heads_tflops"] = dense_flops / (row["sdpa_dense_heads_ms"] * 1e-3) / 1e12
     be = prefill_backend(LAYER, HD, LOCAL)
     out = torch.empty_like(q)
-    st = be.tables(be.plan([with_pages(be, SeqStep(0, 0, context, False, [], []), context)]))
+    st = be.plan([with_pages(be, SeqStep(0, 0, context, False, [], []), context)]).tables
     row["streaming_ms"] = median_events(lambda: be.prefill_kernel(q, k, v, out, st, HD * G, (HKV - HD) * G, True),
                                         iters)
     row["taus"] = []

@@ -5,15 +5,16 @@ the GPU finishes them faster than the host can launch them. Pure-decode steps (n
 the batch) therefore run as CUDA graphs:
 
 * Every input lives in fixed device buffers: token ids, positions, write locations (int64,
-  :attr:`DecodeGraphs.inputs`) and the attention backend's tables (int32,
-  ``CupyBackend.static_buffer``). Before a replay the host fills them from pinned memory with
+  :attr:`DecodeGraphs.inputs`) and the attention backend's tables (int32, planned by
+  ``CupyBackend.plan(..., host=True)`` as views of ``CupyBackend.static_buffer``; their split-K
+  units are fixed per graph key). Before a replay the host fills them from pinned memory with
   two asynchronous copies; the only synchronisation in the decode loop is reading the sampled
   tokens back. With async decode (:mod:`lserve.engine.async_decode`) the token ids of a step
   come from the previous step's tokens on the device (a gather after the upload), and the
   pinned staging buffers alternate, since the host fills the next step's while the GPU may
   not have copied the previous one yet.
 * Graphs are keyed by what fixes the launch shapes (batch size, a bucket of the longest
-  sequence, which sequences select pages this step; see ``CupyBackend.static_tables``), so a
+  sequence, which sequences select pages this step; see ``CupyBackend.plan``), so a
   sequence growing token by token replays the same graph until its page table crosses a
   bucket (every 1/32 to 1/64 of its length), and the page-selection steps (every C-th) have their own.
 * A key is captured the second time it is seen (one-off shapes stay eager), after one eager
@@ -45,7 +46,7 @@ class _Graph:
     logits: torch.Tensor  # float32 [nb, vocab]
     greedy: torch.Tensor  # long [nb]
     stats: tuple[int, int, int]  # selector runs, reuses, pages per replay
-    keep: tuple  # the bound step tables and plan the graph reads through
+    keep: StepPlan  # the plan (and its tables) the graph was captured with: their buffers stay alive
 
 
 class DecodeGraphs:
@@ -95,7 +96,10 @@ class DecodeGraphs:
 
         Parameters
         ----------
-        plan, ids, pos, seq_lens, logit_rows
+        plan
+            ``backend.plan(steps, host=True)``: its ``tables`` are the capturable ones (None:
+            the step cannot be captured).
+        ids, pos, seq_lens, logit_rows
             The step, as the eager forward takes it (host lists).
         prev_tokens : torch.Tensor, optional
             Device long tensor (the previous step's tokens): ``ids`` are then rows of it, and
@@ -107,10 +111,9 @@ class DecodeGraphs:
             The graph's output buffers (the next replay of the same graph overwrites them), or
             None when the step cannot be captured (the caller runs it eagerly).
         """
-        found = self.backend.static_tables(plan)
-        if found is None:
+        step = plan.tables  # CupyStep bound to the static buffer, or None
+        if step is None:
             return None
-        step, tables = found  # CupyStep bound to the static buffer, its int32 host tables
         bkey, generation = step.key, self.backend.static_generation
         if generation != self._generation:  # buffers a graph points into were reallocated
             self._drop_all()
@@ -122,7 +125,7 @@ class DecodeGraphs:
         if entry is None and (key not in self._seen or self.disabled):
             self._seen.add(key)
             return None  # first sight of this shape: eager (nothing to upload)
-        self._upload(plan, ids, pos, seq_lens, logit_rows, tables)
+        self._upload(plan, ids, pos, seq_lens, logit_rows, step.packed)
         if prev_tokens is not None:
             self.inputs[:nb].copy_(prev_tokens.index_select(0, self.inputs[:nb]))
         if entry is None:
@@ -179,20 +182,21 @@ class DecodeGraphs:
         self.backend.static_buffer[: tables.size].copy_(pin32[: tables.size], non_blocking=True)
 
     def _static_plan(self, plan: StepPlan, nb: int) -> tuple[StepPlan, list[torch.Tensor]]:
-        """The plan re-pointed at the input buffers, plus the model inputs."""
+        """The plan re-pointed at the input buffers (same tables), plus the model inputs."""
         x = [self.inputs[i * nb: (i + 1) * nb] for i in range(N_INPUTS)]
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         none3 = (empty, empty, empty)
         stream = (x[7], x[8], x[9]) if plan.stream_write_decode[0].numel() else none3
-        return StepPlan(list(plan.seqs), plan.num_tokens, (x[4], x[5], x[6]), none3, stream, none3), x[:4]
+        return StepPlan(list(plan.seqs), plan.num_tokens, (x[4], x[5], x[6]), none3, stream, none3,
+                        tables=plan.tables), x[:4]
 
     def _forward(self, splan: StepPlan, x: list[torch.Tensor]) -> torch.Tensor:
         return self.model.forward(x[0], x[1], splan, self.backend, x[3], x[2], self.max_len)
 
     def _capture(self, key, plan: StepPlan, nb: int, step) -> _Graph:
         be = self.backend
-        splan, x = self._static_plan(plan, nb)
-        be.bind(splan, step)  # the forward's attention runs splan on the static step's tables
+        be.graph_units(step)  # the key's split-K units: fixed buffers the graph reads
+        splan, x = self._static_plan(plan, nb)  # the forward's attention runs on the static step's tables
         stats = be.selector_stats
         before = (stats.runs, stats.reuses, stats.pages)
         side = torch.cuda.Stream(self.device)
@@ -206,7 +210,7 @@ class DecodeGraphs:
             logits = self._forward(splan, x)
             greedy = self.model.greedy(logits)
         stats.runs, stats.reuses, stats.pages = before  # the replay that follows counts the step
-        entry = _Graph(graph, logits, greedy, tuple(a - b for a, b in zip(after, before)), (step, splan))
+        entry = _Graph(graph, logits, greedy, tuple(a - b for a, b in zip(after, before)), splan)
         self._graphs[key] = entry
         self.captures += 1
         while len(self._graphs) > self.max_graphs:

@@ -424,8 +424,8 @@ class LLMEngine:
                     if graph_step else None)
         if replayed is not None:
             return _Part(samplers, spans, replayed[0], replayed[1], None, t, True)
-        if graph_step:
-            plan = plan.to(dev)
+        if graph_step:  # not replayed: the same step with its eager tensors and tables
+            plan = self.backend.eager_plan(plan, dev)
         ids_dev = torch.tensor(ids, dtype=torch.long, device=dev)
         if prev_tokens is not None:
             ids_dev = prev_tokens.index_select(0, ids_dev)

@@ -4,7 +4,11 @@ The scheduler describes each sequence of a step with a :class:`SeqStep`; the
 :class:`StepPlanner` turns the batch into a :class:`StepPlan`: where new tokens are written in
 both pools, which pages each sequence reads, whether dynamic page selection is active for a
 sequence and whether the selector runs this step or reuses its last choice (every C steps).
-Backends turn this into their own tables (torch: index tensors; cupy: int32 device tables).
+A backend's ``plan`` adds what its layers need beyond that (:attr:`StepPlan.tables`; the cupy
+backend's int32 device tables), once per step, before the first layer runs.
+
+:func:`layer_budget` is the one rule of per-layer page budgets (adaptive budgets), asked by
+both backends and the KV-read meter.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from lserve.cache.kv_cache import KVCache
 from lserve.config import SparsityConfig
+from lserve.sparsity.adaptive_budget import layer_pages
 
 
 @dataclass
@@ -78,9 +83,13 @@ class StepPlan:
     dense_write_prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     stream_write_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     stream_write_prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    #: What the backend's layers read besides the fields above, built by its ``plan`` (cupy: a
+    #: :class:`~lserve.attention.cupy_plan.CupyStep` on the device); None: nothing (torch).
+    tables: object | None = None
 
     def to(self, device) -> StepPlan:
-        """The same plan with every tensor on ``device`` (a host-built plan run eagerly)."""
+        """The same plan with every tensor on ``device`` (a host-built plan run eagerly), without
+        :attr:`tables` (they were built for this plan's form: the backend builds them again)."""
         def mv(t):
             return t.to(device)
 
@@ -88,6 +97,18 @@ class StepPlan:
                         ring_first_pos=mv(s.ring_first_pos)) for s in self.seqs]
         return StepPlan(seqs, self.num_tokens, *(tuple(mv(t) for t in w) for w in (
             self.dense_write_decode, self.dense_write_prefill, self.stream_write_decode, self.stream_write_prefill)))
+
+
+def layer_budget(ratio: float | None, budget_pages: int, pages_at_select: int, page_size: int) -> int:
+    """Pages a selecting layer reads from a dynamic sequence's selection; 0: it reads every page.
+
+    The layer keeps ``layer_pages(ratio, budget_pages)`` pages (``ratio`` None: the sequence's
+    own budget) and reads every page while that is at least the sequence's dense pages at its
+    last selection, so the choice changes only when the selection does and a reused selection
+    always exists. The torch backend, the cupy planner and the KV-read meter all decide here.
+    """
+    k = layer_pages(ratio, budget_pages, page_size)
+    return k if k < pages_at_select else 0
 
 
 def _long(values, dev) -> torch.Tensor:
