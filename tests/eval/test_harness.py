@@ -81,6 +81,7 @@ def test_end_to_end_on_tiny_model(tmp_path, capsys):
     assert 0 < kv[("rnd", 640)] < kv[("rnd@1/2", 640)] < 1
     assert json.loads((tmp_path / "acc.json").read_text())["rows"] == rows
     assert (tmp_path / "acc_heatmap_passkey.png").is_file() and (tmp_path / "acc_budget.png").is_file()
+    assert (tmp_path / "acc_bytes.png").is_file()  # accuracy against the KV bytes read
     lines = (tmp_path / "acc.cases.jsonl").read_text().splitlines()
     assert len(lines) == 3 * 4
     # Resume: nothing is recomputed; and running without forking reproduces every output.
