@@ -212,12 +212,18 @@ def test_per_request_prefill_sparsity(smol):
 
 
 def test_lserve_extension_accepts_prefill_sparsity():
-    pydantic = pytest.importorskip("pydantic")
-    from lserve.serve.protocol import LServeOptions
+    """The schema takes the field; its range is the engine's rule (one validator), applied by the
+    ingress before admission with the request's field name."""
+    pytest.importorskip("pydantic")
+    from lserve.serve.params import engine_fields
+    from lserve.serve.protocol import CompletionRequest, LServeOptions, OpenAIError
 
     assert LServeOptions(prefill_sparsity=0.9).prefill_sparsity == 0.9
-    with pytest.raises(pydantic.ValidationError):
-        LServeOptions(prefill_sparsity=1.5)
+    ok = CompletionRequest(prompt="hi", lserve=LServeOptions(prefill_sparsity=0.9))
+    assert engine_fields(ok)["prefill_sparsity"] == 0.9
+    with pytest.raises(OpenAIError) as e:
+        engine_fields(CompletionRequest(prompt="hi", lserve=LServeOptions(prefill_sparsity=1.5)))
+    assert e.value.status == 400 and e.value.param == "lserve.prefill_sparsity", vars(e.value)
 
 
 def test_sparse_prefill_chunks_end_on_the_row_grid():

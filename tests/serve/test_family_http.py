@@ -81,6 +81,10 @@ def test_qwen2_dir_served_over_http_equals_transformers_generate(qwen2_server, s
     assert sparsity["summary"] == (f"pattern none {missing} (0 of KV heads streaming); decode budget uniform "
                                    f"{sparsity['token_budget']} tokens, selecting layers all {missing}; "
                                    "prefill sparsity off"), sparsity
+    # /health answers before `lserve serve` prints its start-up lines (it asks a replica first)
+    deadline = time.monotonic() + 90
+    while "lserve: serving " not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
     started = [line for line in log.read_text().splitlines() if line.startswith("lserve: sparsity: ")]
     assert started == [f"lserve: sparsity: {sparsity['summary']}"], log.read_text()
     for prompt in PROMPTS:
