@@ -25,6 +25,7 @@ import torch
 from lserve.config import ConfigError, ModelConfig
 from lserve.identity import fingerprint
 from lserve.models import presets
+from lserve.models.gguf_config import READ_ERRORS, gguf_hf_config
 from lserve.models.hf_config import config_from_hf
 from lserve.models.tokenizer import ByteTokenizer, HFTokenizer, PresetTokenizer
 from lserve.paths import cache_root
@@ -140,15 +141,17 @@ def load_gguf(path: Path) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     folder, name = str(path.parent), path.name
+    hf_cfg = gguf_hf_config(path)
+    cfg = config_from_hf(hf_cfg, path.stem)  # refuses what we do not run before the slow part
     _say(f"first load of {name}: converting it once to {cached} (later starts read that)")
     try:
         with _stage("reading the GGUF tokenizer"):
             hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         with _stage("reading and dequantizing the GGUF weights"):
-            hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except (ValueError, OSError, KeyError) as e:
-        raise ConfigError(f"cannot read GGUF file {path}: {e}") from None
-    cfg = config_from_hf(hf_model.config, path.stem)
+            hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=hf_cfg,
+                                                            dtype=torch.float32)
+    except READ_ERRORS as e:
+        raise ConfigError(f"cannot read GGUF file {path}: {' '.join(str(e).split())[:300]}") from None
     weights = {k: v.detach().contiguous() for k, v in hf_model.state_dict().items()}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
@@ -177,10 +180,7 @@ def load_model_config(spec: str) -> ModelConfig:
         cached = _gguf_cache_dir(path) / "model_config.json"
         if cached.is_file():
             return ModelConfig(**json.loads(cached.read_text()))
-        try:
-            return config_from_hf(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name), path.stem)
-        except (ValueError, OSError, KeyError) as e:
-            raise ConfigError(f"cannot read GGUF file {path}: {e}") from None
+        return config_from_hf(gguf_hf_config(path), path.stem)
     if path.is_dir() and (path / "config.json").is_file():
         return config_from_hf(AutoConfig.from_pretrained(str(path)), path.name)
     raise ConfigError(f"model {spec!r} not found")
