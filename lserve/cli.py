@@ -92,6 +92,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--logical-page-size", type=int, default=D["logical_page_size"], help="logical page N_L")
     c.add_argument("--kv-quant", default=D["kv_quant"], choices=["none", "int8", "int4"], help="KV cache quantization")
     c.add_argument("--max-cache-tokens", type=int, default=D["max_cache_tokens"], help="dense-pool capacity in tokens")
+    c.add_argument("--host-kv-gib", type=float, default=D["host_kv_gib"],
+                   help="host memory for dense heads' KV pages past the --max-cache-tokens resident on the device "
+                        "(torch backend; 0: off)")
     c.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=D["prefix_cache"],
                    help="reuse the KV pages of prompt prefixes seen before (--no-prefix-cache: recompute every prompt)")
 

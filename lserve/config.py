@@ -33,6 +33,20 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def available_host_bytes() -> int:
+    """Memory this host can still give (``MemAvailable`` of /proc/meminfo, else free pages)."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
@@ -275,6 +289,9 @@ class CacheConfig:
         Dense-pool pages; 0 sizes the pool from ``max_tokens``.
     kv_quant : str
         ``"none"``, ``"int8"`` or ``"int4"`` storage of K/V.
+    host_kv_gib : float
+        Host memory (GiB) for dense heads' pages past the device-resident set (``num_pages`` of
+        them); 0: off (``docs/host_kv_tier.md``). Refused above the host's available memory.
     """
 
     page_size: int = 64
@@ -282,6 +299,7 @@ class CacheConfig:
     num_pages: int = 0
     max_tokens: int = 65536
     kv_quant: str = "none"
+    host_kv_gib: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.page_size > 0 and self.logical_page_size > 0, "page sizes must be positive")
@@ -292,6 +310,12 @@ class CacheConfig:
         _check(self.num_pages >= 0 and self.max_tokens > 0, "num_pages must be >= 0 and max_tokens > 0")
         if self.num_pages == 0:
             self.num_pages = -(-self.max_tokens // self.page_size)
+        _check(self.host_kv_gib >= 0, f"host_kv_gib must be >= 0 (0: off), got {self.host_kv_gib}")
+        if self.host_kv_gib:
+            free = available_host_bytes()
+            _check(self.host_kv_gib * 2**30 <= free,
+                   f"--host-kv-gib {self.host_kv_gib:g} is more than the {free / 2**30:.1f} GiB of memory this host "
+                   "has available")
 
     @property
     def pages_per_logical(self) -> int:
@@ -375,6 +399,7 @@ class EngineConfig:
             _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":
             _check(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
+            _check(not self.cache.host_kv_gib, "the host KV tier (--host-kv-gib) runs on the torch backend only so far")
         sp, cc = self.sparsity, self.cache
         _check(sp.sink_tokens % cc.page_size == 0 and sp.local_tokens % cc.page_size == 0,
                f"sink_tokens ({sp.sink_tokens}) and local_tokens ({sp.local_tokens}) must be multiples "
@@ -439,7 +464,7 @@ def engine_config_from_args(a) -> EngineConfig:
                         prefill_q_block=getattr(a, "prefill_q_block", sd.prefill_q_block),
                         prefill_estimator=getattr(a, "prefill_estimator", sd.prefill_estimator))
     cc = CacheConfig(page_size=a.page_size, logical_page_size=a.logical_page_size, kv_quant=a.kv_quant,
-                     max_tokens=a.max_cache_tokens)
+                     max_tokens=a.max_cache_tokens, host_kv_gib=getattr(a, "host_kv_gib", 0.0))
     return EngineConfig(model=a.model, sparsity=sp, cache=cc, backend=a.backend, device=a.device, dtype=a.dtype,
                         max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens,
                         max_model_len=a.max_model_len, seed=a.seed,
@@ -473,7 +498,7 @@ def engine_flag_defaults() -> dict[str, Any]:
               "select_mode", "select_layers", "adaptive_budgets", "prefill_sparsity", "prefill_sparsity_min_len",
               "prefill_block", "prefill_q_block", "prefill_estimator"):
         out[f] = getattr(objs["sparsity"], f)
-    for f in ("page_size", "logical_page_size", "kv_quant"):
+    for f in ("page_size", "logical_page_size", "kv_quant", "host_kv_gib"):
         out[f] = getattr(objs["cache"], f)
     for flag, (obj, name) in _FLAG_FIELDS.items():
         out[flag] = getattr(objs[obj], name)

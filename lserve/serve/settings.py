@@ -20,7 +20,7 @@ ENGINE_FIELDS = (
     "pattern", "static_sparsity", "sink", "local", "token_budget", "reuse_interval", "dynamic_threshold",
     "dense_layers", "select_mode", "select_layers", "adaptive_budgets", "prefill_sparsity", "prefill_sparsity_min_len",
     "prefill_block", "prefill_q_block", "prefill_estimator", "page_size", "logical_page_size", "kv_quant",
-    "max_cache_tokens",
+    "max_cache_tokens", "host_kv_gib",
     "cuda_graphs", "fused_ops", "async_decode", "step_time_target", "itl_slo_ms", "min_prefill_share",
     "prefix_cache", "allow_long_max_model_len",
 )
@@ -148,6 +148,7 @@ class ServeSettings:
     logical_page_size: int = _D["logical_page_size"]
     kv_quant: str = _D["kv_quant"]
     max_cache_tokens: int = _D["max_cache_tokens"]
+    host_kv_gib: float = _D["host_kv_gib"]
     cuda_graphs: bool = _D["cuda_graphs"]
     fused_ops: bool = _D["fused_ops"]
     async_decode: bool = _D["async_decode"]
