@@ -37,6 +37,10 @@ class TieredPool:
     def host_nbytes(self) -> int:
         return self.host.nbytes()
 
+    def page_bytes(self) -> int:
+        """Bytes of one page of this layer (either tier)."""
+        return self.resident.page_bytes()
+
     def write(self, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store tokens of pages this step pinned (resident). pages, offsets: [T] long; k, v: [T, H, D]."""
         if self.num_heads == 0 or pages.numel() == 0:
