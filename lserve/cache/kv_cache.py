@@ -82,7 +82,6 @@ class KVCache:
                  local_tokens: int, max_num_seqs: int, dtype: torch.dtype, device, prefix_cache: bool = False,
                  prefix_seed: bytes = b"", max_batched_tokens: int = 0, host_device="cpu") -> None:
         self.cfg = cfg
-        self.device = torch.device(device)
         self.page_size = cfg.page_size
         self.n_dense = list(n_dense)
         self.n_stream = [model.num_kv_heads - n for n in n_dense]
@@ -92,6 +91,7 @@ class KVCache:
         self.stream_pages_per_seq = self.ring.num_slots if self.has_streaming else 0
         D, N = model.head_dim, cfg.page_size
         self.dense = [PagedPool(cfg.num_pages, n, N, D, cfg.kv_quant, dtype, device) for n in n_dense]
+        self.device = self.dense[0].k.device  # as the tensors have it (cuda:0, not cuda)
         #: The host tier's page table (None: off); the dense pools are then virtual-page views.
         self.host_tier: HostTier | None = None
         num_pages = cfg.num_pages  # dense page ids (virtual ones with the host tier)
