@@ -97,6 +97,20 @@ def flags_of(cls: type) -> tuple[Flag, ...]:
                  for f in fields(cls) if f.metadata.get("help"))
 
 
+def available_host_bytes() -> int:
+    """Memory this host can still give (``MemAvailable`` of /proc/meminfo, else free pages)."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
@@ -358,6 +372,9 @@ class CacheConfig:
         Tokens the dense pool holds (``--max-cache-tokens``), when ``num_pages`` is 0.
     kv_quant : str
         ``"none"``, ``"int8"`` or ``"int4"`` storage of K/V.
+    host_kv_gib : float
+        Host memory (GiB) for dense heads' pages past the device-resident set (``num_pages`` of
+        them); 0: off (``docs/host_kv_tier.md``). Refused above the host's available memory.
     """
 
     page_size: int = setting(64, "physical page N_P")
@@ -365,6 +382,8 @@ class CacheConfig:
     num_pages: int = 0
     dense_pool_tokens: int = setting(65536, "dense-pool capacity in tokens", flag="max_cache_tokens")
     kv_quant: str = setting("none", "KV cache quantization", choices=KV_QUANT_CHOICES)
+    host_kv_gib: float = setting(0.0, "host memory (GiB) for dense heads' KV pages past the --max-cache-tokens "
+                                      "resident on the device (torch backend; 0: off)")
 
     def __post_init__(self) -> None:
         _check(self.page_size > 0 and self.logical_page_size > 0, "page sizes must be positive")
@@ -377,6 +396,12 @@ class CacheConfig:
                f"{self.num_pages}/{self.dense_pool_tokens}")
         if self.num_pages == 0:
             self.num_pages = -(-self.dense_pool_tokens // self.page_size)
+        _check(self.host_kv_gib >= 0, f"host_kv_gib must be >= 0 (0: off), got {self.host_kv_gib}")
+        if self.host_kv_gib:
+            free = available_host_bytes()
+            _check(self.host_kv_gib * 2**30 <= free,
+                   f"--host-kv-gib {self.host_kv_gib:g} is more than the {free / 2**30:.1f} GiB of memory this host "
+                   "has available")
 
     @property
     def pages_per_logical(self) -> int:
@@ -474,6 +499,7 @@ class EngineConfig:
             _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":
             _check(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
+            _check(not self.cache.host_kv_gib, "the host KV tier (--host-kv-gib) runs on the torch backend only so far")
         sparsity, page = self.sparsity, self.cache.page_size
         _check(sparsity.sink_tokens % page == 0 and sparsity.local_tokens % page == 0,
                f"sink_tokens ({sparsity.sink_tokens}) and local_tokens ({sparsity.local_tokens}) must be multiples "

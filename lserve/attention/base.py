@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lserve.cache.host_tier import SeqSpan
 from lserve.cache.kv_cache import KVCache
 from lserve.config import ConfigError, ModelConfig, SparsityConfig
 from lserve.sparsity.adaptive_budget import layer_pages, resolve_ratios
@@ -60,7 +61,7 @@ class AttentionBackend(ABC):
         self.model, self.sp, self.cache = model, sparsity, cache
         self.group = model.group_size
         self.scale = model.head_dim ** -0.5
-        device = cache.dense[0].k.device
+        device = cache.device
         self.planner = StepPlanner(sparsity, cache, device)
         self.selector_stats = SelectorStats()
         # One flag per layer from ``select_layers`` (raises ConfigError on a layer-count mismatch).
@@ -97,6 +98,9 @@ class AttentionBackend(ABC):
         the CPU, and :meth:`eager_plan` makes it runnable eagerly)."""
         plan = self.planner.plan(steps, host)
         self.meter_kv_reads(plan)
+        if self.cache.host_tier is not None:  # pages this step writes and decoders' windows go resident
+            self.cache.host_tier.prepare(SeqSpan(s.step.seq_id, s.step.dense_pages, s.step.start, s.length,
+                                                 s.step.decode) for s in plan.seqs)
         return plan
 
     def eager_plan(self, plan: StepPlan, device) -> StepPlan:
@@ -183,6 +187,8 @@ class AttentionBackend(ABC):
         """Drop per-sequence state (selection reuse) of a finished/aborted/preempted sequence."""
         self.planner.release(seq_id)
         self.kv_read.release(seq_id)
+        if self.cache.host_tier is not None:
+            self.cache.host_tier.release(seq_id)
 
     def layer_selects(self, layer: int) -> bool:
         """Dynamic selection applies to this layer (not forced dense, in ``select_layers``, has

@@ -135,7 +135,10 @@ class TorchBackend(AttentionBackend):
                 table = self._page_table(layer, sp, q[: nd * G], kp)  # [H_sel, C] indices into sp.pages
                 rows = table.shape[0]
                 heads = torch.arange(rows, device=q.device)[:, None] // (rows // nd)
-                k, v = self.cache.dense[layer].gather(sp.pages[table], heads)  # [H_sel, C, N, D]
+                pages = sp.pages[table]
+                if self.cache.host_tier is not None:  # selected pages go resident before attention
+                    self.cache.host_tier.fetch(layer, pages)
+                k, v = self.cache.dense[layer].gather(pages, heads)  # [H_sel, C, N, D]
                 pos = (table[:, :, None] * N + torch.arange(N, device=q.device)).view(rows, 1, 1, -1)
                 qd = q[: nd * G].view(rows, -1, 1, d)  # kv mode: [Hd, G, 1, D]; query mode: [Hd*G, 1, 1, D]
                 o = _attend(qd, k.view(rows, -1, d), v.view(rows, -1, d), pos < sp.length, self.scale)

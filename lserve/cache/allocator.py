@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -33,6 +34,8 @@ class PageAllocator:
         self._free = list(range(num_pages - 1, -1, -1))
         self._used: set[int] = set()
         self.reclaimer: Reclaimer | None = None
+        #: Told of every freed batch of pages (the host KV tier gives back their slots).
+        self.on_free: Callable[[list[int]], None] | None = None
 
     def _evictable(self) -> int:
         return self.reclaimer.num_evictable if self.reclaimer is not None else 0
@@ -68,3 +71,5 @@ class PageAllocator:
                 raise RuntimeError(f"page {p} freed twice or never allocated")
             self._used.remove(p)
             self._free.append(p)
+        if self.on_free is not None:
+            self.on_free(pages)

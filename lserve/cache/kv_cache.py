@@ -12,10 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from lserve.cache.allocator import PageAllocator
+from lserve.cache.host_tier import HostTier, pinned_bound
 from lserve.cache.key_stats import KeyStats
 from lserve.cache.paged_pool import PagedPool
 from lserve.cache.prefix_cache import PrefixCache
-from lserve.config import CacheConfig, ModelConfig
+from lserve.cache.tiered_pool import TieredPool
+from lserve.config import CacheConfig, ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,15 @@ class KVCache:
         through every layer's streaming heads, on the window before it.
     prefix_seed : bytes
         Hash-chain seed of the prefix cache.
+    max_batched_tokens : int
+        Tokens a step carries at most (sizes the pages a step pins with the host tier on).
+    host_device : torch.device or str
+        Where the host tier's pages live (``cfg.host_kv_gib`` > 0).
     """
 
     def __init__(self, model: ModelConfig, cfg: CacheConfig, n_dense: list[int], sink_tokens: int,
                  local_tokens: int, max_num_seqs: int, dtype: torch.dtype, device, prefix_cache: bool = False,
-                 prefix_seed: bytes = b"") -> None:
+                 prefix_seed: bytes = b"", max_batched_tokens: int = 0, host_device="cpu") -> None:
         self.cfg = cfg
         self.page_size = cfg.page_size
         self.n_dense = list(n_dense)
@@ -83,16 +89,49 @@ class KVCache:
         # One spare ring page: the last `local` tokens can straddle local/N_P + 1 pages.
         self.ring = StreamRing(cfg.page_size, sink_tokens // cfg.page_size, local_tokens // cfg.page_size + 1)
         self.stream_pages_per_seq = self.ring.num_slots if self.has_streaming else 0
-        self.dense_alloc = PageAllocator(cfg.num_pages)
+        D, N = model.head_dim, cfg.page_size
+        self.dense = [PagedPool(cfg.num_pages, n, N, D, cfg.kv_quant, dtype, device) for n in n_dense]
+        self.device = self.dense[0].k.device  # as the tensors have it (cuda:0, not cuda)
+        #: The host tier's page table (None: off); the dense pools are then virtual-page views.
+        self.host_tier: HostTier | None = None
+        num_pages = cfg.num_pages  # dense page ids (virtual ones with the host tier)
+        if cfg.host_kv_gib:
+            num_pages = self._build_host_tier(cfg, max_num_seqs, max_batched_tokens, host_device)
+        self.dense_alloc = PageAllocator(num_pages)
+        if self.host_tier is not None:
+            self.dense_alloc.on_free = self.host_tier.on_free
         self.stream_alloc = PageAllocator(max_num_seqs * self.stream_pages_per_seq)
         self.prefix = PrefixCache(self.dense_alloc, cfg.page_size, prefix_seed, prefix_cache)
         # Shadow pages follow the ring pages in the streaming pool; None: there are none.
         self.shadow_base = self.stream_alloc.num_pages if prefix_cache and self.has_streaming else None
-        n_stream_pages = self.stream_alloc.num_pages + (cfg.num_pages if self.shadow_base is not None else 0)
-        D, N = model.head_dim, cfg.page_size
-        self.dense = [PagedPool(cfg.num_pages, n, N, D, cfg.kv_quant, dtype, device) for n in n_dense]
-        self.stats = [KeyStats(cfg.num_pages, n, N, cfg.logical_page_size, D, dtype, device) for n in n_dense]
+        n_stream_pages = self.stream_alloc.num_pages + (num_pages if self.shadow_base is not None else 0)
+        self.stats = [KeyStats(num_pages, n, N, cfg.logical_page_size, D, dtype, device) for n in n_dense]
         self.stream = [PagedPool(n_stream_pages, s, N, D, cfg.kv_quant, dtype, device) for s in self.n_stream]
+
+    def _build_host_tier(self, cfg: CacheConfig, max_num_seqs: int, max_batched_tokens: int, host_device) -> int:
+        """Host pools of ``cfg.host_kv_gib`` and the tier over them; returns the virtual page count
+        (resident + host pages, less the pages one step may pin: see ``docs/host_kv_tier.md``)."""
+        resident = self.dense
+        page_bytes = sum(p.page_bytes() for p in resident)
+        if not page_bytes:
+            raise ConfigError("the host KV tier holds dense heads' pages, and this head layout has none")
+        host_pages = int(cfg.host_kv_gib * 2**30 // page_bytes)
+        pinned = pinned_bound(max_batched_tokens, max_num_seqs, cfg.page_size, self.ring.sink_pages,
+                              self.ring.local_pages)
+        if cfg.num_pages < pinned:
+            raise ConfigError(f"with the host KV tier the device must hold the pages one step pins: {pinned} pages "
+                              f"({pinned * cfg.page_size} tokens, from max_batched_tokens, max_num_seqs and the "
+                              f"sink/local window), but --max-cache-tokens gives {cfg.num_pages}")
+        if host_pages <= pinned:
+            raise ConfigError(f"--host-kv-gib {cfg.host_kv_gib:g} holds {host_pages} pages of {page_bytes} bytes, "
+                              f"no more than the {pinned} a step pins: it adds no capacity")
+        d0 = resident[0]
+        host = [PagedPool(host_pages, p.num_heads, p.page_size, d0.head_dim, p.kv_quant, p.dtype, host_device)
+                for p in resident]
+        self.host_tier = HostTier(resident, host, cfg.num_pages + host_pages - pinned, cfg.page_size,
+                                  self.ring.sink_pages, self.ring.local_pages)
+        self.dense = [TieredPool(self.host_tier, i, r, h) for i, (r, h) in enumerate(zip(resident, host))]
+        return cfg.num_pages + host_pages - pinned
 
     def pages_for(self, num_tokens: int) -> int:
         """Dense pages needed to hold ``num_tokens`` tokens."""
@@ -112,10 +151,13 @@ class KVCache:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per pool."""
-        return {
+        out = {
             "dense": sum(p.nbytes() for p in self.dense) + sum(s.nbytes() for s in self.stats),
             "streaming": sum(p.nbytes() for p in self.stream),
         }
+        if self.host_tier is not None:
+            out["host"] = sum(p.host_nbytes() for p in self.dense)
+        return out
 
     def usage(self) -> dict[str, float]:
         """Fraction of pages in use per pool (0 for an empty pool; idle cached pages count as free)."""

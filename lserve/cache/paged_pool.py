@@ -20,6 +20,7 @@ class PagedPool:
     def __init__(self, num_pages: int, num_heads: int, page_size: int, head_dim: int,
                  kv_quant: str, dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_heads, self.page_size, self.head_dim = num_heads, page_size, head_dim
+        self.num_pages = num_pages
         self._head_rows: torch.Tensor | None = None  # long [H, 1]: gather rows of sequence_kv
         self.kv_quant, self.dtype = kv_quant, dtype
         shape = (num_pages, num_heads, page_size)
@@ -39,10 +40,17 @@ class PagedPool:
             self.k_zero = torch.zeros(shape, dtype=torch.float32, device=device)
             self.v_zero = torch.zeros(shape, dtype=torch.float32, device=device)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The storage tensors (data, then scales and zero points where quantized), page-major."""
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero) if t is not None]
+
     def nbytes(self) -> int:
         """Bytes held by this pool (data + scales)."""
-        ts = [self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def page_bytes(self) -> int:
+        """Bytes of one page (data + scales)."""
+        return sum(t[:1].numel() * t.element_size() for t in self.tensors()) if self.num_pages else 0
 
     def write(self, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store tokens. pages, offsets: [T] long; k, v: [T, H, D]."""

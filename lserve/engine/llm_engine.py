@@ -17,6 +17,7 @@ import torch
 
 from lserve.attention import make_backend
 from lserve.attention.base import SelectorStats
+from lserve.cache.host_tier import HostKVStats
 from lserve.cache.kv_cache import KVCache
 from lserve.cache.page_hash import namespace_seed
 from lserve.config import PREFILL_MIN_LEN_UNPROFILED, ConfigError, EngineConfig, ModelConfig, SparsityConfig
@@ -71,6 +72,7 @@ class EngineStats:
     prefix_evictions: int = 0  # cached pages given back for new allocations
     prefix_recent_evicted: list = field(default_factory=list)  # (wall time, hash) of the latest evictions
     kv_read: KVReadTotals | None = None  # decode KV head-tokens read vs dense (lserve.sparsity.kv_read)
+    host_kv: HostKVStats | None = None  # the host KV tier's counters (None: tier off)
 
 
 @dataclass
@@ -123,7 +125,8 @@ def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCa
     """The two-way paged KV cache an engine with config ``cfg`` allocates."""
     sparsity = cfg.sparsity
     return KVCache(model_cfg, cfg.cache, layout.n_dense(), sparsity.sink_tokens, sparsity.local_tokens, cfg.max_num_seqs,
-                   dtype, cfg.device, prefix_cache=cfg.prefix_cache, prefix_seed=namespace_seed(cfg.prefix_namespace()))
+                   dtype, cfg.device, prefix_cache=cfg.prefix_cache, prefix_seed=namespace_seed(cfg.prefix_namespace()),
+                   max_batched_tokens=cfg.max_batched_tokens)
 
 
 class LLMEngine:
@@ -288,7 +291,8 @@ class LLMEngine:
                            replace(self.backend.selector_stats), kv_read=replace(self.backend.kv_read.total),
                            prefix_cache_queries=c.prefix.stats.queries, prefix_cache_hits=c.prefix.stats.hits,
                            prefix_cached_pages=c.prefix.num_cached, prefix_evictions=c.prefix.stats.evictions,
-                           prefix_recent_evicted=list(c.prefix.stats.recent_evicted))
+                           prefix_recent_evicted=list(c.prefix.stats.recent_evicted),
+                           host_kv=c.host_tier.stats() if c.host_tier is not None else None)
 
     def describe(self) -> dict:
         """Facts that do not change while the engine runs (for the serving layer's gauges and views)."""

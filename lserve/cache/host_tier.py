@@ -1,0 +1,307 @@
+"""Host KV tier: dense heads' pages past a device-resident working set live in host memory.
+
+See ``docs/host_kv_tier.md`` for the design. In short: the allocator, sequences and the prefix
+cache keep *virtual* dense page ids; this module's page table maps each to a host slot (one for
+all layers, -1: no host copy) and, per layer, to a resident slot (-1: not resident).
+
+* A page without a host copy is *hot*: resident in every layer (being written, or in a decoding
+  sequence's sink/local window). Full pages outside the window are spilled (copied to the host
+  once); their resident copies are then clean and dropped without a copy back.
+* The pages a step writes and its decoding sequences' windows are *pinned*: made resident at
+  plan time (:meth:`HostTier.prepare`) and never evicted during the step.
+* :meth:`HostTier.fetch` installs a layer's selected pages into resident slots (evicting by the
+  policy); what does not fit, and scans (prefill's past, decode below the selection threshold),
+  is read from the host directly (:meth:`HostTier.locate`).
+
+Both tiers are :class:`~lserve.cache.paged_pool.PagedPool` objects on devices given by the
+caller; on the CPU both are plain tensors and a "copy" is a tensor copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from lserve.cache.paged_pool import PagedPool
+from lserve.cache.tier_policy import RecencyPolicy
+
+
+class SeqSpan(NamedTuple):
+    """One sequence's share of a step, as the tier needs it: its dense pages (logical order),
+    tokens cached before the step, tokens cached after it, and whether it decodes."""
+
+    seq_id: int
+    pages: list[int]
+    start: int
+    length: int
+    decode: bool
+
+
+@dataclass
+class HostKVStats:
+    """Gauges and running totals of the host tier (engine stats ``host_kv``).
+
+    ``resident_slots_used`` / ``resident_slots``: occupied / all resident slots over every layer;
+    ``pages_on_host`` / ``host_pages``: host slots in use / all; ``hot_pages``: pages only on the
+    device. ``hits`` / ``misses``: selected pages found resident / not, per layer and fetch;
+    ``fetched``: pages (per layer) copied into the resident set; ``streamed``: pages (per layer)
+    read from the host without entering it; ``spilled``: pages copied to the host (all layers).
+    ``bytes_h2d`` / ``bytes_d2h``: totals; ``step_bytes_*``: those of the latest step.
+    """
+
+    resident_slots_used: int = 0
+    resident_slots: int = 0
+    pages_on_host: int = 0
+    host_pages: int = 0
+    hot_pages: int = 0
+    hits: int = 0
+    misses: int = 0
+    fetched: int = 0
+    streamed: int = 0
+    spilled: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    step_bytes_h2d: int = 0
+    step_bytes_d2h: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of selected pages found resident (1.0 before any selection)."""
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+
+def pinned_bound(max_batched_tokens: int, max_num_seqs: int, page_size: int, sink_pages: int,
+                 local_pages: int) -> int:
+    """Most pages one step pins: the pages its tokens are written to (a chunk may straddle one
+    page more than it fills) plus a window (sink, local and the page being written) per sequence."""
+    return -(-max_batched_tokens // page_size) + max_num_seqs * (1 + sink_pages + local_pages)
+
+
+def _copy(src: PagedPool, src_slot: int, dst: PagedPool, dst_slot: int) -> None:
+    """Copy one page (data, scales, zero points) between pools that may sit on different devices."""
+    for a, b in zip(src.tensors(), dst.tensors()):
+        b[dst_slot].copy_(a[src_slot], non_blocking=False)
+
+
+class HostTier:
+    """The page table, the per-layer resident sets and the host slots of the dense pools.
+
+    Parameters
+    ----------
+    resident : list of PagedPool
+        Per layer, the device pool; its pages are the resident slots.
+    host : list of PagedPool
+        Per layer, the host pool (same heads, page size and quantization); one slot per page.
+    num_pages : int
+        Virtual dense pages (the allocator's size).
+    page_size, sink_pages, local_pages : int
+        Tokens per page and a dense head's window in pages (the streaming ring's).
+    policy : callable
+        Makes one layer's eviction policy (:class:`~lserve.cache.tier_policy.RecencyPolicy`).
+    """
+
+    def __init__(self, resident: list[PagedPool], host: list[PagedPool], num_pages: int, page_size: int,
+                 sink_pages: int, local_pages: int, policy: Callable[[], RecencyPolicy] = RecencyPolicy) -> None:
+        self.resident, self.host = resident, host
+        self.num_layers = len(resident)
+        self.page_size, self.sink_pages, self.local_pages = page_size, sink_pages, local_pages
+        self.num_slots = resident[0].num_pages
+        self.num_host = host[0].num_pages
+        self._res = np.full((self.num_layers, num_pages), -1, dtype=np.int64)  # page -> resident slot
+        self._host = np.full(num_pages, -1, dtype=np.int64)  # page -> host slot
+        self._res_free = [list(range(self.num_slots - 1, -1, -1)) for _ in range(self.num_layers)]
+        self._host_free = list(range(self.num_host - 1, -1, -1))
+        self._policy = [policy() for _ in range(self.num_layers)]
+        self._pinned: set[int] = set()
+        self._spilled_to: dict[int, int] = {}  # seq_id -> pages below this index were considered
+        self._page_bytes = [p.page_bytes() for p in resident]
+        self._stats = HostKVStats(resident_slots=self.num_slots * self.num_layers, host_pages=self.num_host)
+
+    # -- per step -----------------------------------------------------------------------------
+    def prepare(self, seqs: Iterable[SeqSpan]) -> None:
+        """Before a step runs: make the pages it writes and its decoders' windows resident
+        (dropping stale host copies of written pages), then spill full pages that left a window."""
+        st = self._stats
+        st.step_bytes_h2d = st.step_bytes_d2h = 0
+        seqs = list(seqs)
+        N = self.page_size
+        pinned, written = set(), []
+        for s in seqs:
+            last = (s.length - 1) // N
+            w = s.pages[s.start // N: last + 1]
+            written += w
+            pinned.update(w)
+            if s.decode:
+                pinned.update(s.pages[: min(self.sink_pages, last + 1)])
+                pinned.update(s.pages[max(0, last - self.local_pages + 1): last + 1])
+        self._pinned = pinned
+        for v in pinned:
+            self._make_resident(v)
+        for v in written:
+            self._drop_host(v)
+        for s in seqs:  # full (before this step) and older than the window: spill once
+            hi = min(s.start // N, (s.length - 1) // N - self.local_pages + 1)
+            lo = max(self._spilled_to.get(s.seq_id, 0), self.sink_pages)
+            for i in range(lo, hi):
+                if self._host[s.pages[i]] < 0:
+                    self._spill(s.pages[i])
+            self._spilled_to[s.seq_id] = max(lo, hi)
+
+    def fetch(self, layer: int, pages: torch.Tensor) -> None:
+        """Install the selected ``pages`` (any shape) of ``layer`` into its resident set, as far as
+        free slots and clean, unpinned, unselected victims allow; the rest stays on the host."""
+        want = np.unique(pages.detach().cpu().numpy())
+        res = self._res[layer]
+        miss = want[res[want] < 0]
+        st = self._stats
+        st.hits += len(want) - len(miss)
+        st.misses += len(miss)
+        needed = set(want.tolist())
+        for v in miss.tolist():
+            slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned and p not in needed)
+            if slot is None:
+                break
+            self._install(layer, v, slot)
+            st.fetched += 1
+        self._policy[layer].touch(v for v in want.tolist() if res[v] >= 0)
+
+    def locate(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where ``layer``'s ``pages`` (any shape) are read from: (resident slot, host slot, resident?),
+        long/long/bool tensors of the same shape on ``pages``' device (slots clamped to 0 where
+        unused). Pages read from the host count as streamed."""
+        pc = pages.detach().cpu().numpy()
+        r, h = self._res[layer][pc], self._host[pc]
+        on_dev = r >= 0
+        if not (on_dev | (h >= 0)).all():
+            bad = pc[~(on_dev | (h >= 0))].ravel()[0]
+            raise RuntimeError(f"host KV tier: page {bad} of layer {layer} is read but holds no data")
+        if not on_dev.all():
+            n = np.unique(pc[~on_dev]).size
+            self._stats.streamed += n
+            self._count_h2d(n * self._page_bytes[layer])
+        dev = pages.device
+        return (torch.from_numpy(np.maximum(r, 0)).to(dev), torch.from_numpy(np.maximum(h, 0)).to(dev),
+                torch.from_numpy(on_dev).to(dev))
+
+    def resident_slots(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Resident slots of pages a step writes in ``layer`` (pinned, so resident)."""
+        r = self._res[layer][pages.detach().cpu().numpy()]
+        if (r < 0).any():
+            raise RuntimeError(f"host KV tier: layer {layer} writes a page that is not resident")
+        return torch.from_numpy(r).to(pages.device)
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def on_free(self, pages: Iterable[int]) -> None:
+        """The allocator freed ``pages``: give back every slot they hold."""
+        for v in pages:
+            for layer in range(self.num_layers):
+                if self._res[layer, v] >= 0:
+                    self._evict(layer, v)
+            self._drop_host(v)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished, aborted or preempted sequence's spill progress."""
+        self._spilled_to.pop(seq_id, None)
+
+    # -- views --------------------------------------------------------------------------------
+    def stats(self) -> HostKVStats:
+        """A snapshot of the counters."""
+        st = self._stats
+        st.resident_slots_used = int((self._res >= 0).sum())
+        st.pages_on_host = self.num_host - len(self._host_free)
+        st.hot_pages = int(((self._res >= 0).all(axis=0) & (self._host < 0)).sum())
+        return HostKVStats(**{k: getattr(st, k) for k in st.__dataclass_fields__})
+
+    def held_pages(self) -> set[int]:
+        """Virtual pages that hold a slot of either tier."""
+        return set(np.flatnonzero((self._res >= 0).any(axis=0) | (self._host >= 0)).tolist())
+
+    def is_resident(self, layer: int, page: int) -> bool:
+        return bool(self._res[layer, page] >= 0)
+
+    def check(self) -> None:
+        """Raise RuntimeError if a slot is lost or owned twice, or a page's data is nowhere."""
+        def owned(table: np.ndarray, free: list[int], total: int, what: str) -> None:
+            used = table[table >= 0].tolist()
+            if len(set(used)) != len(used) or set(used) & set(free) or len(used) + len(free) != total \
+                    or len(set(free)) != len(free):
+                raise RuntimeError(f"host KV tier: {what} slots inconsistent ({len(used)} used, {len(free)} free "
+                                   f"of {total})")
+        for layer in range(self.num_layers):
+            owned(self._res[layer], self._res_free[layer], self.num_slots, f"layer {layer} resident")
+            if len(self._policy[layer]) != int((self._res[layer] >= 0).sum()):
+                raise RuntimeError(f"host KV tier: layer {layer} policy out of step with its resident set")
+        owned(self._host, self._host_free, self.num_host, "host")
+        partial = (self._res >= 0).any(axis=0) & ~(self._res >= 0).all(axis=0) & (self._host < 0)
+        if partial.any():
+            raise RuntimeError(f"host KV tier: page {int(np.flatnonzero(partial)[0])} lost its data in some layer")
+
+    # -- moves --------------------------------------------------------------------------------
+    def _count_h2d(self, n: int) -> None:
+        self._stats.bytes_h2d += n
+        self._stats.step_bytes_h2d += n
+
+    def _slot(self, layer: int, evictable: Callable[[int], bool]) -> int | None:
+        """A free resident slot of ``layer``, evicting the policy's victim among ``evictable``."""
+        if not self._res_free[layer]:
+            victim = self._policy[layer].victim(evictable)
+            if victim is None:
+                return None
+            self._evict(layer, victim)
+        return self._res_free[layer].pop()
+
+    def _make_resident(self, v: int) -> None:
+        """Resident in every layer (a pinned page): a free slot, else a clean unpinned victim, else
+        a hot unpinned page spilled first (the start-up sizing guarantees a host slot for it)."""
+        for layer in range(self.num_layers):
+            if self._res[layer, v] >= 0:
+                self._policy[layer].touch((v,))
+                continue
+            slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned)
+            if slot is None:
+                hot = self._policy[layer].victim(lambda p: p not in self._pinned)
+                if hot is None:
+                    raise RuntimeError("host KV tier: every resident slot is pinned (resident pool too small)")
+                self._spill(hot)
+                self._evict(layer, hot)
+                slot = self._res_free[layer].pop()
+            if self._host[v] >= 0:
+                self._install(layer, v, slot)
+            else:  # a fresh page: written this step
+                self._res[layer, v] = slot
+                self._policy[layer].touch((v,))
+
+    def _install(self, layer: int, v: int, slot: int) -> None:
+        _copy(self.host[layer], int(self._host[v]), self.resident[layer], slot)
+        self._res[layer, v] = slot
+        self._policy[layer].touch((v,))
+        self._count_h2d(self._page_bytes[layer])
+
+    def _spill(self, v: int) -> None:
+        """Copy hot page ``v`` (resident in every layer) to a host slot."""
+        if not self._host_free:
+            raise RuntimeError("host KV tier: no free host slot to spill to")
+        hs = self._host_free.pop()
+        for layer in range(self.num_layers):
+            _copy(self.resident[layer], int(self._res[layer, v]), self.host[layer], hs)
+        self._host[v] = hs
+        st = self._stats
+        st.spilled += 1
+        n = sum(self._page_bytes)
+        st.bytes_d2h += n
+        st.step_bytes_d2h += n
+
+    def _evict(self, layer: int, v: int) -> None:
+        self._res_free[layer].append(int(self._res[layer, v]))
+        self._res[layer, v] = -1
+        self._policy[layer].forget(v)
+
+    def _drop_host(self, v: int) -> None:
+        if self._host[v] >= 0:
+            self._host_free.append(int(self._host[v]))
+            self._host[v] = -1

@@ -1,0 +1,144 @@
+"""Host KV tier (issue 39) on the torch backend: greedy outputs equal with it on and off while a
+tiny resident set forces fetches, evictions and spills every step; prefix-cache hits on offloaded
+pages, preemption and abort with every slot accounted for; counters; start-up checks; admission.
+
+Each tier-on engine is compared with a tier-off twin holding as many dense pages as the tier's
+virtual pages, so both schedule (and preempt) the same way.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.engine import LLMEngine, SamplingParams
+from lserve.engine.llm_engine import CONTEXT_LENGTH_EXCEEDED, RequestError
+from lserve.models.loader import load_model
+
+SPARSE = SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=16, local_tokens=32, token_budget=48,
+                        reuse_interval=2, dynamic_threshold=0)
+DOC = " ".join(f"Box {i} is {['red', 'blue', 'green', 'black'][i % 4]}." for i in range(40))
+QUESTIONS = [" Q: what colour is box 5? A:", " Q: which box is black? A:", " Q: is box 9 red? A:"]
+# 64-token steps, 2 sequences, 16-token pages, a 1 + 3 page window: a step pins 4 + 2 * 5 pages.
+PINNED = 14
+
+
+def _engine(loaded, model: str, num_pages: int, host_kv_gib: float = 0.0, kv_quant: str = "none",
+            prefix_cache: bool = True, max_num_seqs: int = 2) -> LLMEngine:
+    cc = CacheConfig(page_size=16, logical_page_size=4, num_pages=num_pages, kv_quant=kv_quant, host_kv_gib=host_kv_gib)
+    return LLMEngine(EngineConfig(model=model, sparsity=SPARSE, cache=cc, max_num_seqs=max_num_seqs,
+                                  max_batched_tokens=64, prefix_cache=prefix_cache), loaded)
+
+
+def _gib(loaded, model: str, host_pages: int, kv_quant: str = "none") -> float:
+    """``host_kv_gib`` that gives ``host_pages`` host pages (page bytes depend on the quantization)."""
+    probe = _engine(loaded, model, PINNED, host_kv_gib=0.01, kv_quant=kv_quant)
+    return (host_pages + 0.5) * sum(p.page_bytes() for p in probe.cache.dense) / 2**30
+
+
+def _twin(loaded, model: str, tiered: LLMEngine, **kw) -> LLMEngine:
+    """A tier-off engine with as many dense pages as ``tiered`` has virtual ones."""
+    return _engine(loaded, model, tiered.cache.dense_alloc.num_pages, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", seed=3)
+
+
+def test_greedy_equal_with_fetches_and_prefix_hit_on_offloaded_pages(tiny):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [DOC[:400] + q for q in QUESTIONS[:2]]
+    on = _engine(tiny, "tiny", PINNED, host_kv_gib=_gib(tiny, "tiny", 90))
+    tier = on.cache.host_tier
+    assert on.cache.dense_alloc.num_pages == 90  # admission counts both tiers: 14 resident + 90 host - 14 pinned
+    first = on.generate(prompts[:1], greedy)[0]
+    # More pages cached than the device holds: the next prompt's hit includes offloaded pages.
+    assert on.stats().prefix_cached_pages > PINNED
+    second = on.generate(prompts[1:], greedy)[0]
+    assert second.metrics["cached_tokens"] >= 16 * 20
+    st = on.stats().host_kv
+    assert st.spilled > 0 and st.pages_on_host > 0 and st.bytes_d2h > 0
+    assert st.misses > 0 and st.fetched > 0 and st.hits > 0 and 0 < st.hit_rate < 1
+    assert st.streamed > 0 and st.bytes_h2d > 0  # prefill of the hit read its past from the host
+    assert st.resident_slots_used <= st.resident_slots
+    tier.check()
+    assert len(tier.held_pages()) == on.stats().prefix_cached_pages  # only idle cached pages hold slots
+    off = _twin(tiny, "tiny", on)
+    assert off.cache.host_tier is None and off.stats().host_kv is None
+    assert [o.token_ids for o in off.generate(prompts[:1], greedy) + off.generate(prompts[1:], greedy)] == \
+        [first.token_ids, second.token_ids]
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
+def test_preemption_equal_and_every_slot_returned(tiny, kv_quant):
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompts = [DOC[:250] + q for q in QUESTIONS]
+    on = _engine(tiny, "tiny", PINNED, host_kv_gib=_gib(tiny, "tiny", 24, kv_quant), kv_quant=kv_quant,
+                 prefix_cache=False)
+    assert on.cache.dense_alloc.num_pages == 24  # growing sequences of ~20 pages do not fit together
+    outs = on.generate(prompts, params)
+    assert on.scheduler.num_preemptions > 0
+    st = on.stats().host_kv
+    assert st.fetched > 0 and st.spilled > 0
+    off = _twin(tiny, "tiny", on, kv_quant=kv_quant, prefix_cache=False)
+    assert [o.token_ids for o in off.generate(prompts, params)] == [o.token_ids for o in outs]
+    assert off.scheduler.num_preemptions == on.scheduler.num_preemptions
+    on.cache.host_tier.check()
+    assert on.cache.all_free() and on.cache.host_tier.held_pages() == set()
+    st = on.stats().host_kv
+    assert st.resident_slots_used == 0 and st.pages_on_host == 0
+
+
+def test_abort_gives_back_every_slot(tiny):
+    on = _engine(tiny, "tiny", PINNED, host_kv_gib=0.003, prefix_cache=True)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    rids = [on.add_request(DOC[:300] + q, params) for q in QUESTIONS[:2]]
+    while not (on.sequence(rids[0]) and on.sequence(rids[0]).in_decode and on.stats().host_kv.spilled):
+        on.step()
+    for _ in range(3):
+        on.step()
+    assert on.abort(rids[0]) and not on.abort(rids[0])
+    on.cache.host_tier.check()
+    while on.has_unfinished():
+        on.step()
+    tier = on.cache.host_tier
+    tier.check()
+    assert on.cache.all_free()
+    assert len(tier.held_pages()) == on.stats().prefix_cached_pages
+    on.cache.prefix.evict(on.cache.prefix.num_evictable)  # idle cached pages given back: nothing is held
+    tier.check()
+    assert tier.held_pages() == set() and on.stats().host_kv.pages_on_host == 0
+
+
+def test_request_past_both_tiers_is_refused(tiny):
+    on = _engine(tiny, "tiny", PINNED, host_kv_gib=0.001)
+    pages = on.cache.dense_alloc.num_pages
+    on.check_request([65] * (16 * pages - 8), SamplingParams(max_tokens=8))  # fits both tiers together
+    with pytest.raises(RequestError) as e:
+        on.check_request([65] * (16 * pages), SamplingParams(max_tokens=8))
+    assert e.value.code == CONTEXT_LENGTH_EXCEEDED
+
+
+def test_start_up_checks(tiny):
+    with pytest.raises(ConfigError, match="pages one step pins"):
+        _engine(tiny, "tiny", PINNED - 1, host_kv_gib=0.001)
+    with pytest.raises(ConfigError, match="adds no capacity"):
+        _engine(tiny, "tiny", PINNED, host_kv_gib=0.00001)
+    with pytest.raises(ConfigError, match="torch backend only"):
+        EngineConfig(backend="cupy", device="cuda", cache=CacheConfig(host_kv_gib=0.001))
+    with pytest.raises(ConfigError, match="host_kv_gib must be >= 0"):
+        CacheConfig(host_kv_gib=-1)
+
+
+@pytest.mark.parametrize("gib,message", [("100000", "GiB of memory this host has available"),
+                                         ("-1", "host_kv_gib must be >= 0")])
+def test_cli_refuses_bad_host_kv_gib(gib, message):
+    r = subprocess.run([sys.executable, "-m", "lserve", "generate", "hi", "--model", "tiny", "--host-kv-gib", gib],
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("lserve: error:"), r.stderr
+    assert message in lines[0]
