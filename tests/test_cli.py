@@ -98,7 +98,8 @@ def test_every_engine_flag_sets_its_config_field():
              "local": 48, "token_budget": 64, "reuse_interval": 2, "dynamic_threshold": 9, "dense_layers": 1,
              "select_mode": "query", "select_layers": "none", "adaptive_budgets": "", "prefill_sparsity": 0.5,
              "prefill_sparsity_min_len": 11, "prefill_block": 32, "prefill_q_block": 96, "prefill_estimator": "bound",
-             "page_size": 16, "logical_page_size": 8, "max_cache_tokens": 1000, "kv_quant": "int8"}
+             "page_size": 16, "logical_page_size": 8, "max_cache_tokens": 1000, "kv_quant": "int8",
+             "host_kv_gib": 0.5}
     assert set(given) == {f.name for f in engine_flags()}
     argv = ["generate", "hi"]
     for name, value in given.items():

@@ -15,7 +15,7 @@ import pytest
 
 from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
-from lserve.engine.llm_engine import CONTEXT_LENGTH_EXCEEDED, RequestError
+from lserve.engine.request_check import CONTEXT_LENGTH_EXCEEDED, RequestError
 from lserve.models.loader import load_model
 
 SPARSE = SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=16, local_tokens=32, token_budget=48,
