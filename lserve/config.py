@@ -24,7 +24,7 @@ PREFILL_MIN_LEN_UNPROFILED = 4096
 BACKENDS = ("torch", "cupy")
 #: Model families the forward implements (``ModelConfig.architecture``).
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "freq_factors")
 #: MLP gate activations: SiLU (every supported family's default) and the GELU variants.
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -118,7 +118,9 @@ class ModelConfig:
     Parameters
     ----------
     rope_scaling : dict or None
-        Hugging Face style: ``{"rope_type": "linear"|"dynamic"|"llama3"|"yarn", "factor": ...}``.
+        Hugging Face style: ``{"rope_type": "linear"|"dynamic"|"llama3"|"yarn", "factor": ...}``, or
+        ``{"rope_type": "freq_factors", "factors": [D/2 floats]}`` (each frequency divided by its
+        factor: llama.cpp's ``rope_freqs`` tensor, how a Llama 3.1+ GGUF stores its llama3 scaling).
     architecture : str
         The family (:data:`ARCHITECTURES`); the fields below say how its forward differs.
     qkv_bias, o_bias, mlp_bias : bool

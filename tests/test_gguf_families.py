@@ -152,13 +152,38 @@ def test_gguf_yarn_rope_scaling_is_carried(tmp_path, smol):
     torch.testing.assert_close(_logits(eng, ids), ref, **TOL)
 
 
+def test_gguf_llama3_rope_as_per_frequency_factors(tmp_path, smol):
+    """A Llama 3.1+ GGUF keeps its llama3 rope scaling as llama.cpp's ``rope_freqs`` tensor (each
+    frequency's divisor), which transformers' reader drops: we apply it, and match the model with
+    the llama3 scaling it was written from past the original context."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 32, "rope_theta": 5e5}
+    model = random_hf_model(VOCAB, "LlamaConfig", num_attention_heads=4, num_key_value_heads=2,
+                            rope_parameters=llama3, max_position_embeddings=256)
+    d = model.config.hidden_size // 4
+    plain = 1.0 / (5e5 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    factors = (plain / model.model.rotary_emb.inv_freq.float()).numpy().astype(np.float32)
+    assert factors.max() > 1.5  # the scaling changes some frequencies
+    path = write_gguf(tmp_path / "llama31.gguf", model, "llama", "Tiny Llama 3.1", 5e5,
+                      extra_tensors={"rope_freqs.weight": factors})
+    loaded = load_model(str(path))
+    assert loaded.config.rope_scaling["rope_type"] == "freq_factors"
+    ids = _ids(smol.tokenizer)[:100]  # past the original 32 positions
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0, -1]
+    eng = LLMEngine(EngineConfig(model=str(path), sparsity=SparsityConfig(token_budget=0)), loaded)
+    torch.testing.assert_close(_logits(eng, ids), ref, **TOL)
+
+
 #: case -> (llama.cpp architecture, extra metadata, extra tensors, words of the error)
 REFUSED = {
     "mistral3 architecture": ("mistral3", {}, {}, "architecture 'mistral3' is not supported: LServe reads GGUF "
                               r"files of llama \(Llama, Mistral\), qwen2 \(Qwen2, Qwen2.5\), qwen3 \(Qwen3\)"),
     "sliding window": ("llama", {"attention.sliding_window": (16, GGUFValueType.UINT32)}, {},
                        "sliding-window attention"),
-    "rope_freqs": ("llama", {}, {"rope_freqs.weight": np.ones(8, np.float32)}, "per-frequency factors"),
+    "rope_freqs beside a scaling": ("llama", {"rope.scaling.type": ("linear", GGUFValueType.STRING),
+                                              "rope.scaling.factor": (2.0, GGUFValueType.FLOAT32)},
+                                    {"rope_freqs.weight": np.ones(8, np.float32)}, "per-frequency rope factors"),
     "partial rotary": ("llama", {"rope.dimension_count": (8, GGUFValueType.UINT32)}, {}, "rotary embeddings on 8"),
 }
 

@@ -9,6 +9,7 @@ its metadata; here every key that changes it is carried into the config or refus
 
 from __future__ import annotations
 
+import copy
 import mmap
 import struct
 from pathlib import Path
@@ -113,9 +114,11 @@ def _forward_fields(path: Path, arch: str, meta: dict, tensors: list[str]) -> tu
         _refuse(path, f"a value head size ({get('attention.value_length')}) other than the key's ({head_dim})")
     if (get("rope.dimension_count") or head_dim) != head_dim:
         _refuse(path, f"rotary embeddings on {get('rope.dimension_count')} of {head_dim} head dimensions")
-    if "rope_freqs.weight" in tensors:
-        _refuse(path, "rope scaling stored as per-frequency factors (rope_freqs, as llama.cpp writes Llama 3.1+)")
     kind = get("rope.scaling.type") or ("linear" if get("rope.scale_linear") else "none")
+    if "rope_freqs.weight" in tensors:  # how llama.cpp stores Llama 3.1+'s llama3 scaling
+        if kind != "none":
+            _refuse(path, f"per-frequency rope factors (rope_freqs) together with rope scaling {kind!r}")
+        return head_dim, {"rope_type": "freq_factors", "factors": _rope_freqs(path, head_dim)}
     if kind == "none":
         return head_dim, None
     if kind not in ROPE_SCALING or any(get(k) is not None for k in YARN_TUNING):
@@ -128,6 +131,18 @@ def _forward_fields(path: Path, arch: str, meta: dict, tensors: list[str]) -> tu
     return head_dim, scaling
 
 
+def _rope_freqs(path: Path, head_dim: int) -> list[float]:
+    """The ``rope_freqs`` tensor of a GGUF (one factor per rotary frequency), read with the ``gguf``
+    package (only such files pay for its full read)."""
+    from gguf import GGUFReader
+
+    (t,) = [t for t in GGUFReader(str(path)).tensors if t.name == "rope_freqs.weight"]
+    factors = [float(x) for x in t.data.reshape(-1)]
+    if len(factors) != head_dim // 2 or not all(f > 0 for f in factors):
+        _refuse(path, f"rope_freqs with {len(factors)} factors for head size {head_dim} (or not all positive)")
+    return factors
+
+
 def gguf_hf_config(path: Path):
     """The transformers config of the GGUF at ``path``, with what transformers' reader misses
     (head size, rope scaling) set from the file and what we do not implement refused.
@@ -136,7 +151,8 @@ def gguf_hf_config(path: Path):
     ------
     ConfigError
         For another architecture than :data:`GGUF_ARCHITECTURES`, a sliding window, partial
-        rotary embeddings, per-frequency rope factors (``rope_freqs``) or another rope scaling.
+        rotary embeddings, per-frequency rope factors (``rope_freqs``) beside another scaling, or
+        another rope scaling.
     """
     from transformers import AutoConfig, LlamaConfig
 
@@ -154,3 +170,14 @@ def gguf_hf_config(path: Path):
     if scaling:
         hf.rope_parameters = {**(getattr(hf, "rope_parameters", None) or {}), **scaling}
     return hf
+
+
+def weights_config(hf):
+    """``hf`` for transformers to load the file's weights into: a ``freq_factors`` rope (ours, which
+    transformers does not build) becomes the plain rope; the weights do not depend on it."""
+    rope = getattr(hf, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "freq_factors":
+        return hf
+    out = copy.deepcopy(hf)
+    out.rope_parameters = {k: v for k, v in rope.items() if k not in ("rope_type", "factors")} | {"rope_type": "default"}
+    return out

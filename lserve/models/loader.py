@@ -25,7 +25,7 @@ import torch
 from lserve.config import ConfigError, ModelConfig
 from lserve.identity import fingerprint
 from lserve.models import presets
-from lserve.models.gguf_config import READ_ERRORS, gguf_hf_config
+from lserve.models.gguf_config import READ_ERRORS, gguf_hf_config, weights_config
 from lserve.models.hf_config import config_from_hf
 from lserve.models.tokenizer import ByteTokenizer, HFTokenizer, PresetTokenizer
 from lserve.paths import cache_root
@@ -148,7 +148,7 @@ def load_gguf(path: Path) -> LoadedModel:
         with _stage("reading the GGUF tokenizer"):
             hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         with _stage("reading and dequantizing the GGUF weights"):
-            hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=hf_cfg,
+            hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=weights_config(hf_cfg),
                                                             dtype=torch.float32)
     except READ_ERRORS as e:
         raise ConfigError(f"cannot read GGUF file {path}: {' '.join(str(e).split())[:300]}") from None

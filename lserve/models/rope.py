@@ -3,7 +3,8 @@
 ``default``, ``linear`` (positions divided by a factor), ``dynamic`` (NTK: the base grows
 with the current sequence length once past the trained maximum), ``llama3``
 (frequency-band-wise scaling) and ``yarn`` (a ramp between interpolated and original
-frequencies, with cos/sin scaled by an attention factor; Qwen2.5's long-context variants).
+frequencies, with cos/sin scaled by an attention factor; Qwen2.5's long-context variants) and
+``freq_factors`` (each frequency divided by a given factor: llama.cpp's ``rope_freqs``).
 The rotation is the "rotate half" convention of HF Llama.
 """
 
@@ -13,7 +14,7 @@ import math
 
 import torch
 
-from lserve.config import ModelConfig
+from lserve.config import ConfigError, ModelConfig
 
 
 def _kind(cfg: ModelConfig) -> str:
@@ -48,6 +49,11 @@ def inv_freq(cfg: ModelConfig, seq_len: int = 0, device=None) -> torch.Tensor:
         freq = torch.where(is_mid, mid, scaled)
     elif kind == "yarn":
         freq = _yarn(freq, rs, base, d, cfg.max_position_embeddings)
+    elif kind == "freq_factors":
+        factors = torch.tensor(rs["factors"], dtype=torch.float32, device=device)
+        if factors.shape != freq.shape:
+            raise ConfigError(f"rope freq_factors: {factors.numel()} factors for {freq.numel()} frequencies")
+        freq = freq / factors
     return freq
 
 
