@@ -120,9 +120,14 @@ def _stage(what: str):
     _say(f"{what}: done in {time.monotonic() - t0:.0f}s")
 
 
+#: Bumped when reading a GGUF changes (what a cached conversion holds): older caches are not reused.
+GGUF_READER_VERSION = 2  # 2: head size, rope scaling and rope_freqs read from the file's keys
+
+
 def _gguf_cache_dir(path: Path) -> Path:
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{GGUF_READER_VERSION}".encode()
+                         ).hexdigest()[:16]
     return cache_root() / f"{path.stem}-{key}"
 
 
