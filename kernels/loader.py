@@ -47,9 +47,17 @@ TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "bsp_prefill_wg", "decode_tc",
 # that target directly, since CuPy's RawModule picks the plain compute capability.
 SM90A_FAMILIES = ("bsp_prefill_wg",)
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
+_TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+LOG2E = 1.4426950408889634  # kernels take softmax scales in base 2 (exp2)
 QUANTS = {"none": 0, "int8": 1, "int4": 2}
 HEAD_DIMS = (64, 128, 256)
 BASE_OPTIONS = ("-std=c++17",)
+
+
+def dtype_name(dtype) -> str | None:
+    """The :data:`DTYPES` name of a torch dtype (``torch.bfloat16`` -> ``"bf16"``), None for one no
+    kernel takes (read from its name, so this module does not import torch)."""
+    return _TORCH_DTYPES.get(str(dtype))
 
 
 class KernelError(RuntimeError):

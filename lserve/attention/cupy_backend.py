@@ -69,14 +69,13 @@ from lserve.attention.chunked import (
 )
 from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
 from lserve.attention.cupy_tuning import CupyTuning
-from lserve.attention.prefill_estimate import MAX_SHARED as MAX_EST_SHARED
 from lserve.attention.prefill_estimate import antidiagonal_masses
+from lserve.attention.prefill_estimate import fits as estimate_fits
 from lserve.attention.torch_backend import TorchBackend
+from lserve.kernels.loader import LOG2E, dtype_name
 from lserve.kernels.pdl import available as pdl_available
 from lserve.sparsity.plan import SeqStep, StepPlan
 
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-LOG2E = 1.4426950408889634
 TOPK_THREADS = 512
 SCORE_PAGES_MAX = 128  # PPB_MAX in kernels/selector.cu
 
@@ -143,7 +142,7 @@ class CupyBackend(AttentionBackend):
         self.device = pool.k.device
         self.dtype = pool.dtype
         self._check_device()
-        if self.dtype not in DTYPE_NAMES:
+        if dtype_name(self.dtype) is None:
             raise KernelError(f"unsupported cache dtype {self.dtype}")
         self.D = self.model.head_dim
         if self.D not in (64, 128, 256):
@@ -152,7 +151,7 @@ class CupyBackend(AttentionBackend):
             raise KernelError(f"the cupy backend needs a page size that is a multiple of 4 (got {self.cache.page_size})")
         if self.group > 32:
             raise KernelError(f"GQA groups above 32 query heads are not supported (got {self.group})")
-        self.dt_name = DTYPE_NAMES[self.dtype]
+        self.dt_name = dtype_name(self.dtype)
         self.kv_quant = self.cache.cfg.kv_quant
         self.gq = _largest_divisor_at_most(self.group, 8)
         self.nqs = self.group // self.gq
@@ -676,7 +675,7 @@ class CupyBackend(AttentionBackend):
     def estimate_masses(self, q, k, start, block, scale, estimator, stride, q_block):
         """The antidiagonal estimate in one GEMM + one kernel per group of rows
         (:func:`lserve.attention.prefill_estimate.antidiagonal_masses`); other estimators: torch."""
-        if estimator == "antidiagonal" and q.is_cuda and (k.shape[1] + block - 1) // block * 4 <= MAX_EST_SHARED:
+        if estimator == "antidiagonal" and q.is_cuda and estimate_fits(k.shape[1], block):
             return antidiagonal_masses(q, k, start, block, q_block or block, scale, stride)
         return super().estimate_masses(q, k, start, block, scale, estimator, stride, q_block)
 

@@ -189,7 +189,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
         Dense K and V pools [P, n_dense, page_size, D]; ``pages`` int32 holds each sequence's pages
         from its ``page_off``.
     """
-    from lserve.kernels.loader import FAMILIES, f32, get_kernel, i32, i64, launch, ptr
+    from lserve.kernels.loader import FAMILIES, LOG2E, f32, get_kernel, i32, i64, launch, ptr
 
     d = q.shape[-1]
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype)
@@ -203,7 +203,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
            (ptr(q), i64(q.stride(0)), ptr(out), i64(out.stride(0)), ptr(k), ptr(v), i64(k.stride(0)),
             ptr(pk), ptr(pv), i32(pool_heads), i32(page_size), ptr(pages), ptr(p.tiles), ptr(p.seqs),
             ptr(p.rowptr), ptr(p.indices), i32(p.n_rows), i32(head0), i32(n_dense), i32(p.group),
-            i32(sink), i32(local), f32(scale * 1.4426950408889634)),
+            i32(sink), i32(local), f32(scale * LOG2E)),
            shared_mem=p.shape.smem_bytes(d))
 
 

@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from lserve.kernels.loader import KernelError, Variant, f32, get_kernel, i32, launch, ptr
+from lserve.kernels.loader import LOG2E, KernelError, Variant, dtype_name, f32, get_kernel, i32, launch, ptr
+from lserve.sparsity.prefill_blocks import pad_positions
 
-LOG2E = 1.4426950408889634
 THREADS = 512  # EST_THREADS of the kernel
 DEVICE_TYPE = "cuda"  # where the kernel runs (a CPU test swaps in an emulation of it)
 GEMM_GROUPS = 16  # the rows of a chunk are scored in about this many GEMMs (memory permitting)
 MAX_SHARED = 200 * 1024  # block sums of one row in shared memory: nkb * 4 bytes
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _pad_to(x: torch.Tensor, lo: int, hi: int, first: int) -> torch.Tensor:
-    """x [H, n, D] at positions first .. first + n - 1 -> [H, hi - lo, D], zeros elsewhere."""
-    out = x.new_zeros(x.shape[0], hi - lo, x.shape[2])
-    out[:, first - lo: first - lo + x.shape[1]] = x
-    return out
+def fits(length: int, block: int) -> bool:
+    """Whether one row's block sums (``ceil(length / block)`` floats) fit the kernel's shared memory."""
+    return -(-length // block) * 4 <= MAX_SHARED
 
 
 def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int, q_block: int, scale: float,
@@ -53,21 +50,21 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
     """
     hq, lq, d = q.shape
     h, L, _ = k.shape
-    if q.dtype not in DTYPE_NAMES or k.dtype != q.dtype or q.device.type != DEVICE_TYPE:
+    if dtype_name(q.dtype) is None or k.dtype != q.dtype or q.device.type != DEVICE_TYPE:
         raise KernelError(f"antidiagonal estimate: CUDA bf16/fp16/fp32 q and k of one dtype, got {q.dtype}/{k.dtype}")
     if block % stride or q_block % block or L != start + lq:
         raise KernelError(f"antidiagonal estimate: block {block} / q_block {q_block} / stride {stride} / "
                           f"length {L} = start {start} + {lq} do not fit")
     g, S = hq // h, stride
     nkb = -(-L // block)
-    if nkb * 4 > MAX_SHARED:
+    if not fits(L, block):
         raise KernelError(f"antidiagonal estimate: {nkb} key blocks exceed one row's shared memory")
     b0 = start // q_block
     R = (L - 1) // q_block - b0 + 1
     gpr, kpb = q_block // S, block // S
-    kg = _pad_to(k, 0, nkb * block, 0).view(h, -1, S, d).flip(2).reshape(h, -1, S * d)  # [Hkv, nkb*B/S, S*D]
+    kg = pad_positions(k, 0, nkb * block, 0).view(h, -1, S, d).flip(2).reshape(h, -1, S * d)  # [Hkv, nkb*B/S, S*D]
     out = torch.zeros(hq, R, nkb, dtype=torch.float32, device=q.device)
-    kern = get_kernel(Variant("prefill_estimate", DTYPE_NAMES[q.dtype], 128), "ls_antidiag_mass")
+    kern = get_kernel(Variant("prefill_estimate", dtype_name(q.dtype), 128), "ls_antidiag_mass")
     # A GEMM spans its rows up to the last one's causal extent: fewer rows per GEMM waste fewer
     # FLOPs above the diagonal (~1/(2 * GEMM_GROUPS) of the causal work), more rows fewer launches.
     per_row = hq * gpr * (nkb * kpb) * q.element_size()
@@ -77,7 +74,7 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
         lo, hi = (b0 + r0) * q_block, (b0 + r1) * q_block  # positions of the rows, zeros outside the chunk
         a, e = max(lo, start), min(hi, L)
         nkg = (e - 1) // block * kpb + kpb  # key groups of the last row's causal blocks
-        qg = _pad_to(q[:, a - start: e - start], lo, hi, a).view(h, g * (r1 - r0) * gpr, S * d)
+        qg = pad_positions(q[:, a - start: e - start], lo, hi, a).view(h, g * (r1 - r0) * gpr, S * d)
         s = torch.bmm(qg, kg[:, :nkg].transpose(1, 2))  # [Hkv, G * ng, nkg] = [Hq, ng, nkg]
         launch(kern, (r1 - r0, hq), (THREADS,),
                (ptr(s), i32((r1 - r0) * gpr), i32(nkg), i32((b0 + r0) * gpr), i32(gpr), i32(kpb),

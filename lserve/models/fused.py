@@ -17,7 +17,6 @@ ARGMAX_THREADS = 1024  # kernels/fused.cu
 GEMV_TMAX, GEMV_ROWS_PER_CTA = 4, 16  # ls_gemv: most rows of x; GEMV_WARPS * GEMV_R rows of W per CTA
 VECTOR_MIN_ROWS = 64  # fewer rows (decode): the scalar RoPE / SiLU-mul kernels
 NV8 = 2  # 8-element chunks per thread in ls_add_rmsnorm_v8 (kernels/fused.cu)
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -34,12 +33,12 @@ class FusedOps:
     """Launchers of the fused kernels for one activation dtype and head_dim (CUDA only)."""
 
     def __init__(self, dtype: torch.dtype, head_dim: int) -> None:
-        from lserve.kernels.loader import Variant
+        from lserve.kernels.loader import Variant, dtype_name
 
-        if dtype not in DTYPE_NAMES:
+        if dtype_name(dtype) is None:
             raise ValueError(f"no fused kernels for {dtype}")
         self.dtype = dtype
-        self.variant = Variant("fused", DTYPE_NAMES[dtype], head_dim)
+        self.variant = Variant("fused", dtype_name(dtype), head_dim)
         self.vector = True  # the 16-byte-access kernels where shapes allow (False: scalar ones only)
         self.gemv = dtype != torch.float32  # decode-sized projections through ls_gemv (16-bit weights)
 

@@ -125,7 +125,7 @@ def _block_sum(x: torch.Tensor, B: int, dim: int) -> torch.Tensor:
     return x.reshape(s).sum(dim + 1)
 
 
-def _pad_positions(x: torch.Tensor, lo: int, hi: int, first: int) -> torch.Tensor:
+def pad_positions(x: torch.Tensor, lo: int, hi: int, first: int) -> torch.Tensor:
     """x: [H, n, D] at positions first .. first + n - 1 -> [H, hi - lo, D] at lo .. hi - 1, zeros elsewhere."""
     h, n, d = x.shape
     out = x.new_zeros(h, hi - lo, d)
@@ -184,7 +184,7 @@ def _antidiagonal(q, k, start, B, QB, scale, S):
     nkb = -(-L // B)
     b0, R = _rows(start, L, QB)
     dt = q.dtype if q.is_cuda else torch.float32
-    kg = _pad_positions(k.to(dt), 0, nkb * B, 0).reshape(h, -1, S, d).flip(2).reshape(h, -1, S * d)  # [Hkv, nkb*B/S, S*D]
+    kg = pad_positions(k.to(dt), 0, nkb * B, 0).reshape(h, -1, S, d).flip(2).reshape(h, -1, S * d)  # [Hkv, nkb*B/S, S*D]
     out = torch.zeros(hq, R, nkb, dtype=torch.float32, device=q.device)
     for r in range(R):
         rs = (b0 + r) * QB
@@ -192,7 +192,7 @@ def _antidiagonal(q, k, start, B, QB, scale, S):
         a = max(start, rs)
         ng = -(-(re - rs) // S)  # query groups of the row
         nb = (re - 1) // B + 1  # causal key blocks of the row
-        qg = _pad_positions(q[:, a - start: re - start].to(dt), rs, rs + ng * S, a).reshape(h, g * ng, S * d)
+        qg = pad_positions(q[:, a - start: re - start].to(dt), rs, rs + ng * S, a).reshape(h, g * ng, S * d)
         s = torch.bmm(qg, kg[:, : nb * B // S].transpose(1, 2)).float().mul_(scale / S)  # [Hkv, G*ng, nb*B/S]
         qgi = torch.arange(ng, device=q.device) + rs // S  # absolute query group ids
         kgi = torch.arange(nb * B // S, device=q.device)
