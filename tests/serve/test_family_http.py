@@ -6,28 +6,18 @@ transformers' ``generate`` and ``/v1/models`` says that no shipped calibration a
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
-import httpx
 import openai
 import pytest
 import torch
 from hf_dirs import make_hf_dir
+from test_shutdown import _free_port, _wait_for, served
 
 START_TIMEOUT_S = 240.0
 PROMPTS = ("Once upon a time, in a land far away, there lived", "The grass is green and the sky is")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,27 +35,8 @@ def qwen2_server(tmp_path_factory, smol):
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"not healthy after {START_TIMEOUT_S}s:\n{log.read_text()}"
-            time.sleep(0.5)
+    with served(proc, url, log, ray_tmp, START_TIMEOUT_S):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120), hf, log
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # drains (grace 1 s), stops Ray and exits
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_qwen2_dir_served_over_http_equals_transformers_generate(qwen2_server, smol):
@@ -82,9 +53,7 @@ def test_qwen2_dir_served_over_http_equals_transformers_generate(qwen2_server, s
                                    f"{sparsity['token_budget']} tokens, selecting layers all {missing}; "
                                    "prefill sparsity off"), sparsity
     # /health answers before `lserve serve` prints its start-up lines (it asks a replica first)
-    deadline = time.monotonic() + 90
-    while "lserve: serving " not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    _wait_for(lambda: "lserve: serving " in log.read_text(), 90, "lserve serve printed no start-up lines in 90 s")
     started = [line for line in log.read_text().splitlines() if line.startswith("lserve: sparsity: ")]
     assert started == [f"lserve: sparsity: {sparsity['summary']}"], log.read_text()
     for prompt in PROMPTS:

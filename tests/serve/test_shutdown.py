@@ -115,8 +115,8 @@ def _still_running(tree: dict[int, bytes]) -> list[int]:
     return [pid for pid, start in tree.items() if _process_tree(pid).get(pid) == start]
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
     while True:
         assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
         try:
@@ -124,7 +124,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
                 return
         except httpx.HTTPError:
             pass
-        assert time.monotonic() < deadline, f"not healthy after {START_TIMEOUT_S}s:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"not healthy after {timeout}s:\n{log.read_text()}"
         time.sleep(0.5)
 
 
@@ -157,12 +157,12 @@ def server(request, tmp_path):
 
 
 @contextlib.contextmanager
-def served(proc: subprocess.Popen, url: str, log: Path, ray_tmp: str):
-    """A started server once healthy: yields its process tree; on exit kills what is left of it
-    and removes its Ray folder."""
+def served(proc: subprocess.Popen, url: str, log: Path, ray_tmp: str, timeout: float = START_TIMEOUT_S):
+    """A started server once healthy (within ``timeout`` s): yields its process tree; on exit kills
+    what is left of it and removes its Ray folder."""
     tree = {}
     try:
-        _wait_healthy(proc, url, log)
+        _wait_healthy(proc, url, log, timeout)
         tree = _process_tree(proc.pid)
         yield tree
     finally:
