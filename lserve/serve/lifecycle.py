@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lserve.serve.protocol import OpenAIError
+from lserve.serve.streams import abandon
 
 log = logging.getLogger("lserve.serve")
 
@@ -129,9 +130,7 @@ class Lifecycle:
                 yield item
         finally:
             waiter.cancel()
-            if nxt is not None and not nxt.done():  # cut, or our consumer was cancelled (client gone)
-                nxt.cancel()
-                nxt.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody reads it now
+            abandon(nxt)  # cut, or our consumer was cancelled (client gone)
 
 
 def shutting_down_error(retry_after_s: float) -> OpenAIError:

@@ -9,6 +9,14 @@ from typing import Any
 
 from lserve.serve.admission import SubRequest
 
+
+def abandon(pending: asyncio.Future | None) -> None:
+    """Cancel a still-pending ``__anext__`` of a stream nobody will read again, and retrieve its
+    outcome when it ends (so asyncio logs no "exception was never retrieved")."""
+    if pending is not None and not pending.done():
+        pending.cancel()
+        pending.add_done_callback(lambda t: t.cancelled() or t.exception())
+
 #: What :func:`keepalives` puts between events after a silent interval, and the SSE comment line
 #: sent for it (clients ignore comment lines).
 KEEPALIVE = object()
@@ -71,6 +79,4 @@ async def keepalives(events: AsyncIterator, interval_s: float) -> AsyncIterator:
                 return
             yield item
     finally:
-        if nxt is not None and not nxt.done():  # our consumer was cancelled (client gone)
-            nxt.cancel()
-            nxt.add_done_callback(lambda t: t.cancelled() or t.exception())
+        abandon(nxt)  # our consumer was cancelled (client gone)
