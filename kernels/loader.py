@@ -38,14 +38,15 @@ FAMILIES = {
     "prefill": ("prefill.cu", ("ls_prefill",)),
     "bsp_prefill": ("bsp_prefill.cu", ("ls_bsp_prefill",)),  # block-sparse prefill over paged KV
     "bsp_prefill_wg": ("bsp_prefill_wg.cu", ("ls_bsp_prefill_wg",)),  # the same on Hopper wgmma (sm_90a)
+    "bsp_prefill_ws": ("bsp_prefill_ws.cu", ("ls_bsp_prefill_ws",)),  # warp-specialized wgmma (sm_90a, D 128)
     "prefill_estimate": ("prefill_estimate.cu", ("ls_antidiag_mass",)),  # block masses of a prefill chunk
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }
-TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "bsp_prefill_wg", "decode_tc", "selector_tc")
+TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "bsp_prefill_wg", "bsp_prefill_ws", "decode_tc", "selector_tc")
 # Families built for sm_90a exactly (architecture-specific instructions: wgmma); NVRTC is asked for
 # that target directly, since CuPy's RawModule picks the plain compute capability.
-SM90A_FAMILIES = ("bsp_prefill_wg",)
+SM90A_FAMILIES = ("bsp_prefill_wg", "bsp_prefill_ws")
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
 _TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 LOG2E = 1.4426950408889634  # kernels take softmax scales in base 2 (exp2)
@@ -269,6 +270,8 @@ def all_variants() -> list[Variant]:
                 out.append(Variant("bsp_prefill", dt, d))
                 if d == 128:
                     out.append(Variant("bsp_prefill_wg", dt, d))
+                    for sw in (1, 0):
+                        out.append(Variant("bsp_prefill_ws", dt, d, tuning=(f"LS_BSP_SWIZZLE={sw}",)))
             out.append(Variant("fused", dt, d))
     return out
 

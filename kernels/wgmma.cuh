@@ -12,6 +12,12 @@ __device__ __forceinline__ u64 wg_desc(u32 smem_addr, u32 lbo_bytes, u32 sbo_byt
     return (u64)((smem_addr & 0x3FFFFu) >> 4) | ((u64)((lbo_bytes & 0x3FFFFu) >> 4) << 16) |
            ((u64)((sbo_bytes & 0x3FFFFu) >> 4) << 32);  // bits 62-63 = 0: no swizzle; base offset 0
 }
+// The same for the 128-byte swizzle (layout type 1): atoms of 8 rows x 128 bytes, 16-byte chunk
+// c of row r stored at chunk c ^ (r % 8); atoms must start 1024-byte aligned (base offset 0).
+__device__ __forceinline__ u64 wg_desc_sw128(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+    return wg_desc(smem_addr, lbo_bytes, sbo_bytes) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }

@@ -73,3 +73,25 @@ def test_fixed_fraction_blocks_keep_what_they_say():
         for x in rows:
             assert x == sorted(set(x)) and x[0] == 0 and x[-1] == (re - 1) // 64
             assert set(range(max(0, rs // 64 - 1), (re - 1) // 64 + 1)) <= set(x)
+
+
+def test_warp_specialized_shapes_name_their_kernel_and_refuse_head_dim_64():
+    ws, wsi = bsp.TileShape("ws", 1, 8), bsp.TileShape("wsi", 1, 8, stages=4)
+    assert (ws.rows, ws.threads, ws.name, wsi.name) == (128, 384, "ws_s3", "wsi_s4")
+    assert bsp.MMA.threads == 128 and bsp.MMA.name == "mma_mt2_w4"
+    v = ws.variant("bf16", 128)
+    assert v.family == "bsp_prefill_ws" and v.tuning == ("LS_BSP_SWIZZLE=1", "LS_BSP_STAGES=3")
+    assert wsi.variant("fp16", 128).tuning == ("LS_BSP_SWIZZLE=0", "LS_BSP_STAGES=4")
+    # the ring, the Q staging and the barriers within the 227 KiB a Hopper CTA may use
+    assert ws.smem_bytes(128) == 1024 + 3 * 32768 + 128 * 136 * 2 + 48 and wsi.smem_bytes(128) <= 227 * 1024
+    for shape in (ws, bsp.TileShape("wg", 1, 8)):
+        assert not shape.supports(64)
+        with pytest.raises(ValueError, match="head_dim 128 only"):
+            shape.variant("bf16", 64)
+    for bad in (dict(impl="ws", mt=2, warps=8), dict(impl="ws", mt=1, warps=4), dict(impl="ws", mt=1, warps=8, stages=5),
+                dict(impl="xx", mt=1, warps=8)):
+        with pytest.raises(ValueError, match="bad tile shape"):
+            bsp.TileShape(**bad)
+    # a tile of the warp-specialized kernel holds 128 // group positions
+    p = bsp.plan([bsp.PrefillSeq(0, 0, 1000, 0, None)], 7, 1, "cpu", ws)
+    assert max(t[2] - t[1] for t in p.tiles.tolist()) == 128 // 7 and p.shape is ws

@@ -21,6 +21,7 @@ import torch
 from lserve.sparsity.prefill_blocks import PrefillBlocks
 
 BN = 64  # key block of the kernels; block lists must use the same block
+WS_IMPLS = {"ws": 1, "wsi": 0}  # warp-specialized kernel: impl -> LS_BSP_SWIZZLE (128-byte swizzle or none)
 
 
 @dataclass(frozen=True)
@@ -30,15 +31,21 @@ class TileShape:
     ``impl`` "mma": ``kernels/bsp_prefill.cu`` (mma.sync; any sm_80+ GPU), ``mt`` 16-row m-tiles
     per warp; "wg": ``kernels/bsp_prefill_wg.cu`` (Hopper warpgroup MMA, sm_90a), ``warps / 4``
     warpgroups of 64 rows (``mt`` 1), head dim 128 only (at 64 it failed parity on the H200, and it
-    is not faster than "mma" at 128: ``benchmarks/bsp_prefill/bsp_prefill_notes.md``), a tuning sandbox.
+    is not faster than "mma" at 128: ``benchmarks/bsp_prefill/bsp_prefill_notes.md``), a tuning sandbox;
+    "ws" / "wsi": ``kernels/bsp_prefill_ws.cu`` (sm_90a, head dim 128 only), warp-specialized: a
+    producer warpgroup fills a ``stages``-deep K/V ring, ``warps / 4`` = 2 consumer warpgroups of 64
+    rows overlap the softmax of one block with the P V GEMM of the previous; "ws" stores K/V with the
+    128-byte swizzle, "wsi" in v2's no-swizzle layout. Not yet measured on a GPU: not the default.
     """
 
     impl: str = "mma"
     mt: int = 2
     warps: int = 4
+    stages: int = 3  # "ws"/"wsi": K/V ring depth
 
     def __post_init__(self) -> None:
-        ok = self.impl == "mma" or (self.impl == "wg" and self.mt == 1 and self.warps % 4 == 0)
+        ok = (self.impl == "mma" or (self.impl == "wg" and self.mt == 1 and self.warps % 4 == 0)
+              or (self.impl in WS_IMPLS and self.mt == 1 and self.warps == 8 and 2 <= self.stages <= 4))
         if not ok or self.mt < 1 or self.warps < 1:
             raise ValueError(f"bad tile shape {self}")
 
@@ -48,11 +55,25 @@ class TileShape:
         return self.warps * 16 * self.mt
 
     @property
+    def threads(self) -> int:
+        """Threads of one CTA (the warp-specialized kernel adds its producer warpgroup)."""
+        return 32 * self.warps + (128 if self.impl in WS_IMPLS else 0)
+
+    @property
     def name(self) -> str:
+        if self.impl in WS_IMPLS:
+            return f"{self.impl}_s{self.stages}"
         return f"{self.impl}_mt{self.mt}_w{self.warps}"
 
+    def supports(self, head_dim: int) -> bool:
+        """Head dims this kernel is built and checked for ("wg" failed parity at 64; "ws" is written for 128)."""
+        return head_dim in ((64, 128) if self.impl == "mma" else (128,))
+
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory of one CTA: the Q tile and two stages of K and V blocks."""
+        """Dynamic shared memory of one CTA: the Q tile and the stages of K and V blocks (two for
+        "mma"/"wg"; "ws": ``stages``, 1024-byte aligned for the swizzle, plus two mbarriers per stage)."""
+        if self.impl in WS_IMPLS:
+            return 1024 + self.stages * 2 * BN * head_dim * 2 + self.rows * (head_dim + 8) * 2 + 16 * self.stages
         if self.impl == "wg":
             return 4 * BN * head_dim * 2 + self.rows * (head_dim + 8) * 2
         return (self.rows + 4 * BN) * (head_dim + 8) * 2
@@ -60,10 +81,13 @@ class TileShape:
     def variant(self, dtype: str, head_dim: int):
         from lserve.kernels.loader import Variant
 
+        if not self.supports(head_dim):
+            raise ValueError(f"the {self.impl} prefill kernel is checked for head_dim 128 only, not {head_dim}")
         if self.impl == "wg":
-            if head_dim != 128:
-                raise ValueError(f"the wgmma prefill kernel is checked for head_dim 128 only, not {head_dim}")
             return Variant("bsp_prefill_wg", dtype, head_dim, tuning=(f"LS_BSP_WG={self.warps // 4}",))
+        if self.impl in WS_IMPLS:
+            return Variant("bsp_prefill_ws", dtype, head_dim,
+                           tuning=(f"LS_BSP_SWIZZLE={WS_IMPLS[self.impl]}", f"LS_BSP_STAGES={self.stages}"))
         return Variant("bsp_prefill", dtype, head_dim, tuning=(f"LS_BSP_MT={self.mt}", f"LS_BSP_WARPS={self.warps}"))
 
 
@@ -199,7 +223,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
     kern = get_kernel(var, FAMILIES[var.family][1][0])
     pk, pv = pool if pool is not None else (None, None)
     pool_heads, page_size = (pk.shape[1], pk.shape[2]) if pk is not None else (0, 1)
-    launch(kern, (p.n_tiles, n_heads), (32 * p.shape.warps,),
+    launch(kern, (p.n_tiles, n_heads), (p.shape.threads,),
            (ptr(q), i64(q.stride(0)), ptr(out), i64(out.stride(0)), ptr(k), ptr(v), i64(k.stride(0)),
             ptr(pk), ptr(pv), i32(pool_heads), i32(page_size), ptr(pages), ptr(p.tiles), ptr(p.seqs),
             ptr(p.rowptr), ptr(p.indices), i32(p.n_rows), i32(head0), i32(n_dense), i32(p.group),

@@ -51,7 +51,7 @@ from lserve.sparsity.prefill_blocks import combine_group, estimate_masses, fixed
 CONTEXTS = (32768, 131072, 262144)
 FRACTIONS = (0.1, 0.2, 0.3, 0.5)
 VARIANTS = (bsp.TileShape("mma", 2, 4), bsp.TileShape("mma", 1, 8), bsp.TileShape("wg", 1, 8),
-            bsp.TileShape("wg", 1, 4))
+            bsp.TileShape("wg", 1, 4), bsp.TileShape("ws", 1, 8), bsp.TileShape("wsi", 1, 8))
 DEFAULT_MODEL = "llama3-8b"
 SINK, LOCAL = 128, 256
 TOL = 2e-2
@@ -141,8 +141,8 @@ def parity(variants=VARIANTS, seed: int = 0) -> list[dict]:
             (4, 128, 2, 2, 700, 300, 64, None),  # chunk with cached past (dense heads, paged)
             (7, 128, 2, 2, 640, 513, 16, 0.5),   # chunk with past and a block list
         ]:
-            if var.impl == "wg" and d != 128:
-                continue  # the wgmma kernel is head_dim 128 only (TileShape.variant)
+            if not var.supports(d):
+                continue  # the wgmma kernels are head_dim 128 only (TileShape.supports)
             name = f"g{g}_d{d}_h{hkv}_nd{nd}_s{start}_n{n}_p{page}_f{frac}"
             cases.append(_case(name, g, d, hkv, nd, start, n, page, frac, var, seed + 100 * vi + len(cases)))
             print(f"parity {var} {cases[-1]['case']}: {cases[-1]['max_rel_err']}", file=sys.stderr, flush=True)
