@@ -15,6 +15,8 @@
 //     is issued together with the P V of block j - 1 and waited on first (wait_group 1), so the
 //     softmax of block j runs while the tensor cores finish P V; O is rescaled after that.
 //     A stage is released (one arrive per consumer warp) once both of its GEMMs are done.
+// LS_BSP_PINGPONG = 1: the two consumer warpgroups take turns issuing their GEMMs (named barriers
+// 3 and 4), so that one's softmax runs while the other's GEMMs occupy the tensor cores.
 // K/V stage layout (LS_BSP_SWIZZLE): 1 = the 128-byte swizzle (two 64-dim halves of [64 keys]
 // [128 bytes], chunk c of key t at chunk c ^ (t % 8)), serving as the K-major B of Q K^T and the
 // MN-major B of P V; 0 = the no-swizzle core-matrix layout of bsp_prefill_wg.cu.
@@ -34,6 +36,9 @@
 #define NSTAGE LS_BSP_STAGES
 #ifndef LS_BSP_SWIZZLE
 #define LS_BSP_SWIZZLE 1
+#endif
+#ifndef LS_BSP_PINGPONG
+#define LS_BSP_PINGPONG 0
 #endif
 #define NTHREADS 384  // producer warpgroup + 2 consumer warpgroups
 #define BM 128
@@ -172,6 +177,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws(BSP_
         for (int kk = 0; kk < BN / 16; ++kk) wg_pv_n128(o, pa[kk], v_desc(tV, kk), 1);
         wg_commit();
     };
+    // Ping-pong: warpgroup w issues after the other has issued (barrier 3 + w: its 128 threads wait,
+    // the other's arrive). Both issue nblk + 1 times; warpgroup 1 opens the first turn and does not
+    // pass its last, so no arrival is left over.
+    auto turn_wait = [&]() {
+        if (LS_BSP_PINGPONG) named_bar_sync(3 + wg, 256);
+    };
+    auto turn_pass = [&](bool last) {
+        if (LS_BSP_PINGPONG && !(last && wg == 1)) named_bar_arrive(3 + (wg ^ 1), 256);
+    };
     auto wait_full = [&](int j) {
         mbar_wait(full(j % NSTAGE), (j / NSTAGE) & 1);
         fence_async_smem();  // the producer's cp.async writes (generic proxy), read by wgmma (async proxy)
@@ -228,9 +242,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws(BSP_
     };
 
     if (nblk > 0) {
+        if (LS_BSP_PINGPONG && wg == 1) named_bar_arrive(3, 256);
         wait_full(0);
+        turn_wait();
         wg_fence();
         issue_s(0);
+        turn_pass(false);
         wg_wait0();
         wg_pin(s);
         softmax(0);
@@ -238,9 +255,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws(BSP_
         for (int j = 1; j < nblk; ++j) {
             wait_full(j);
             wg_pin(o);
+            turn_wait();
             wg_fence();
             issue_s(j);       // S_j = Q K_j^T
             issue_pv(j - 1);  // O += P_{j-1} V_{j-1}
+            turn_pass(false);
             wg_wait1();       // S_j done; P V may still run
             wg_pin(s);
             softmax(j);
@@ -250,8 +269,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws(BSP_
             rescale_and_pack();
         }
         wg_pin(o);
+        turn_wait();
         wg_fence();
         issue_pv(nblk - 1);
+        turn_pass(true);
         wg_wait0();
         wg_pin(o);
         release(nblk - 1);

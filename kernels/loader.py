@@ -270,8 +270,8 @@ def all_variants() -> list[Variant]:
                 out.append(Variant("bsp_prefill", dt, d))
                 if d == 128:
                     out.append(Variant("bsp_prefill_wg", dt, d))
-                    for sw in (1, 0):
-                        out.append(Variant("bsp_prefill_ws", dt, d, tuning=(f"LS_BSP_SWIZZLE={sw}",)))
+                    for sw, pp in ((1, 0), (1, 1), (0, 0)):
+                        out.append(Variant("bsp_prefill_ws", dt, d, tuning=(f"LS_BSP_SWIZZLE={sw}", f"LS_BSP_PINGPONG={pp}")))
             out.append(Variant("fused", dt, d))
     return out
 

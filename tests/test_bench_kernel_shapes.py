@@ -93,6 +93,22 @@ def test_bsp_prefill_main_refuses_an_unknown_model(capsys):
     assert e.value.code == 2 and "unknown preset 'qwen9'" in capsys.readouterr().err
 
 
+def test_bsp_prefill_variants_flag_names_the_warp_specialized_shapes(monkeypatch, capsys):
+    got = {}
+
+    def run(out, contexts, fractions, variants, name=None, skip_parity=False, model=None):
+        got["variants"] = variants
+        return {"parity": [], "rows": []}
+
+    monkeypatch.setattr(bsp_bench, "run", run)
+    bsp_bench.main(["out", "--variants", "ws_s3", "wsi_s3", "wsp_s4", "mma_mt2_w4"])
+    assert [(v.impl, v.stages, v.rows, v.threads) for v in got["variants"]] == [
+        ("ws", 3, 128, 384), ("wsi", 3, 128, 384), ("wsp", 4, 128, 384), ("mma", 3, 128, 128)]
+    with pytest.raises(SystemExit) as e:
+        bsp_bench.main(["out", "--variants", "ws_s9"])
+    assert e.value.code == 2 and "unknown variant ws_s9" in capsys.readouterr().err
+
+
 def test_kernels_adaptive_comparison_sums_each_layers_budget(tmp_path, monkeypatch):
     """``--adaptive-budgets resampled --adaptive-only``: per context, the 32 llama3-8b layers' times at
     their own budgets (one timing per distinct budget) against 32 x the uniform 4096's. The timing

@@ -80,8 +80,9 @@ def test_warp_specialized_shapes_name_their_kernel_and_refuse_head_dim_64():
     assert (ws.rows, ws.threads, ws.name, wsi.name) == (128, 384, "ws_s3", "wsi_s4")
     assert bsp.MMA.threads == 128 and bsp.MMA.name == "mma_mt2_w4"
     v = ws.variant("bf16", 128)
-    assert v.family == "bsp_prefill_ws" and v.tuning == ("LS_BSP_SWIZZLE=1", "LS_BSP_STAGES=3")
-    assert wsi.variant("fp16", 128).tuning == ("LS_BSP_SWIZZLE=0", "LS_BSP_STAGES=4")
+    assert v.family == "bsp_prefill_ws" and v.tuning == ("LS_BSP_SWIZZLE=1", "LS_BSP_PINGPONG=0", "LS_BSP_STAGES=3")
+    assert wsi.variant("fp16", 128).tuning == ("LS_BSP_SWIZZLE=0", "LS_BSP_PINGPONG=0", "LS_BSP_STAGES=4")
+    assert bsp.TileShape("wsp", 1, 8).variant("bf16", 128).tuning[:2] == ("LS_BSP_SWIZZLE=1", "LS_BSP_PINGPONG=1")
     # the ring, the Q staging and the barriers within the 227 KiB a Hopper CTA may use
     assert ws.smem_bytes(128) == 1024 + 3 * 32768 + 128 * 136 * 2 + 48 and wsi.smem_bytes(128) <= 227 * 1024
     for shape in (ws, bsp.TileShape("wg", 1, 8)):

@@ -21,7 +21,9 @@ import torch
 from lserve.sparsity.prefill_blocks import PrefillBlocks
 
 BN = 64  # key block of the kernels; block lists must use the same block
-WS_IMPLS = {"ws": 1, "wsi": 0}  # warp-specialized kernel: impl -> LS_BSP_SWIZZLE (128-byte swizzle or none)
+# the warp-specialized kernel's impls -> (LS_BSP_SWIZZLE, LS_BSP_PINGPONG): K/V in the 128-byte
+# swizzle or v2's no-swizzle layout; the consumer warpgroups taking turns at the tensor cores or not
+WS_IMPLS = {"ws": (1, 0), "wsp": (1, 1), "wsi": (0, 0)}
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ class TileShape:
     "ws" / "wsi": ``kernels/bsp_prefill_ws.cu`` (sm_90a, head dim 128 only), warp-specialized: a
     producer warpgroup fills a ``stages``-deep K/V ring, ``warps / 4`` = 2 consumer warpgroups of 64
     rows overlap the softmax of one block with the P V GEMM of the previous; "ws" stores K/V with the
-    128-byte swizzle, "wsi" in v2's no-swizzle layout. Not yet measured on a GPU: not the default.
+    128-byte swizzle, "wsi" in v2's no-swizzle layout; "wsp" is "ws" with the two consumer warpgroups
+    taking turns at issuing their GEMMs (FA3's ping-pong). Not yet measured on a GPU: not the default.
     """
 
     impl: str = "mma"
@@ -87,7 +90,8 @@ class TileShape:
             return Variant("bsp_prefill_wg", dtype, head_dim, tuning=(f"LS_BSP_WG={self.warps // 4}",))
         if self.impl in WS_IMPLS:
             return Variant("bsp_prefill_ws", dtype, head_dim,
-                           tuning=(f"LS_BSP_SWIZZLE={WS_IMPLS[self.impl]}", f"LS_BSP_STAGES={self.stages}"))
+                           tuning=(f"LS_BSP_SWIZZLE={WS_IMPLS[self.impl][0]}", f"LS_BSP_PINGPONG={WS_IMPLS[self.impl][1]}",
+                                   f"LS_BSP_STAGES={self.stages}"))
         return Variant("bsp_prefill", dtype, head_dim, tuning=(f"LS_BSP_MT={self.mt}", f"LS_BSP_WARPS={self.warps}"))
 
 
