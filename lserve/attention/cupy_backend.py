@@ -192,7 +192,9 @@ class CupyBackend(AttentionBackend):
         self.flash = causal_impl(self.device, self.dtype, self.D) if self.dtype != torch.float32 else None
         self.one_call = self.flash is not None and self.kv_quant == "none"
         # block lists go to the bsp kernel where its cost model says it is faster (None: never)
-        self.bsp_cost = bsp.PathCost() if bsp.supported(self.dtype, self.D) else None
+        self.bsp_shape = bsp.default_shape(self.D, torch.cuda.get_device_capability(self.device))
+        self.bsp_cost = (bsp.PathCost(kernel_rate=bsp.MEASURED_RATE[self.bsp_shape.impl])
+                         if bsp.supported(self.dtype, self.D) else None)
         # Chunks of long prompts on this grid run cuDNN (chunked.chunk_impl); the engine aligns them.
         self.chunk_grid = chunk_grid(self.device, self.dtype, self.D)
         if self.chunk_grid % self.cache.page_size:  # the past's grid pieces are gathered by whole pages
@@ -693,7 +695,8 @@ class CupyBackend(AttentionBackend):
         G, nd, start = self.group, kd.shape[0], sp.step.start
         if (start == 0 or pool is not None) and self.bsp_faster(blocks):
             self.chunk_kernels["bsp"] += 1
-            p = bsp.plan([bsp.PrefillSeq(sp.t0, start, sp.step.num_new, 0, blocks)], G, nd, self.device)
+            p = bsp.plan([bsp.PrefillSeq(sp.t0, start, sp.step.num_new, 0, blocks)], G, nd, self.device,
+                         shape=self.bsp_shape)
             bsp.run(q, k, v, out, p, nd, 0, nd, self.scale, pool=None if start == 0 else (pool.k, pool.v),
                     pages=None if start == 0 else pages)
             return

@@ -38,7 +38,9 @@ class TileShape:
     producer warpgroup fills a ``stages``-deep K/V ring, ``warps / 4`` = 2 consumer warpgroups of 64
     rows overlap the softmax of one block with the P V GEMM of the previous; "ws" stores K/V with the
     128-byte swizzle, "wsi" in v2's no-swizzle layout; "wsp" is "ws" with the two consumer warpgroups
-    taking turns at issuing their GEMMs (FA3's ping-pong). Not yet measured on a GPU: not the default.
+    taking turns at issuing their GEMMs (FA3's ping-pong). On the H200 "ws" runs 249-262 TF/s on
+    computed tiles against "mma"'s 217-223 (same call, ``bsp_prefill_ws_h200.json``): the default for
+    head dim 128 on sm_90 (:func:`default_shape`).
     """
 
     impl: str = "mma"
@@ -95,7 +97,15 @@ class TileShape:
         return Variant("bsp_prefill", dtype, head_dim, tuning=(f"LS_BSP_MT={self.mt}", f"LS_BSP_WARPS={self.warps}"))
 
 
-MMA = TileShape()  # the measured default (benchmarks/bsp_prefill/bsp_prefill_h200.json)
+MMA = TileShape()  # any sm_80+ GPU, head dims 64 and 128 (benchmarks/bsp_prefill/bsp_prefill_h200.json)
+WS = TileShape("ws", mt=1, warps=8, stages=3)  # sm_90, head dim 128 (bsp_prefill_ws_h200.json)
+#: TFLOP/s on computed tiles each kernel measured on the H200 (PathCost's kernel rate)
+MEASURED_RATE = {"mma": 220e12, "ws": 255e12}
+
+
+def default_shape(head_dim: int, capability: tuple[int, int]) -> TileShape:
+    """The fastest measured kernel for this head dim on a device of this compute capability."""
+    return WS if capability == (9, 0) and WS.supports(head_dim) else MMA
 
 
 def supported(dtype: torch.dtype, head_dim: int) -> bool:
@@ -110,7 +120,7 @@ class PathCost:
     ``cudnn_rate`` plus ``row_cost`` seconds of gathers, launches and merge per query row).
 
     Defaults fitted to one Llama-3-8B layer on the H200 (``benchmarks/bsp_prefill/bsp_prefill_h200.json``:
-    kernel 213-224 TFLOP/s on computed tiles; gathered 16.4-17 ms at 32k whatever the kept fraction,
+    the mma kernel 213-224 TFLOP/s on computed tiles (``MEASURED_RATE`` per kernel); gathered 16.4-17 ms at 32k whatever the kept fraction,
     45-90 ms at 128k for 10-50% kept): the kernel wins at every measured fraction at 32k, up to
     ~20% kept at 128k and ~10% at 256k.
     """
