@@ -1,8 +1,8 @@
 """The host KV tier's series on ``/metrics`` (issue 39): a real ``lserve serve`` (default model, one
 CPU replica) whose device holds few more dense pages than one step pins, so a long prompt's pages
 are spilled to the host, prefill chunks read their past back from it and decode's page selection
-misses and fetches. The scrape shows the tier's gauges and counters moving, and the ratios the
-Grafana panel plots agree with the counters."""
+misses and fetches. Before traffic the tier's counters are exported at zero; after one request
+its gauges and counters show the spills, host reads, fetches, hits and misses."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_host_tier_series_move_on_metrics(tmp_path):
     assert value["misses"] > 0 and value["hits"] > 0 and 0 <= value["hit_rate"] <= 1, value
     assert 0 < value["resident_slots_used"] <= value["resident_slots"] == 24 * 30, value  # 30 layers
     assert value["pages_on_host"] <= value["host_pages"], value
-    # The ratio gauges cover the last export interval with traffic (their mapping: test_metrics_unit.py).
+    # The ratio gauges cover the last export interval with traffic (their mapping: test_host_kv_metric_mapping.py).
     assert steps > 0 and value["bytes_h2d_per_step"] >= 0, value
     for s in fams["lserve:host_kv_pages_on_host"].samples:
         assert s.labels["model"] == "default" and s.labels["replica"], s
