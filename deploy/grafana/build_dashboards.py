@@ -233,10 +233,32 @@ def overview() -> dict:
           "percentunit", "KV bytes decode steps read as a fraction of what dense attention would read (streaming "
                          "heads' ring, selected pages at each layer's budget, unselected layers' whole context): "
                          "over all replicas, and each replica's last export interval.", max_value=1)
+
+    g.row("Host KV tier (--host-kv-gib)")
+    g.add("Host KV pages",
+          [(f"sum by (replica) (lserve:host_kv_pages_on_host{{{SEL}}})", "{{replica}} on host"),
+           (f"sum by (replica) (lserve:host_kv_resident_slots_used{{{SEL}}})", "{{replica}} resident slots used")],
+          "short", "Pages the host tier holds in host memory, and device-resident dense page slots in use (summed "
+                   "over layers). No data when the tier is off.")
+    g.add("GPU page-cache hit rate",
+          [(f"sum(rate(lserve:host_kv_hits_total{{{SEL}}}[{RI}])) / "
+            f"(sum(rate(lserve:host_kv_hits_total{{{SEL}}}[{RI}])) + "
+            f"sum(rate(lserve:host_kv_misses_total{{{SEL}}}[{RI}])))", "all replicas"),
+           (f"max by (replica) (lserve:host_kv_hit_rate{{{SEL}}})", "{{replica}}")],
+          "percentunit", "Share of the pages the selector picks (per layer) that were already resident on the "
+                         "device: over all replicas, and each replica's last export interval with selections.",
+          max_value=1)
+    g.add("Host KV bytes copied",
+          [(f"sum by (replica) (rate(lserve:host_kv_bytes_h2d_total{{{SEL}}}[{RI}])) / "
+            f"sum by (replica) (rate(lserve:engine_steps_total{{{SEL}}}[{RI}]))", "{{replica}} host-to-device / step"),
+           (f"sum by (replica) (rate(lserve:host_kv_bytes_d2h_total{{{SEL}}}[{RI}])) / "
+            f"sum by (replica) (rate(lserve:engine_steps_total{{{SEL}}}[{RI}]))", "{{replica}} device-to-host / step")],
+          "bytes", "Bytes the host tier copied per engine step (fetches and host reads; spills), per replica.")
     g.newline()
     return {
         "uid": "lserve-overview", "title": "LServe", "description":
-            "LServe serving: latency percentiles, throughput, scheduler, KV cache and sparsity, total and per replica.",
+            "LServe serving: latency percentiles, throughput, scheduler, KV cache, sparsity and the host KV tier, "
+            "total and per replica.",
         "tags": ["lserve", "llm-serving"], "timezone": "browser", "editable": True, "graphTooltip": 1,
         "schemaVersion": 39, "version": 1, "refresh": "30s", "time": {"from": "now-1h", "to": "now"},
         "templating": {"list": variables()}, "annotations": {"list": []}, "links": [], "panels": g.panels,

@@ -15,6 +15,10 @@ import os
 import re
 import tempfile
 import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lserve.cache.host_tier import HostKVStats
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PREFIX = "lserve:"
@@ -122,9 +126,41 @@ class EngineMetrics:
                               "Accepted requests that ended before the engine finished them (client gone, cancelled, "
                               "cut at shutdown): the events of request_success{finished_reason=\"abort\"}.")
         self.steps = counter("engine_steps", "Engine steps run.")
+        # The host KV tier's series (issue 39) are created only when the tier is on (init_series).
+        self.host_pages_used = gauge("host_kv_pages_on_host", "Host KV tier: host page slots holding a page.")
+        self.host_pages = gauge("host_kv_host_pages", "Host KV tier: host page slots in all.")
+        self.resident_used = gauge("host_kv_resident_slots_used",
+                                   "Host KV tier: device-resident dense page slots in use, summed over layers.")
+        self.resident_slots = gauge("host_kv_resident_slots",
+                                    "Host KV tier: device-resident dense page slots, summed over layers.")
+        self.hot_pages = gauge("host_kv_hot_pages", "Host KV tier: pages held on the device only (no host copy).")
+        self.host_hit_rate = gauge("host_kv_hit_rate",
+                                   "Host KV tier: share of selected pages (per layer) found resident on the device "
+                                   "over the last export interval.")
+        self.host_h2d_per_step = gauge("host_kv_bytes_h2d_per_step",
+                                       "Host KV tier: mean bytes copied host-to-device per engine step over the "
+                                       "last export interval.")
+        #: HostKVStats field -> counter.
+        self.host_counters = {
+            "hits": counter("host_kv_hits", "Host KV tier: selected pages (per layer) found resident."),
+            "misses": counter("host_kv_misses", "Host KV tier: selected pages (per layer) not resident."),
+            "fetched": counter("host_kv_pages_fetched",
+                               "Host KV tier: pages (per layer) copied from the host into the resident set."),
+            "streamed": counter("host_kv_pages_streamed",
+                                "Host KV tier: pages (per layer) read from the host without entering the resident set."),
+            "spilled": counter("host_kv_pages_spilled", "Host KV tier: pages copied to the host (all layers)."),
+            "bytes_h2d": counter("host_kv_bytes_h2d", "Host KV tier: bytes copied host-to-device."),
+            "bytes_d2h": counter("host_kv_bytes_d2h", "Host KV tier: bytes copied device-to-host."),
+        }
 
-    def init_series(self) -> None:
-        """Create every series at zero, so counters and histograms are exported before the first event."""
+    def init_series(self, host_kv: bool = False) -> None:
+        """Create every series at zero, so counters and histograms are exported before the first event.
+
+        Parameters
+        ----------
+        host_kv : bool
+            The engine has the host KV tier: create its counters too (they stay absent otherwise).
+        """
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.aborts, self.steps,
                        self.selector_runs, self.selector_reuses, self.selector_pages, self.selector_time,
@@ -133,6 +169,34 @@ class EngineMetrics:
             self.of(metric)
         for reason in ("stop", "length", "abort", "error"):
             self.of(self.finished, finished_reason=reason)
+        if host_kv:
+            for metric in self.host_counters.values():
+                self.of(metric)
+
+    def export_host_kv(self, now: HostKVStats, before: HostKVStats, steps: int) -> None:
+        """Export the host KV tier's state: gauges from ``now``, counters advanced by what changed
+        since ``before`` (the previous export's snapshot), interval ratios when there was traffic.
+
+        Parameters
+        ----------
+        now, before : HostKVStats
+            This export's and the previous export's snapshots of the engine's ``host_kv``.
+        steps : int
+            Engine steps run between the two snapshots.
+        """
+        for metric, value in ((self.host_pages_used, now.pages_on_host), (self.host_pages, now.host_pages),
+                              (self.resident_used, now.resident_slots_used),
+                              (self.resident_slots, now.resident_slots), (self.hot_pages, now.hot_pages)):
+            self.of(metric).set(value)
+        delta = {key: getattr(now, key) - getattr(before, key) for key in self.host_counters}
+        for key, metric in self.host_counters.items():
+            if delta[key] > 0:
+                self.of(metric).inc(delta[key])
+        selected = delta["hits"] + delta["misses"]
+        if selected > 0:
+            self.of(self.host_hit_rate).set(delta["hits"] / selected)
+        if steps > 0:
+            self.of(self.host_h2d_per_step).set(delta["bytes_h2d"] / steps)
 
     def of(self, metric, **extra):
         """``metric`` with this replica's labels (plus ``extra``)."""

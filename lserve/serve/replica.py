@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any
 
+from lserve.cache.host_tier import HostKVStats
 from lserve.config import ConfigError
 from lserve.engine.async_engine import AsyncEngine, EngineDeadError
 from lserve.engine.request_check import CONTEXT_LENGTH_EXCEEDED, RequestError
@@ -82,7 +83,7 @@ class EngineReplica:
         self.max_model_len = facts["max_model_len"]
         self.sparsity = facts["sparsity"]
         self.metrics: EngineMetrics = get_engine_metrics(self.model_name, self.replica_id)
-        self.metrics.init_series()
+        self.metrics.init_series(host_kv=self.engine.stats().host_kv is not None)
         self._queued: dict[str, int] = {}  # request id -> prompt tokens not yet prefilled
         self._ids = itertools.count()
         self.aborted = 0  # see _count_end
@@ -299,6 +300,7 @@ class EngineReplica:
         last: dict[str, float] = {"prompt": 0, "gen": 0, "pre": 0, "steps": 0, "pc_q": 0, "pc_h": 0,
                                   "runs": 0, "reuses": 0, "pages": 0,
                                   "seconds": 0.0, "kv_read": 0, "kv_dense": 0}
+        host_before = HostKVStats()
         while not self._stop.wait(STATS_PERIOD_S):
             try:
                 st = self.engine.stats()
@@ -332,6 +334,9 @@ class EngineReplica:
                 now = {"prompt": st.prompt_tokens, "gen": st.generation_tokens, "pre": st.num_preemptions,
                        "steps": st.steps, "pc_q": st.prefix_cache_queries, "pc_h": st.prefix_cache_hits}
                 m.of(m.prefix_pages).set(st.prefix_cached_pages)
+                if st.host_kv is not None:
+                    m.export_host_kv(st.host_kv, host_before, st.steps - last["steps"])
+                    host_before = st.host_kv
                 for key, counter in (("prompt", m.prompt_tokens), ("gen", m.generation_tokens),
                                      ("pre", m.preemptions), ("steps", m.steps), ("pc_q", m.prefix_queries),
                                      ("pc_h", m.prefix_hits)):

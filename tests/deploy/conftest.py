@@ -29,9 +29,10 @@ if str(REPO) not in sys.path:
 
 LSERVE = Path(sys.executable).with_name("lserve")
 #: Small server for a 2-core machine: short context, small KV pool, and a 256-token decode budget
-#: so the page selector runs on the test's ~300-token prompts.
+#: so the page selector runs on the test's ~300-token prompts. The host KV tier is on (more host
+#: pages than the 192 a step pins), so its dashboard panels have data too.
 SERVER_FLAGS = ["--max-model-len", "2048", "--max-cache-tokens", "16384", "--max-num-seqs", "8",
-                "--token-budget", "256", "--reuse-interval", "4"]
+                "--token-budget", "256", "--reuse-interval", "4", "--host-kv-gib", "0.5"]
 
 
 def pytest_configure(config):

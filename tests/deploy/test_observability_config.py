@@ -106,7 +106,7 @@ def exported_names() -> set[str]:
         import json
         from prometheus_client import REGISTRY
         from lserve.serve.metrics import EngineMetrics, HttpMetrics
-        m = EngineMetrics("m", "r"); m.init_series(); HttpMetrics("m", "r").count("/x", 200)
+        m = EngineMetrics("m", "r"); m.init_series(host_kv=True); HttpMetrics("m", "r").count("/x", 200)
         names = set()
         for fam in REGISTRY.collect():
             for s in fam.samples:
@@ -140,6 +140,11 @@ def test_dashboards_and_rules_use_only_exported_metrics(exported_names):
     assert kv == {"lserve:decode_kv_read_fraction", "lserve:decode_kv_read_head_tokens_total",
                   "lserve:decode_kv_dense_head_tokens_total"}, kv
     assert all(used[m].startswith("lserve-overview.json: Decode KV read fraction [") for m in kv), used
+    # The host KV tier (issue 39): pages on host and resident, the hit rate, bytes copied per step.
+    host = {m for m in used if m.startswith("lserve:host_kv_")}
+    assert host == {"lserve:host_kv_pages_on_host", "lserve:host_kv_resident_slots_used", "lserve:host_kv_hits_total",
+                    "lserve:host_kv_misses_total", "lserve:host_kv_hit_rate", "lserve:host_kv_bytes_h2d_total",
+                    "lserve:host_kv_bytes_d2h_total"}, host
 
 
 # -- Grafana ------------------------------------------------------------------------------------
@@ -174,7 +179,8 @@ def test_dashboard_structure():
             assert used <= variables | {k.lstrip("$") for k in GRAFANA_VARS}, t["expr"]
     titles = " ".join(p["title"] for p in panels)
     for needed in ("TTFT", "ITL", "TPOT", "Tokens / s", "Running / waiting", "KV usage per", "Preemptions",
-                   "selector", "Pages selected", "per replica", "KV read fraction"):
+                   "selector", "Pages selected", "per replica", "KV read fraction", "Host KV pages",
+                   "GPU page-cache hit rate", "Host KV bytes copied"):
         assert needed.lower() in titles.lower(), needed
 
 

@@ -66,6 +66,7 @@ def test_metrics_after_traffic(app):
     time.sleep(1.5)  # replicas export engine gauges/counters twice a second
     text, fams = scrape(app)
     assert all(name.startswith("lserve:") for name in fams)
+    assert not [name for name in fams if name.startswith("lserve:host_kv_")]  # the host KV tier is off here
 
     replicas = {r["replica"] for r in app.engines()}  # the failover test (which replaces one) runs later
     for h in HISTOGRAMS:
