@@ -4,9 +4,8 @@ table, CUDA graphs): greedy outputs equal with the tier on and off while pages c
 
 from __future__ import annotations
 
-import torch
-
 import pytest
+import torch
 
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
