@@ -41,6 +41,7 @@
 #endif
 
 #include "decode_meta.cuh"
+#include "tier.cuh"
 
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS)
@@ -59,8 +60,9 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
           const void* __restrict__ sk, const void* __restrict__ sv,
           const float* __restrict__ sks, const float* __restrict__ svs,
           const float* __restrict__ skz, const float* __restrict__ svz, int hs,
-          int group, int nqs, int page_size, int sink, int local, float qscale, int sel_ready) {
-    __shared__ int s_page[MAX_CHUNK];
+          int group, int nqs, int page_size, int sink, int local, float qscale, int sel_ready,
+          const TierLayer* __restrict__ tier) {  // LS_TIER: dense pages through the host tier
+    __shared__ int s_page[MAX_CHUNK];  // LS_TIER, dense heads: resident slot, or -1 - host slot
     __shared__ int s_pos[MAX_CHUNK];
     __shared__ u32 s_bits[MAX_CHUNK];
     __shared__ float s_m[NWARPS][GQ];
@@ -120,6 +122,9 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
                 }
             }
             page = pages[(i64)b * pages_stride + idx];
+#if LS_TIER
+            page = tier->slot[page];
+#endif
             pos = idx * page_size;
         }
         s_page[i] = page;
@@ -182,7 +187,33 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
         const int ei = active ? base / page_size : 0;
         const int off0 = base - ei * page_size;  // page_size % TPI == 0: the TPI tokens share a page
         const int pos0 = s_pos[ei] + off0;
+#if LS_TIER
+        // A dense page on the host: the same row of the host pool (zero-copy over PCIe).
+        const bool on_host = dense && s_page[ei] < 0;
+        const void* kb = on_host ? tier->k : kbase;
+        const void* vb = on_host ? tier->v : vbase;
+        const i64 row0 = ((i64)(on_host ? -1 - s_page[ei] : s_page[ei]) * H + hh) * page_size + off0;
+#if LS_QUANT != 0
+        const float* ksp = on_host ? tier->ks : ksb;
+        const float* vsp = on_host ? tier->vs : vsb;
+#endif
+#if LS_QUANT == 2
+        const float* kzp = on_host ? tier->kz : kzb;
+        const float* vzp = on_host ? tier->vz : vzb;
+#endif
+#else
         const i64 row0 = ((i64)s_page[ei] * H + hh) * page_size + off0;
+        const void* kb = kbase;
+        const void* vb = vbase;
+#if LS_QUANT != 0
+        const float* ksp = ksb;
+        const float* vsp = vsb;
+#endif
+#if LS_QUANT == 2
+        const float* kzp = kzb;
+        const float* vzp = vzb;
+#endif
+#endif
         T.bits = s_bits[ei];
         T.valid = 0u;
 #pragma unroll
@@ -193,15 +224,15 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
             T.kz[t] = T.vz[t] = 0.f;
             if (ok) {
                 T.valid |= 1u << t;
-                T.k[t] = kv_load(kbase, row0 + t, d0);
-                T.v[t] = kv_load(vbase, row0 + t, d0);
+                T.k[t] = kv_load(kb, row0 + t, d0);
+                T.v[t] = kv_load(vb, row0 + t, d0);
 #if LS_QUANT != 0
-                T.ks[t] = ksb[row0 + t];
-                T.vs[t] = vsb[row0 + t];
+                T.ks[t] = ksp[row0 + t];
+                T.vs[t] = vsp[row0 + t];
 #endif
 #if LS_QUANT == 2
-                T.kz[t] = kzb[row0 + t];
-                T.vz[t] = vzb[row0 + t];
+                T.kz[t] = kzp[row0 + t];
+                T.vz[t] = vzp[row0 + t];
 #endif
             } else {
                 kv_zero(T.k[t]);

@@ -30,7 +30,7 @@ _MID = (("sel_slot_stride", "i32"), ("sel_head_stride", "i32"), ("cnt_slot_strid
         ("group", "i32"), ("nqs", "i32"), ("page_size", "i32"), ("sink", "i32"), ("local", "i32"),
         ("qscale", "f32"))
 _TC_PAGE_SHIFT = (("page_shift", "i32"),)  # tensor-core kernel only: log2(page size) or -1
-_TAIL = (("sel_ready", "i32"),)
+_TAIL = (("sel_ready", "i32"), ("tier", "ptr"))  # tier: TierLayer of the layer (LS_TIER builds), else 0
 
 DECODE_PARAMS: dict[str, tuple[tuple[str, str], ...]] = {
     "cuda": _HEAD + _MID + _TAIL,

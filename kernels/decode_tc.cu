@@ -13,6 +13,7 @@
 // bookkeeping of 8 scores per thread per tile, so the kernel is bound by the K/V stream.
 #include "mma.cuh"
 #include "decode_meta.cuh"
+#include "tier.cuh"
 
 #define D LS_HEAD_DIM
 #define GQ LS_GQ
@@ -51,7 +52,8 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
              const float* __restrict__ sks, const float* __restrict__ svs,
              const float* __restrict__ skz, const float* __restrict__ svz, int hs,
              int group, int nqs, int page_size, int sink, int local, float qscale, int page_shift,
-             int sel_ready) {
+             int sel_ready,
+             const TierLayer* __restrict__ tier) {  // LS_TIER: dense pages through the host tier
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);  // [STAGES][BN][ROWP]
     u16* sV = sK + STAGES * BN * ROWP;            // [STAGES][BN][ROWP]
@@ -130,7 +132,16 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
             page = pages[prow + e];
             pos = e * page_size;
         }
+#if LS_TIER
+        if (dense) {  // a page on the host: -1 - its row in the host pool
+            const int slot = tier->slot[page];
+            s_row[i] = slot >= 0 ? ((i64)slot * H + hh) * page_size : -1 - ((i64)(-1 - slot) * H + hh) * page_size;
+        } else {
+            s_row[i] = ((i64)page * H + hh) * page_size;
+        }
+#else
         s_row[i] = ((i64)page * H + hh) * page_size;
+#endif
         s_pos[i] = pos;
         s_bits[i] = bits >> (qsub * GQ);
         const bool in_len = pos + page_size <= len;
@@ -157,6 +168,24 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
         else { ei = j / page_size; off = j - ei * page_size; }
     };
     const TilePairCopy<BN, NTHREADS, D, ROWP> copy(sK, sV);
+#if LS_TIER
+    const act_t* hkb = reinterpret_cast<const act_t*>(tier->k);
+    const act_t* hvb = reinterpret_cast<const act_t*>(tier->v);
+    auto load_tile = [&](int t, int stage) {  // K and V rows of tokens [t * BN, + BN) of the unit
+        copy.rows(t, stage, ntok, kbase, vbase, [&](int j, const u16*& ka, const u16*& va) {
+            int ei, off;
+            entry_of(j, ei, off);
+            const i64 r = s_row[ei];
+            if (r >= 0) {
+                ka = kbase + (r + off) * D;
+                va = vbase + (r + off) * D;
+            } else {  // zero-copy from the host pool
+                ka = hkb + (-1 - r + off) * D;
+                va = hvb + (-1 - r + off) * D;
+            }
+        });
+    };
+#else
     auto load_tile = [&](int t, int stage) {  // K and V rows of tokens [t * BN, + BN) of the unit
         copy(t, stage, ntok, kbase, vbase, [&](int j) {
             int ei, off;
@@ -164,6 +193,7 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
             return (s_row[ei] + off) * D;
         });
     };
+#endif
 
     float o[DT][4];
 #pragma unroll

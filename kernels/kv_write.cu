@@ -11,6 +11,7 @@
 // tensor by tensor exactly (__fdiv_rn). With 8-bit-mantissa inputs, quotients land exactly on
 // .5 often enough that a one-ulp difference in the scale flips codes.
 #include "common.cuh"
+#include "tier.cuh"
 
 #define D LS_HEAD_DIM
 #define EPL (D / 32)  // elements per lane
@@ -76,7 +77,8 @@ ls_kv_write(const act_t* __restrict__ k, i64 k_tok_stride,      // [T, H_kv, D] 
             const i64* __restrict__ s_tok, const i64* __restrict__ s_page, const i64* __restrict__ s_off,
             int nws, int hs,
             void* sk, void* sv, float* sks, float* svs, float* skz, float* svz,
-            int page_size) {
+            int page_size,
+            const TierLayer* __restrict__ tier) {  // LS_TIER: dense page -> resident slot (ignored otherwise)
     pdl_wait();  // the write tables may come from device ops: nothing is read before the wait
     pdl_trigger();
     const int lane = threadIdx.x & 31;
@@ -98,7 +100,13 @@ ls_kv_write(const act_t* __restrict__ k, i64 k_tok_stride,      // [T, H_kv, D] 
     float kx[EPL], vx[EPL];
     load_lane(k + tok * k_tok_stride + (i64)kvh * D + lane * EPL, kx);
     load_lane(v + tok * v_tok_stride + (i64)kvh * D + lane * EPL, vx);
-    const i64 row = (page * H + h) * page_size + off;
+#if LS_TIER
+    // A written page is pinned resident for the step; statistics stay indexed by the virtual page.
+    const i64 prow = dense ? (i64)tier->slot[page] : page;
+#else
+    const i64 prow = page;
+#endif
+    const i64 row = (prow * H + h) * page_size + off;
     if (dense) {
         store_pool_row(dk, dks, dkz, row, lane, kx);
         store_pool_row(dv, dvs, dvz, row, lane, vx);

@@ -47,6 +47,8 @@ TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "bsp_prefill_wg", "bsp_prefill
 # Families built for sm_90a exactly (architecture-specific instructions: wgmma); NVRTC is asked for
 # that target directly, since CuPy's RawModule picks the plain compute capability.
 SM90A_FAMILIES = ("bsp_prefill_wg", "bsp_prefill_ws")
+# Families that take a TierLayer pointer and have an LS_TIER build (kernels/tier.cuh).
+TIER_FAMILIES = ("kv_write", "decode", "decode_tc")
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
 _TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 LOG2E = 1.4426950408889634  # kernels take softmax scales in base 2 (exp2)
@@ -85,6 +87,9 @@ class Variant:
     tuning : tuple of str
         Extra ``NAME=VALUE`` defines of a family's tile shape (tuning sandboxes, e.g.
         ``("LS_BSP_MT=1",)``); empty = the shape the source ships with.
+    tier : bool
+        Dense pages through the host KV tier's slot table (``-DLS_TIER=1``, ``kernels/tier.cuh``;
+        the :data:`TIER_FAMILIES` only).
     """
 
     family: str
@@ -93,6 +98,7 @@ class Variant:
     kv_quant: str = "none"
     gq: int = 1
     tuning: tuple[str, ...] = ()
+    tier: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -105,6 +111,8 @@ class Variant:
             raise KernelError(f"unsupported kv_quant {self.kv_quant!r}")
         if self.family in TENSOR_CORE_FAMILIES and self.dtype == "fp32":
             raise KernelError(f"the {self.family} kernel runs on tensor cores: bf16/fp16 only")
+        if self.tier and self.family not in TIER_FAMILIES:
+            raise KernelError(f"the {self.family} kernel does not read dense pages through the host KV tier")
         if self.family == "decode_tc" and self.kv_quant != "none":
             raise KernelError("decode_tc reads unquantized pools; quantized ones use the decode family")
         if not 1 <= self.gq <= 8:
@@ -113,7 +121,8 @@ class Variant:
     def defines(self) -> tuple[str, ...]:
         """The ``-D`` options of this variant."""
         return (f"-DLS_DTYPE={DTYPES[self.dtype]}", f"-DLS_HEAD_DIM={self.head_dim}",
-                f"-DLS_QUANT={QUANTS[self.kv_quant]}", f"-DLS_GQ={self.gq}") + tuple(f"-D{t}" for t in self.tuning)
+                f"-DLS_QUANT={QUANTS[self.kv_quant]}", f"-DLS_GQ={self.gq}") + tuple(f"-D{t}" for t in self.tuning) \
+            + (("-DLS_TIER=1",) if self.tier else ())
 
 
 def source_of(family: str) -> str:

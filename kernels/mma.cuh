@@ -87,6 +87,24 @@ struct TilePairCopy {
             cp_async16(sb0 + dst, b + off, ok ? 16 : 0);
         }
     }
+    // The same with rows from two pools: src(L, a, b) re-points a and b at row L's first element
+    // (it may pick another pool per row); rows >= nrows are zero-filled from the given a and b.
+    template <class Src>
+    __device__ __forceinline__ void rows(int t, int stage, int nrows, const u16* a, const u16* b,
+                                         Src&& src) const {
+        const u32 so = (u32)(stage * TP_ROWS * TP_PITCH) * 2u;
+#pragma unroll
+        for (int k = 0; k < TP_ROWS / RPP; ++k) {
+            const int L = t * TP_ROWS + r0 + k * RPP;
+            const bool ok = L < nrows;
+            const u16* ra = a;
+            const u16* rb = b;
+            if (ok) src(L, ra, rb);
+            const u32 dst = so + (u32)(k * RPP * TP_PITCH) * 2u;
+            cp_async16(sa0 + dst, ra + col, ok ? 16 : 0);
+            cp_async16(sb0 + dst, rb + col, ok ? 16 : 0);
+        }
+    }
 };
 
 // A STAGES-deep cp.async ring of tiles: ``load(t, stage)`` issues the copies of tile t into a

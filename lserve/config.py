@@ -501,7 +501,6 @@ class EngineConfig:
             _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":
             _check(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
-            _check(not self.cache.host_kv_gib, "the host KV tier (--host-kv-gib) runs on the torch backend only so far")
         sparsity, page = self.sparsity, self.cache.page_size
         _check(sparsity.sink_tokens % page == 0 and sparsity.local_tokens % page == 0,
                f"sink_tokens ({sparsity.sink_tokens}) and local_tokens ({sparsity.local_tokens}) must be multiples "

@@ -8,9 +8,11 @@ virtual pages, so both schedule (and preempt) the same way.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
@@ -47,6 +49,16 @@ def _twin(loaded, model: str, tiered: LLMEngine, **kw) -> LLMEngine:
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("tiny", seed=3)
+
+
+@pytest.fixture
+def mirrored(monkeypatch):
+    """Engines built here keep the tier as the cupy backend does (device page table, batched
+    copies; kernels read through the table), with every pool on the CPU."""
+    from lserve.cache.kv_cache import KVCache
+    from lserve.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "KVCache", functools.partial(KVCache, host_mirror=True))
 
 
 def test_greedy_equal_with_fetches_and_prefix_hit_on_offloaded_pages(tiny):
@@ -128,8 +140,7 @@ def test_start_up_checks(tiny):
         _engine(tiny, "tiny", PINNED - 1, host_kv_gib=0.001)
     with pytest.raises(ConfigError, match="adds no capacity"):
         _engine(tiny, "tiny", PINNED, host_kv_gib=0.00001)
-    with pytest.raises(ConfigError, match="torch backend only"):
-        EngineConfig(backend="cupy", device="cuda", cache=CacheConfig(host_kv_gib=0.001))
+    EngineConfig(backend="cupy", device="cuda", cache=CacheConfig(host_kv_gib=0.001))  # the cupy port: accepted
     with pytest.raises(ConfigError, match="host_kv_gib must be >= 0"):
         CacheConfig(host_kv_gib=-1)
 
@@ -142,3 +153,48 @@ def test_cli_refuses_bad_host_kv_gib(gib, message):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("lserve: error:"), r.stderr
     assert message in lines[0]
+
+
+@pytest.mark.parametrize("kv_quant,prefix_cache", [("none", True), ("int4", False)])
+def test_mirrored_tier_keeps_outputs_and_its_device_table(tiny, mirrored, kv_quant, prefix_cache):
+    """The cupy backend's bookkeeping on the CPU: copies batched per flush (in an order that keeps
+    every read before a later write of its slot), reads through the mirrored slot table, preemption
+    and prefix hits on offloaded pages; outputs equal the tier-off twin's, the table the host one's."""
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompts = [DOC[:250] + q for q in QUESTIONS]
+    on = _engine(tiny, "tiny", PINNED, host_kv_gib=_gib(tiny, "tiny", 24, kv_quant), kv_quant=kv_quant,
+                 prefix_cache=prefix_cache)
+    tier = on.cache.host_tier
+    assert tier.mirror and tier.slot_table is not None
+    outs = on.generate(prompts, params) + on.generate(prompts[:1], params)
+    if prefix_cache:  # the repeated prompt hits pages that went to the host
+        assert outs[-1].metrics["cached_tokens"] >= 16 * 10
+    else:  # growing sequences that do not fit together
+        assert on.scheduler.num_preemptions > 0
+    st = on.stats().host_kv
+    assert st.fetched > 0 and st.spilled > 0
+    tier.check()
+    off = _twin(tiny, "tiny", on, kv_quant=kv_quant, prefix_cache=prefix_cache)
+    want = off.generate(prompts, params) + off.generate(prompts[:1], params)
+    assert [o.token_ids for o in want] == [o.token_ids for o in outs]
+    on.cache.prefix.evict(on.cache.prefix.num_evictable)
+    tier.check()
+    assert tier.held_pages() == set()
+
+
+def test_mirrored_fetch_of_stale_picks_counts_streamed_reads(tiny, mirrored):
+    """Picks fetched after their step (the cupy backend's plan-time fetch): misses count as
+    streamed reads, pages freed since are skipped, and the table follows."""
+    on = _engine(tiny, "tiny", PINNED, host_kv_gib=_gib(tiny, "tiny", 40))
+    on.generate([DOC[:400]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    tier = on.cache.host_tier
+    cached = sorted(tier.held_pages())
+    offloaded = [v for v in cached if not tier.is_resident(0, v)]
+    assert offloaded
+    free = next(v for v in range(on.cache.dense_alloc.num_pages) if v not in cached)
+    before = tier.stats()
+    tier.fetch(0, np.array(offloaded[:2] + [free]), streamed=True)
+    st = tier.stats()
+    assert st.misses - before.misses == 2 and st.streamed - before.streamed == 2
+    assert all(tier.is_resident(0, v) for v in offloaded[:2]) and not tier.is_resident(0, free)
+    tier.check()

@@ -68,6 +68,7 @@ from lserve.attention.chunked import (
     warm_chunk_plans,
 )
 from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
+from lserve.attention.cupy_tier import TierPicks
 from lserve.attention.cupy_tuning import CupyTuning
 from lserve.attention.prefill_estimate import antidiagonal_masses
 from lserve.attention.prefill_estimate import fits as estimate_fits
@@ -138,7 +139,12 @@ class CupyBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         from lserve.kernels.loader import KernelError
 
-        pool = self.cache.dense[0] if self.cache.dense[0].num_heads else self.cache.stream[0]
+        #: The host KV tier (None: off); the kernels then read dense pages through its device table.
+        self.tier = self.cache.host_tier
+        if self.tier is not None and not self.tier.mirror:
+            raise KernelError("the host KV tier on the cupy backend needs its pools in mapped host memory "
+                              "(KVCache(host_device='mapped'))")
+        pool = self._dense_pool(0) if self.cache.dense[0].num_heads else self.cache.stream[0]
         self.device = pool.k.device
         self.dtype = pool.dtype
         self._check_device()
@@ -172,6 +178,8 @@ class CupyBackend(AttentionBackend):
         self._ref = TorchBackend(self.model, self.sp, self.cache)
         # Host tables of each step (and the per-sequence slots / last-selection page counts).
         self.table_planner = CupyPlanner(PlanGeometry.of(self, self.gq, self.dtype != torch.float32))
+        # Plan-time fetches of the tier's page cache (the picks of earlier steps)
+        self._tier_picks = TierPicks(self.tier, self.table_planner.geometry.layer_kinds) if self.tier else None
         # Budget kind of each layer (0: the mean budget; j: adaptive ratio j of the geometry).
         self.budget_kind = tuple(k for _, _, k in self.table_planner.geometry.layer_kinds)
         # Selection state (logical page indices) per (layer, slot, dense head).
@@ -281,12 +289,22 @@ class CupyBackend(AttentionBackend):
         self._kernel_overrides.clear()
 
     def _kernel(self, family: str, name: str, quant: str = "none", gq: int = 1):
-        from lserve.kernels.loader import Variant, get_kernel
+        from lserve.kernels.loader import TIER_FAMILIES, Variant, get_kernel
 
         ov = self._kernel_overrides.get(family)
         if ov is not None and (ov[1] is None or name in ov[1]):
             return ov[0].get_function(name)
-        return get_kernel(Variant(family, self.dt_name, self.D, quant, gq), name)
+        tier = self.tier is not None and family in TIER_FAMILIES  # dense pages through the tier's table
+        return get_kernel(Variant(family, self.dt_name, self.D, quant, gq, tier=tier), name)
+
+    def _dense_pool(self, layer: int):
+        """The device pool the kernels address dense pages in (with the tier: its resident slots)."""
+        pool = self.cache.dense[layer]
+        return pool.resident if self.tier is not None else pool
+
+    def _tier_arg(self, layer: int):
+        """The ``tier`` kernel argument: the layer's ``TierLayer`` on the device, or None (0)."""
+        return self.tier.layer_struct(layer) if self.tier is not None else None
 
     # -- sequence state -------------------------------------------------------------------------
     def release(self, seq_id: int) -> None:
@@ -327,8 +345,12 @@ class CupyBackend(AttentionBackend):
         (:meth:`_eager_tables`); a ``host`` plan (a decode-only step the engine may replay as a
         CUDA graph) carries them in capturable form instead (:meth:`_graph_tables`; None when the
         step cannot be captured), and :meth:`eager_plan` gives it eager ones if it runs eagerly."""
+        if self._tier_picks is not None:  # earlier steps' picks into the resident set, before this step's pins
+            self._tier_picks.begin_step(self._sel_page, self._sel_cnt)
         plan = super().plan(steps, host)
         plan.tables = self._graph_tables(plan) if host else self._eager_tables(plan)
+        if self._tier_picks is not None and plan.tables is not None:
+            self._tier_picks.after_plan(plan.tables)
         return plan
 
     def eager_plan(self, plan: StepPlan, device) -> StepPlan:
@@ -336,6 +358,8 @@ class CupyBackend(AttentionBackend):
         capture off): its tensors on ``device`` and its eager tables, as any other step's."""
         moved = super().eager_plan(plan, device)
         moved.tables = self._eager_tables(moved)
+        if self._tier_picks is not None and plan.tables is None:  # plan() had no tables to note
+            self._tier_picks.after_plan(moved.tables)
         return moved
 
     def _eager_tables(self, plan: StepPlan) -> CupyStep:
@@ -481,7 +505,7 @@ class CupyBackend(AttentionBackend):
         for t in (d_tok, d_page, d_off, s_tok, s_page, s_off):
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise TypeError("write tables must be contiguous int64 tensors")
-        dp, sp_, stats = self.cache.dense[layer], self.cache.stream[layer], self.cache.stats[layer]
+        dp, sp_, stats = self._dense_pool(layer), self.cache.stream[layer], self.cache.stats[layer]
         kern = self._kernel("kv_write", "ls_kv_write", self.kv_quant)
         args = (ptr(k), i64(k.stride(0)), ptr(v), i64(v.stride(0)),
                 ptr(d_tok), ptr(d_page), ptr(d_off), i32(nwd), i32(nd),
@@ -489,7 +513,7 @@ class CupyBackend(AttentionBackend):
                 ptr(stats.kmax), ptr(stats.kmin), i32(stats.g), i32(stats.logical_page_size),
                 ptr(s_tok), ptr(s_page), ptr(s_off), i32(nws), i32(hs),
                 ptr(sp_.k), ptr(sp_.v), ptr(sp_.k_scale), ptr(sp_.v_scale), ptr(sp_.k_zero), ptr(sp_.v_zero),
-                i32(self.cache.page_size))
+                i32(self.cache.page_size), ptr(self._tier_arg(layer)))
         launch(kern, (-(-items // 4),), (128,), args, pdl=self.pdl)
 
     def select_stage(self, layer: int, q: torch.Tensor, st: CupyStep) -> None:
@@ -614,7 +638,7 @@ class CupyBackend(AttentionBackend):
         kind = self.budget_kind[layer]
         bv = st.budget(kind)
         un = st.units[(nd, selects, kind, self.decode_impl)]
-        dp, sp_ = self.cache.dense[layer], self.cache.stream[layer]
+        dp, sp_ = self._dense_pool(layer), self.cache.stream[layer]
         sel_idx = self._sel_idx[layer]
         sel_mask = self._sel_mask[layer] if self.qmode else self._sel_mask
         if self.decode_impl == "tc":
@@ -640,7 +664,7 @@ class CupyBackend(AttentionBackend):
             **({"page_shift": N.bit_length() - 1 if N & (N - 1) == 0 else -1} if tc else {}),
             # No top-k ran for this layer in this step: the kernel may read the stored selection
             # before its PDL wait (common.cuh says why that is safe).
-            sel_ready=int(not (bv.n_dynamic and selects and bv.n_sel_rows)))
+            sel_ready=int(not (bv.n_dynamic and selects and bv.n_sel_rows)), tier=self._tier_arg(layer))
         launch(kern, (un.n_units,), (128,), args, shared_mem=smem, pdl=self.pdl)
         if not un.direct and merge:
             kern = self._kernel("merge", "ls_decode_merge", "none", self.gq)
@@ -724,7 +748,8 @@ class CupyBackend(AttentionBackend):
                         vd = torch.cat((vp, v[sl, :nd].transpose(0, 1)), 1)
                     blocks = self.sparse_prefill_blocks(sp, layer, qd, kd)
                     # the kernel reads past and chunk from the pool, where one_call put the chunk
-                    pool = self.cache.dense[layer] if self.one_call else None
+                    # (the paged kernel addresses the pool by page: not through the host tier's table)
+                    pool = self.cache.dense[layer] if self.one_call and self.tier is None else None
                     self.block_sparse(sp, blocks, q, k, v, out, qd, kd, vd, pool, st.c_pages[off: off + npg])
                     continue
                 # cuDNN on the chunk grid (past and chunk merged by LSE: its plans repeat there),

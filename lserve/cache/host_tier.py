@@ -15,6 +15,14 @@ all layers, -1: no host copy) and, per layer, to a resident slot (-1: not reside
 
 Both tiers are :class:`~lserve.cache.paged_pool.PagedPool` objects on devices given by the
 caller; on the CPU both are plain tensors and a "copy" is a tensor copy.
+
+With ``mirror`` (the cupy backend: the host pools are mapped pinned memory the GPU addresses) the
+tier keeps a device copy of the page table, ``slot[layer, page]`` (resident slot, or ``-1 - host
+slot``), that the kernels read (``kernels/tier.cuh``), and moves pages in batches: the copies a
+call queues run as index copies on the current stream at :meth:`HostTier.flush` (the end of
+:meth:`~HostTier.prepare`, :meth:`~HostTier.fetch`), in an order that keeps every read before a
+later write of the same slot, then the changed table entries are written. Everything is ordered
+with the step's kernels on that stream, so nothing waits on the host.
 """
 
 from __future__ import annotations
@@ -82,6 +90,31 @@ def pinned_bound(max_batched_tokens: int, max_num_seqs: int, page_size: int, sin
     return -(-max_batched_tokens // page_size) + max_num_seqs * (1 + sink_pages + local_pages)
 
 
+TIER_LAYER_FIELDS = ("slot", "k", "v", "ks", "vs", "kz", "vz", "pad")
+"""Pointers of one layer's ``TierLayer`` (``kernels/tier.cuh``), in order."""
+
+
+class _Phase:
+    """Page copies of one direction (``"h2d"``: host -> resident, ``"d2h"``) that may run as one
+    batch: none writes a slot another of them reads or writes."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.moves: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (source slots, target slots)
+        self.reads: set[tuple] = set()
+        self.writes: set[tuple] = set()
+
+    def conflicts(self, reads: tuple, writes: tuple) -> bool:
+        return writes in self.reads or writes in self.writes or reads in self.writes
+
+    def add(self, layer: int, src: int, dst: int, reads: tuple, writes: tuple) -> None:
+        s, d = self.moves.setdefault(layer, ([], []))
+        s.append(src)
+        d.append(dst)
+        self.reads.add(reads)
+        self.writes.add(writes)
+
+
 def _copy(src: PagedPool, src_slot: int, dst: PagedPool, dst_slot: int) -> None:
     """Copy one page (data, scales, zero points) between pools that may sit on different devices."""
     for a, b in zip(src.tensors(), dst.tensors()):
@@ -103,10 +136,15 @@ class HostTier:
         Tokens per page and a dense head's window in pages (the streaming ring's).
     policy : callable
         Makes one layer's eviction policy (:class:`~lserve.cache.tier_policy.RecencyPolicy`).
+    mirror : bool
+        Keep the page table on the resident pools' device too (:attr:`slot_table`, the
+        :meth:`layer_struct` the kernels take) and move pages in batches on the device's stream;
+        both pools must then be addressable there (the host ones in mapped memory).
     """
 
     def __init__(self, resident: list[PagedPool], host: list[PagedPool], num_pages: int, page_size: int,
-                 sink_pages: int, local_pages: int, policy: Callable[[], RecencyPolicy] = RecencyPolicy) -> None:
+                 sink_pages: int, local_pages: int, policy: Callable[[], RecencyPolicy] = RecencyPolicy,
+                 mirror: bool = False) -> None:
         self.resident, self.host = resident, host
         self.num_layers = len(resident)
         self.page_size, self.sink_pages, self.local_pages = page_size, sink_pages, local_pages
@@ -121,6 +159,18 @@ class HostTier:
         self._spilled_to: dict[int, int] = {}  # seq_id -> pages below this index were considered
         self._page_bytes = [p.page_bytes() for p in resident]
         self._stats = HostKVStats(resident_slots=self.num_slots * self.num_layers, host_pages=self.num_host)
+        self.mirror = mirror
+        self._phases: list[_Phase] = []  # queued copies (mirror), in an order that keeps them exact
+        self._dirty: set[int] = set()  # pages whose table entries changed since the last flush
+        self.slot_table: torch.Tensor | None = None
+        self._structs: torch.Tensor | None = None
+        if mirror:
+            dev = resident[0].k.device
+            # -1 (host slot 0) for pages without data: never read, and the host pool is zeroed
+            self.slot_table = torch.full((self.num_layers, num_pages), -1, dtype=torch.int32, device=dev)
+            rows = [[self.slot_table[i].data_ptr()] + [0 if t is None else t.data_ptr() for t in
+                    (h.k, h.v, h.k_scale, h.v_scale, h.k_zero, h.v_zero)] + [0] for i, h in enumerate(host)]
+            self._structs = torch.tensor(rows, dtype=torch.int64).to(dev)
 
     # -- per step -----------------------------------------------------------------------------
     def prepare(self, seqs: Iterable[SeqSpan]) -> None:
@@ -151,16 +201,28 @@ class HostTier:
                 if self._host[s.pages[i]] < 0:
                     self._spill(s.pages[i])
             self._spilled_to[s.seq_id] = max(lo, hi)
+        self.flush()
 
-    def fetch(self, layer: int, pages: torch.Tensor) -> None:
-        """Install the selected ``pages`` (any shape) of ``layer`` into its resident set, as far as
-        free slots and clean, unpinned, unselected victims allow; the rest stays on the host."""
-        want = np.unique(pages.detach().cpu().numpy())
+    def fetch(self, layer: int, pages, streamed: bool = False) -> None:
+        """Install the selected ``pages`` (tensor or array, any shape) of ``layer`` into its
+        resident set, as far as free slots and clean, unpinned, unselected victims allow; the rest
+        stays on the host.
+
+        ``streamed``: the picks of a step that already ran (the cupy backend fetches a step's
+        selection for the steps after it): its misses were read from the host, and pages freed
+        since are skipped."""
+        pages = pages.detach().cpu().numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
+        want = np.unique(pages)
         res = self._res[layer]
+        if streamed:
+            want = want[(res[want] >= 0) | (self._host[want] >= 0)]
         miss = want[res[want] < 0]
         st = self._stats
         st.hits += len(want) - len(miss)
         st.misses += len(miss)
+        if streamed and len(miss):
+            st.streamed += len(miss)
+            self._count_h2d(len(miss) * self._page_bytes[layer])
         needed = set(want.tolist())
         for v in miss.tolist():
             slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned and p not in needed)
@@ -169,6 +231,70 @@ class HostTier:
             self._install(layer, v, slot)
             st.fetched += 1
         self._policy[layer].touch(v for v in want.tolist() if res[v] >= 0)
+        self.flush()
+
+    def note_reads(self, pages, layers=None) -> None:
+        """Count ``pages`` read by ``layers`` (None: all) from wherever they are: those not resident
+        are streamed from the host (the cupy backend's scans, counted at plan time)."""
+        pages = np.unique(np.asarray(pages, dtype=np.int64))
+        if not pages.size:
+            return
+        rows = range(self.num_layers) if layers is None else layers
+        st = self._stats
+        for layer in rows:
+            r = self._res[layer][pages]
+            n = int(((r < 0) & (self._host[pages] >= 0)).sum())
+            if n:
+                st.streamed += n
+                self._count_h2d(n * self._page_bytes[layer])
+
+    def device_slots(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As :meth:`locate`, from the device table (mirror only; no host sync, nothing counted)."""
+        s = self.slot_table[layer][pages].long()
+        return s.clamp(min=0), (-1 - s).clamp(min=0), s >= 0
+
+    def layer_struct(self, layer: int) -> torch.Tensor:
+        """``layer``'s ``TierLayer`` (:data:`TIER_LAYER_FIELDS`) on the device (mirror only)."""
+        return self._structs[layer]
+
+    def flush(self) -> None:
+        """Run the queued copies, then write the changed table entries (mirror; else nothing is queued)."""
+        if not self.mirror:
+            self._dirty.clear()
+            return
+        for ph in self._phases:
+            for layer, (src, dst) in ph.moves.items():
+                a, b = (self.host[layer], self.resident[layer]) if ph.kind == "h2d" else \
+                    (self.resident[layer], self.host[layer])
+                dev = b.k.device
+                si = torch.tensor(src, dtype=torch.long).to(dev, non_blocking=True)
+                di = torch.tensor(dst, dtype=torch.long).to(dev, non_blocking=True)
+                for x, y in zip(a.tensors(), b.tensors()):
+                    y.index_copy_(0, di, x.index_select(0, si))
+        self._phases = []
+        if self._dirty:
+            v = np.fromiter(self._dirty, dtype=np.int64)
+            self._dirty.clear()
+            vals = np.where(self._res[:, v] >= 0, self._res[:, v], -1 - np.maximum(self._host[v], 0)[None, :])
+            idx = (np.arange(self.num_layers)[:, None] * self._res.shape[1] + v[None, :]).reshape(-1)
+            dev = self.slot_table.device
+            self.slot_table.view(-1).index_copy_(0, torch.from_numpy(idx).to(dev),
+                                                 torch.from_numpy(vals.reshape(-1).astype(np.int32)).to(dev))
+
+    def _queue(self, kind: str, layer: int, src: int, dst: int) -> None:
+        """Queue one page copy (mirror): into the latest phase of its kind that no later phase
+        conflicts with, else a new phase at the end."""
+        host_side, res_side = ("h", layer, src if kind == "h2d" else dst), ("r", layer, dst if kind == "h2d" else src)
+        reads, writes = (host_side, res_side) if kind == "h2d" else (res_side, host_side)
+        for ph in reversed(self._phases):
+            if ph.kind == kind and not ph.conflicts(reads, writes):
+                ph.add(layer, src, dst, reads, writes)
+                return
+            if ph.conflicts(reads, writes):  # must stay after this phase
+                break
+        ph = _Phase(kind)
+        ph.add(layer, src, dst, reads, writes)
+        self._phases.append(ph)
 
     def locate(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where ``layer``'s ``pages`` (any shape) are read from: (resident slot, host slot, resident?),
@@ -197,7 +323,8 @@ class HostTier:
 
     # -- lifetime -----------------------------------------------------------------------------
     def on_free(self, pages: Iterable[int]) -> None:
-        """The allocator freed ``pages``: give back every slot they hold."""
+        """The allocator freed ``pages``: give back every slot they hold (table entries are
+        written at the next flush: a freed page is not read before it is written again)."""
         for v in pages:
             for layer in range(self.num_layers):
                 if self._res[layer, v] >= 0:
@@ -225,7 +352,15 @@ class HostTier:
         return bool(self._res[layer, page] >= 0)
 
     def check(self) -> None:
-        """Raise RuntimeError if a slot is lost or owned twice, or a page's data is nowhere."""
+        """Raise RuntimeError if a slot is lost or owned twice, a page's data is nowhere, or (mirror)
+        the device table differs from the host one (flushes and synchronizes)."""
+        if self.mirror:
+            self.flush()
+            want = np.where(self._res >= 0, self._res, -1 - np.maximum(self._host, 0)[None, :])
+            held = (self._res >= 0) | (self._host >= 0)[None, :]
+            got = self.slot_table.cpu().numpy()
+            if (got[held] != want[held]).any():
+                raise RuntimeError("host KV tier: the device page table differs from the host one")
         def owned(table: np.ndarray, free: list[int], total: int, what: str) -> None:
             used = table[table >= 0].tolist()
             if len(set(used)) != len(used) or set(used) & set(free) or len(used) + len(free) != total \
@@ -275,10 +410,15 @@ class HostTier:
             else:  # a fresh page: written this step
                 self._res[layer, v] = slot
                 self._policy[layer].touch((v,))
+                self._dirty.add(v)
 
     def _install(self, layer: int, v: int, slot: int) -> None:
-        _copy(self.host[layer], int(self._host[v]), self.resident[layer], slot)
+        if self.mirror:
+            self._queue("h2d", layer, int(self._host[v]), slot)
+        else:
+            _copy(self.host[layer], int(self._host[v]), self.resident[layer], slot)
         self._res[layer, v] = slot
+        self._dirty.add(v)
         self._policy[layer].touch((v,))
         self._count_h2d(self._page_bytes[layer])
 
@@ -288,8 +428,12 @@ class HostTier:
             raise RuntimeError("host KV tier: no free host slot to spill to")
         hs = self._host_free.pop()
         for layer in range(self.num_layers):
-            _copy(self.resident[layer], int(self._res[layer, v]), self.host[layer], hs)
+            if self.mirror:
+                self._queue("d2h", layer, int(self._res[layer, v]), hs)
+            else:
+                _copy(self.resident[layer], int(self._res[layer, v]), self.host[layer], hs)
         self._host[v] = hs
+        self._dirty.add(v)
         st = self._stats
         st.spilled += 1
         n = sum(self._page_bytes)
@@ -300,8 +444,10 @@ class HostTier:
         self._res_free[layer].append(int(self._res[layer, v]))
         self._res[layer, v] = -1
         self._policy[layer].forget(v)
+        self._dirty.add(v)
 
     def _drop_host(self, v: int) -> None:
         if self._host[v] >= 0:
             self._host_free.append(int(self._host[v]))
             self._host[v] = -1
+            self._dirty.add(v)

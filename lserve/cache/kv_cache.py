@@ -75,12 +75,18 @@ class KVCache:
     max_batched_tokens : int
         Tokens a step carries at most (sizes the pages a step pins with the host tier on).
     host_device : torch.device or str
-        Where the host tier's pages live (``cfg.host_kv_gib`` > 0).
+        Where the host tier's pages live (``cfg.host_kv_gib`` > 0); ``"mapped"``: pinned host
+        memory mapped into the cache device's address space (:mod:`lserve.cache.host_memory`), with
+        the tier's page table mirrored on the device for the kernels (the cupy backend).
+    host_mirror : bool
+        Mirror the page table and batch the copies also for another ``host_device`` (tests of the
+        cupy backend's bookkeeping on the CPU).
     """
 
     def __init__(self, model: ModelConfig, cfg: CacheConfig, n_dense: list[int], sink_tokens: int,
                  local_tokens: int, max_num_seqs: int, dtype: torch.dtype, device, prefix_cache: bool = False,
-                 prefix_seed: bytes = b"", max_batched_tokens: int = 0, host_device="cpu") -> None:
+                 prefix_seed: bytes = b"", max_batched_tokens: int = 0, host_device="cpu",
+                 host_mirror: bool = False) -> None:
         self.cfg = cfg
         self.page_size = cfg.page_size
         self.n_dense = list(n_dense)
@@ -96,7 +102,7 @@ class KVCache:
         self.host_tier: HostTier | None = None
         num_pages = cfg.num_pages  # dense page ids (virtual ones with the host tier)
         if cfg.host_kv_gib:
-            num_pages = self._build_host_tier(cfg, max_num_seqs, max_batched_tokens, host_device)
+            num_pages = self._build_host_tier(cfg, max_num_seqs, max_batched_tokens, host_device, host_mirror)
         self.dense_alloc = PageAllocator(num_pages)
         if self.host_tier is not None:
             self.dense_alloc.on_free = self.host_tier.on_free
@@ -108,7 +114,8 @@ class KVCache:
         self.stats = [KeyStats(num_pages, n, N, cfg.logical_page_size, D, dtype, device) for n in n_dense]
         self.stream = [PagedPool(n_stream_pages, s, N, D, cfg.kv_quant, dtype, device) for s in self.n_stream]
 
-    def _build_host_tier(self, cfg: CacheConfig, max_num_seqs: int, max_batched_tokens: int, host_device) -> int:
+    def _build_host_tier(self, cfg: CacheConfig, max_num_seqs: int, max_batched_tokens: int, host_device,
+                         mirror: bool) -> int:
         """Host pools of ``cfg.host_kv_gib`` and the tier over them; returns the virtual page count
         (resident + host pages, less the pages one step may pin: see ``docs/host_kv_tier.md``)."""
         resident = self.dense
@@ -126,10 +133,15 @@ class KVCache:
             raise ConfigError(f"--host-kv-gib {cfg.host_kv_gib:g} holds {host_pages} pages of {page_bytes} bytes, "
                               f"no more than the {pinned} a step pins: it adds no capacity")
         d0 = resident[0]
-        host = [PagedPool(host_pages, p.num_heads, p.page_size, d0.head_dim, p.kv_quant, p.dtype, host_device)
-                for p in resident]
+        alloc = None
+        if host_device == "mapped":
+            from lserve.cache.host_memory import mapped_zeros
+
+            alloc, host_device, mirror = (lambda shape, dt: mapped_zeros(shape, dt, self.device)), self.device, True
+        host = [PagedPool(host_pages, p.num_heads, p.page_size, d0.head_dim, p.kv_quant, p.dtype, host_device,
+                          alloc=alloc) for p in resident]
         self.host_tier = HostTier(resident, host, cfg.num_pages + host_pages - pinned, cfg.page_size,
-                                  self.ring.sink_pages, self.ring.local_pages)
+                                  self.ring.sink_pages, self.ring.local_pages, mirror=mirror)
         self.dense = [TieredPool(self.host_tier, i, r, h) for i, (r, h) in enumerate(zip(resident, host))]
         return cfg.num_pages + host_pages - pinned
 

@@ -18,7 +18,10 @@ class PagedPool:
     """K/V pages for ``num_heads`` KV heads, optionally quantized."""
 
     def __init__(self, num_pages: int, num_heads: int, page_size: int, head_dim: int,
-                 kv_quant: str, dtype: torch.dtype, device: torch.device | str) -> None:
+                 kv_quant: str, dtype: torch.dtype, device: torch.device | str, alloc=None) -> None:
+        """``alloc(shape, dtype)``: makes each zeroed storage tensor (None: ``torch.zeros`` on
+        ``device``; the host KV tier passes mapped host memory, :mod:`lserve.cache.host_memory`)."""
+        zeros = alloc or (lambda shape, dt: torch.zeros(shape, dtype=dt, device=device))
         self.num_heads, self.page_size, self.head_dim = num_heads, page_size, head_dim
         self.num_pages = num_pages
         self._head_rows: torch.Tensor | None = None  # long [H, 1]: gather rows of sequence_kv
@@ -30,15 +33,15 @@ class PagedPool:
             store_d, store_t = head_dim, torch.int8
         else:
             store_d, store_t = head_dim // 2, torch.uint8
-        self.k = torch.zeros(*shape, store_d, dtype=store_t, device=device)
-        self.v = torch.zeros(*shape, store_d, dtype=store_t, device=device)
+        self.k = zeros((*shape, store_d), store_t)
+        self.v = zeros((*shape, store_d), store_t)
         self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
         if kv_quant != "none":
-            self.k_scale = torch.zeros(shape, dtype=torch.float32, device=device)
-            self.v_scale = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.k_scale = zeros(shape, torch.float32)
+            self.v_scale = zeros(shape, torch.float32)
         if kv_quant == "int4":
-            self.k_zero = torch.zeros(shape, dtype=torch.float32, device=device)
-            self.v_zero = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.k_zero = zeros(shape, torch.float32)
+            self.v_zero = zeros(shape, torch.float32)
 
     def tensors(self) -> list[torch.Tensor]:
         """The storage tensors (data, then scales and zero points where quantized), page-major."""

@@ -49,6 +49,12 @@ class TieredPool:
 
     def _merged(self, pages: torch.Tensor, read: Callable[[PagedPool, torch.Tensor], tuple]) -> tuple:
         """``read(pool, slots)`` of both tiers, each page taken from where it lives."""
+        if self.tier.mirror:  # the device table: no host sync (both pools are addressable here)
+            slots, host_slots, on_dev = self.tier.device_slots(self.layer, pages)
+            kd, vd = read(self.resident, slots)
+            kh, vh = read(self.host, host_slots)
+            m = on_dev.view(*on_dev.shape, *([1] * (kd.dim() - on_dev.dim())))
+            return torch.where(m, kd, kh), torch.where(m, vd, vh)
         slots, host_slots, on_dev = self.tier.locate(self.layer, pages)
         kd, vd = read(self.resident, slots)
         if bool(on_dev.all()):

@@ -126,7 +126,8 @@ def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCa
     sparsity = cfg.sparsity
     return KVCache(model_cfg, cfg.cache, layout.n_dense(), sparsity.sink_tokens, sparsity.local_tokens, cfg.max_num_seqs,
                    dtype, cfg.device, prefix_cache=cfg.prefix_cache, prefix_seed=namespace_seed(cfg.prefix_namespace()),
-                   max_batched_tokens=cfg.max_batched_tokens)
+                   max_batched_tokens=cfg.max_batched_tokens,
+                   host_device="mapped" if cfg.backend == "cupy" else "cpu")  # the cupy kernels read host pages in place
 
 
 class LLMEngine:

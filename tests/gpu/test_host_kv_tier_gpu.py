@@ -1,8 +1,10 @@
-"""Host KV tier with the resident set on the GPU and the host pool in CPU memory (torch backend):
-greedy outputs equal with the tier on and off while pages cross devices every step."""
+"""Host KV tier on the GPU: the torch backend (resident set on the GPU, host pool in CPU memory) and
+the cupy backend (host pool in mapped pinned memory, kernels reading through the tier's device
+table, CUDA graphs): greedy outputs equal with the tier on and off while pages cross every step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
@@ -33,3 +35,63 @@ def test_host_tier_across_devices_keeps_greedy_outputs():
         on.cache.host_tier.check()
         off = _engine(tiny, on.cache.dense_alloc.num_pages, 0.0, kv_quant)
         assert [o.token_ids for o in off.generate(prompts, params)] == [o.token_ids for o in outs]
+
+
+# -- the cupy backend (kernels read dense pages through the tier's device table) -----------------
+def _cupy(loaded, num_pages: int, gib: float, kv_quant: str, graphs: bool, prefix_cache: bool = True,
+          dtype: str = "bfloat16") -> LLMEngine:
+    cc = CacheConfig(page_size=16, logical_page_size=4, num_pages=num_pages, kv_quant=kv_quant, host_kv_gib=gib)
+    return LLMEngine(EngineConfig(model="tiny", sparsity=SPARSE, cache=cc, device="cuda", dtype=dtype,
+                                  max_num_seqs=2, max_batched_tokens=64, backend="cupy", cuda_graphs=graphs,
+                                  prefix_cache=prefix_cache), loaded)
+
+
+def _cupy_gib(loaded, host_pages: int, kv_quant: str) -> float:
+    probe = _cupy(loaded, 14, 0.01, kv_quant, False)
+    return (host_pages + 0.5) * sum(p.page_bytes() for p in probe.cache.dense) / 2**30
+
+
+def test_cupy_tier_uses_mapped_host_pools_and_kernels_through_its_table():
+    tiny = load_model("tiny", seed=3, device="cuda", dtype=torch.bfloat16)
+    on = _cupy(tiny, 14, 0.004, "none", False)
+    tier = on.cache.host_tier
+    assert tier.mirror and tier.slot_table.is_cuda
+    assert tier.host[0].k.is_cuda and on.backend.tier is tier  # host memory, addressed by the GPU
+    out = on.generate([DOC[:300]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and on.stats().host_kv.spilled > 0
+
+
+@pytest.mark.parametrize("kv_quant,graphs", [("none", False), ("none", True), ("int8", True), ("int4", True)])
+def test_cupy_tier_greedy_equal_with_fetches_every_step(kv_quant, graphs):
+    """A resident set of the pinned bound (14 pages) with ~90 virtual ones: every selecting step
+    reads most picks from the host and the next steps fetch them; prefix hits on offloaded pages
+    (second generate) and preemption (three growing sequences); outputs equal tier-off."""
+    tiny = load_model("tiny", seed=3, device="cuda", dtype=torch.bfloat16)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    prompts = [DOC[:400] + q for q in (" Q: box 5? A:", " Q: which box is black? A:", " Q: is box 9 red? A:")]
+    on = _cupy(tiny, 14, _cupy_gib(tiny, 40, kv_quant), kv_quant, graphs)
+    outs = on.generate(prompts, params) + on.generate(prompts[:1], params)
+    st = on.stats().host_kv
+    assert st.spilled > 0 and st.pages_on_host > 0 and st.misses > 0 and st.fetched > 0 and st.streamed > 0
+    assert st.bytes_h2d > 0 and st.bytes_d2h > 0
+    assert outs[-1].metrics["cached_tokens"] >= 16 * 20  # the repeat hit pages that went to the host
+    if graphs:  # decode steps replayed: the kernels read the table and host pool at fixed addresses
+        assert on.graphs.replays > 0
+    on.cache.host_tier.check()  # the device table equals the host one
+    off = _cupy(tiny, on.cache.dense_alloc.num_pages, 0.0, kv_quant, graphs)
+    want = off.generate(prompts, params) + off.generate(prompts[:1], params)
+    assert [o.token_ids for o in want] == [o.token_ids for o in outs]
+
+
+def test_cupy_tier_preemption_returns_every_slot():
+    tiny = load_model("tiny", seed=3, device="cuda", dtype=torch.bfloat16)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompts = [DOC[:250] + q for q in (" Q: box 5? A:", " Q: which box is black? A:", " Q: is box 9 red? A:")]
+    on = _cupy(tiny, 14, _cupy_gib(tiny, 24, "int4"), "int4", True, prefix_cache=False)
+    outs = on.generate(prompts, params)
+    assert on.scheduler.num_preemptions > 0
+    off = _cupy(tiny, on.cache.dense_alloc.num_pages, 0.0, "int4", True, prefix_cache=False)
+    assert [o.token_ids for o in off.generate(prompts, params)] == [o.token_ids for o in outs]
+    tier = on.cache.host_tier
+    tier.check()
+    assert on.cache.all_free() and tier.held_pages() == set()

@@ -1,0 +1,95 @@
+"""The host KV tier's page cache on the cupy backend: which pages to fetch, and what was read.
+
+The decode kernels read a dense page wherever it is (resident slot, or the mapped host pool over
+PCIe; ``kernels/tier.cuh``), so fetching is only a cache: a selecting step's picks are copied to
+the host asynchronously after it ran and installed into the resident set at a later step's plan
+(:meth:`HostTier.fetch`, batched on the stream), for the steps that reuse or repeat the
+selection. Nothing here waits on the GPU except for picks at least one step old, which are done.
+Hits and misses are counted from those picks against the residency the selecting step saw;
+scans (decode rows reading every page, prefill chunks over a cached past) are counted as
+streamed reads at plan time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+
+from lserve.cache.host_tier import HostTier
+
+
+class TierPicks:
+    """Per-backend state of the plan-time fetches.
+
+    Parameters
+    ----------
+    tier : HostTier
+        The cache's tier (``mirror``).
+    layer_kinds : sequence of (n_dense, selects, budget kind)
+        Per layer, as :attr:`~lserve.attention.cupy_plan.PlanGeometry.layer_kinds`.
+    """
+
+    def __init__(self, tier: HostTier, layer_kinds) -> None:
+        self.tier = tier
+        self.layer_kinds = tuple(layer_kinds)
+        self._last: list[list[int]] | None = None  # selection slots per budget kind of the last planned step
+        self._copies: deque = deque()  # (event, pages [L, S, H, U], counts [L, S, H], slots, per-kind slots)
+
+    def begin_step(self, sel_page: torch.Tensor | None, sel_cnt: torch.Tensor | None) -> None:
+        """Before a step is planned: copy the last step's picks to the host (after it in stream
+        order), and fetch those of earlier steps whose copies are done."""
+        if self._last is not None and sel_page is not None:
+            kinds, self._last = self._last, None
+            slots = sorted({s for ks in kinds for s in ks})
+            idx = torch.tensor(slots, dtype=torch.long).to(sel_page.device, non_blocking=True)
+            pages = torch.empty((sel_page.shape[0], len(slots), *sel_page.shape[2:]), dtype=torch.int32,
+                                pin_memory=True)
+            counts = torch.empty((sel_cnt.shape[0], len(slots), sel_cnt.shape[2]), dtype=torch.int32, pin_memory=True)
+            pages.copy_(sel_page.index_select(1, idx), non_blocking=True)
+            counts.copy_(sel_cnt.index_select(1, idx), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._copies.append((ev, pages, counts, slots, kinds))
+        while self._copies:
+            ev = self._copies[0][0]
+            if len(self._copies) == 1 and not ev.query():
+                break  # the step just before may still run: its picks wait for the next plan
+            ev.synchronize()
+            self.apply(*self._copies.popleft()[1:])
+
+    def apply(self, pages: torch.Tensor, counts: torch.Tensor, slots: list[int], kinds: list[list[int]]) -> None:
+        """Fetch the picks ``pages[layer, j, head, :counts[layer, j, head]]`` of selection slot
+        ``slots[j]`` in each selecting layer whose budget kind ``kinds`` lists that slot under."""
+        col = {s: j for j, s in enumerate(slots)}
+        p, c = pages.numpy(), counts.numpy()
+        for layer, (nd, selects, kind) in enumerate(self.layer_kinds):
+            if not (nd and selects and kind < len(kinds) and kinds[kind]):
+                continue
+            cols = [col[s] for s in kinds[kind]]
+            cnt = c[layer, cols, :nd]  # [n, nd]
+            pick = p[layer, cols, :nd]  # [n, nd, U]
+            self.tier.fetch(layer, pick[np.arange(pick.shape[-1]) < cnt[..., None]], streamed=True)
+
+    def after_plan(self, st) -> None:
+        """A step's tables are planned: remember its selecting slots, count its scans."""
+        if st.nb:
+            slot = st.fields["slot"]
+            rows = st.host_table("sel_rows")[: st.n_sel_rows].tolist() if st.n_sel_rows else []
+            kinds = [[int(slot[b]) for b in rows]] + [[int(slot[b]) for b in h.sel_rows] for h in st.kinds]
+            if any(kinds):
+                self._last = kinds
+            self._count_decode_scans(st)
+        for sp in st.cont:  # dense heads of every layer read the chunk's cached past
+            self.tier.note_reads(sp.step.dense_pages[: -(-sp.step.start // self.tier.page_size)])
+
+    def _count_decode_scans(self, st) -> None:
+        """Decode rows that read every page of a layer (it does not select, or the row reads no
+        selection in its budget kind): streamed reads of the pages not resident."""
+        N = self.tier.page_size
+        for b, s in enumerate(st.dec):
+            layers = [i for i, (nd, sel, k) in enumerate(self.layer_kinds)
+                      if nd and (not sel or not st.kind_fields(k)["dyn"][b])]
+            if layers:
+                self.tier.note_reads(s.step.dense_pages[: -(-s.length // N)], layers)
