@@ -140,6 +140,9 @@ PRESET_CONFIGS: dict[str, RunConfig] = {
     # the same at tau 0.99: on the 135M model tau 0.9 lost 8k passkeys with the needle near the end
     "lserve-prefill-sparse-99": RunConfig("lserve-prefill-sparse-99", pattern="learned", budget="1/8", min_budget=512,
                                           prefill_sparsity=0.99, prefill_sparsity_min_len=0, prefill_q_block=256),
+    # the shipped per-layer taus (prefill_sparsity auto) from the first token on, otherwise as served
+    "lserve-prefill-auto": RunConfig("lserve-prefill-auto", pattern="learned", budget="1/8", min_budget=512,
+                                     prefill_sparsity=-1.0, prefill_sparsity_min_len=0),
 }
 
 
