@@ -15,6 +15,7 @@ from lserve.config import (  # noqa: F401 - engine_config_from_args: the CLI's f
     SparsityConfig,
     engine_config_from_args,
     engine_flags,
+    parse_prefill_sparsity,
 )
 from lserve.serve.settings import SERVE_ENGINE_DEFAULTS, SERVE_FLAGS
 
@@ -137,8 +138,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
         gpu = device.startswith("cuda")
         taus = a.prefill_sparsity or [TAU]
-        if len(taus) != 1 or not 0 < taus[0] < 1:
-            raise ConfigError(f"profile-prefill-threshold takes one --prefill-sparsity in (0, 1), got {taus}")
+        if len(taus) != 1 or not (0 < taus[0] < 1 or taus[0] == -1):
+            raise ConfigError(f"profile-prefill-threshold takes one --prefill-sparsity in (0, 1) or auto, got {taus}")
         run_prefill_threshold(model=a.model or ("llama3-8b" if gpu else "default"), device=device,
                               backend=a.backend or ("cupy" if gpu else "torch"), tau=taus[0], contexts=a.contexts,
                               out_dir=a.out, name=a.name, profile_file=a.profile_file, save=not a.no_save)
@@ -242,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", type=int, nargs="+", default=None,
                    help="e2e (default 8k..256k) / profile-threshold (default multiples of the budget)")
     b.add_argument("--no-hf", action="store_true", help="e2e: skip the transformers peer")
-    b.add_argument("--prefill-sparsity", type=float, nargs="+", default=None, metavar="TAU",
+    b.add_argument("--prefill-sparsity", type=parse_prefill_sparsity, nargs="+", default=None, metavar="TAU",
                    help="e2e: also LServe with block-sparse prefill at each tau; sparse-prefill: the taus "
-                        "(default 0.75 0.5 0.25 0.1); profile-prefill-threshold: the one tau (default 0.9)")
+                        "(default 0.75 0.5 0.25 0.1); profile-prefill-threshold: the one tau, or auto (the "
+                        "default: the model's shipped per-layer taus)")
     b.add_argument("--adaptive-budgets", default=None, metavar="auto|resampled|PATH",
                    help="e2e: also LServe with per-layer decode budgets of the same mean (lserve-adaptive): the "
                         "model's shipped calibration, the default model's resampled to this model's layers, or a "

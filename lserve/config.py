@@ -266,12 +266,14 @@ class SparsityConfig:
     prefill_sparsity : float
         Dynamic block-sparse prefill of dense heads (:mod:`lserve.sparsity.prefill_blocks`): the
         estimated attention mass each (KV head, query block) keeps, in [0, 1]; 0 is off, 1 keeps
-        every causal block; -1 (auto): per-layer values calibrated for the model (``lserve
-        calibrate-prefill``, :mod:`lserve.calibration.prefill`), off without one.
+        every causal block; -1 (auto, the default): per-layer values calibrated for the model
+        (``lserve calibrate-prefill``, :mod:`lserve.calibration.prefill`), on only where they ship
+        and the length below is measured (``LLMEngine``'s ``resolve_prefill``).
     prefill_sparsity_min_len : int
         Context (cached + chunk tokens) from which a prefill chunk is block-sparse; -1 (auto):
         the length from which it paid on this device and model shape
-        (``lserve bench profile-prefill-threshold``), else :data:`PREFILL_MIN_LEN_UNPROFILED`.
+        (``lserve bench profile-prefill-threshold``), else :data:`PREFILL_MIN_LEN_UNPROFILED` for a
+        set tau (an "auto" tau without a profile is off).
     prefill_block : int
         Tokens per KV block of the block list (a multiple of ``prefill_stride``).
     prefill_q_block : int
@@ -305,9 +307,10 @@ class SparsityConfig:
         "", "per-layer decode budgets around the mean --token-budget: 'auto' (the model's shipped "
             "calibration, see lserve calibrate-budgets), a calibration .json, or '' (off)")
     prefill_sparsity: float = setting(
-        0.0, "dynamic block-sparse prefill of dense heads: estimated attention mass each query "
-             "block keeps, in [0, 1] (0: off; torch and cupy backends), or 'auto': per-layer values "
-             "calibrated for the model (lserve calibrate-prefill; off when none ships)",
+        -1.0, "dynamic block-sparse prefill of dense heads: estimated attention mass each query "
+              "block keeps, in [0, 1] (0: off; torch and cupy backends), or 'auto' (the default): the "
+              "model's calibrated per-layer values (lserve calibrate-prefill) from the length this "
+              "device's profile says it pays (lserve bench profile-prefill-threshold); off where either is missing",
         parse=parse_prefill_sparsity)
     prefill_sparsity_min_len: int = setting(
         -1, "context (cached + chunk tokens) from which a prefill chunk is block-sparse "

@@ -17,17 +17,18 @@ def test_first_paying_needs_every_longer_context_to_pay():
 
 def test_profiled_min_len_is_what_an_auto_engine_uses(tmp_path, monkeypatch):
     """The CLI measures the sweep on this machine, saves min_len under this device and model
-    shape, and an engine left at the default (auto) prefills sparse from that length on."""
-    from lserve.config import PREFILL_MIN_LEN_UNPROFILED
+    shape, and an engine with a tau and the length left at auto prefills sparse from that length on."""
+    from lserve.config import PREFILL_MIN_LEN_UNPROFILED, SparsityConfig
     from lserve.engine import LLM
 
     profile = tmp_path / "prefill_threshold.json"
     monkeypatch.setenv("LSERVE_PREFILL_THRESHOLD_FILE", str(profile))
-    before = LLM("tiny")
-    assert before.backend.sp.prefill_sparsity_min_len == PREFILL_MIN_LEN_UNPROFILED
+    tau = SparsityConfig(prefill_sparsity=0.9)
+    before = LLM("tiny", sparsity=tau)
+    assert before.backend.sp.prefill_sparsity_min_len == PREFILL_MIN_LEN_UNPROFILED  # a set tau, unprofiled
     assert before.prefill_threshold_source is None
     rc = main(["bench", "profile-prefill-threshold", "--model", "tiny", "--device", "cpu", "--contexts", "512", "1024",
-               "--out", str(tmp_path), "--name", "pt"])
+               "--prefill-sparsity", "0.9", "--out", str(tmp_path), "--name", "pt"])
     assert rc == 0
     report = json.loads((tmp_path / "pt.json").read_text())
     assert [r["context"] for r in report["rows"]] == [512, 1024]
@@ -36,11 +37,19 @@ def test_profiled_min_len_is_what_an_auto_engine_uses(tmp_path, monkeypatch):
     assert saved["min_len"] == report["min_len"] and saved["tau"] == 0.9
     assert report["min_len"] in (512, 1024, 2048)  # 2048: never paid (twice the longest)
     assert (tmp_path / "pt.png").stat().st_size > 0
-    after = LLM("tiny")
+    after = LLM("tiny", sparsity=tau)
     assert after.backend.sp.prefill_sparsity_min_len == report["min_len"]
     assert after.prefill_threshold_source == str(profile)
-    explicit = LLM("tiny", sparsity=after.config.sparsity.__class__(prefill_sparsity_min_len=100))
+    explicit = LLM("tiny", sparsity=SparsityConfig(prefill_sparsity=0.9, prefill_sparsity_min_len=100))
     assert explicit.backend.sp.prefill_sparsity_min_len == 100  # a given length is kept
+
+
+def test_auto_needs_a_calibration(tmp_path, capsys):
+    """The profile's default tau is auto: a model without shipped taus is refused in one line."""
+    rc = main(["bench", "profile-prefill-threshold", "--model", "tiny", "--device", "cpu", "--contexts", "512",
+               "--no-save", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "ships no prefill calibration" in err and "Traceback" not in err
 
 
 def test_profile_prefill_threshold_rejects_several_taus(capsys):

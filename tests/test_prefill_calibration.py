@@ -65,11 +65,11 @@ def test_cli_prefill_sparsity_takes_auto_or_a_tau(capsys):
 
 def test_auto_without_a_calibration_is_off_and_says_so(caplog):
     loaded = load_model("tiny")
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         eng = LLMEngine(EngineConfig(model="tiny", sparsity=SparsityConfig(pattern=None, token_budget=0,
                                                                            prefill_sparsity=-1.0)), loaded)
-    assert eng.backend.prefill_layer_taus is None
-    assert "no prefill calibration ships" in caplog.text
+    assert eng.backend.prefill_layer_taus is None and eng.sparsity.prefill_sparsity == 0.0
+    assert "block-sparse prefill: off (no prefill calibration ships" in caplog.text
 
 
 def test_auto_uses_the_shipped_per_layer_taus():
@@ -99,3 +99,33 @@ def test_auto_uses_the_shipped_per_layer_taus():
     top_kept, _ = kept(top)  # one request: every layer at the largest calibrated tau
     if min(shipped["layer_taus"]) < top:
         assert auto_kept < top_kept
+
+
+def test_default_model_prefill_sparsity_follows_the_device_profile(smol, tmp_path, monkeypatch, caplog):
+    """On by default where both are measured: the default model ships its taus, so an engine left
+    at the defaults prefills sparse from the profiled length of this device and shape, and stays
+    dense (chunks off the row grid too) where no profile says it pays."""
+    import lserve.sparsity.threshold as threshold
+    from lserve.sparsity.threshold import profile_key
+
+    profile = tmp_path / "prefill_threshold.json"
+    monkeypatch.setenv("LSERVE_PREFILL_THRESHOLD_FILE", str(profile))
+    monkeypatch.setattr(threshold, "PROFILES", tmp_path / "none")  # no shipped profile either
+    cfg = EngineConfig(model="default", sparsity=SparsityConfig(prefill_q_block=256),  # rows short enough to skip
+                       cache=CacheConfig(dense_pool_tokens=4096), max_batched_tokens=1024)
+    with caplog.at_level(logging.INFO):
+        off = LLMEngine(cfg, smol)
+    assert off.sparsity.prefill_sparsity == 0.0 and off.backend.prefill_layer_taus is None
+    assert "block-sparse prefill: off (no profile of this device" in caplog.text
+    assert off.sparsity_in_effect["prefill_sparsity"] == "off"
+    key = profile_key("cpu", smol.config, torch.float32)
+    profile.write_text(json.dumps({key: {"min_len": 1500, "tau": "auto"}}))
+    on = LLMEngine(cfg, smol)
+    assert on.sparsity.prefill_sparsity == -1.0 and on.sparsity.prefill_sparsity_min_len == 1500
+    assert on.backend.prefill_layer_taus is not None and on.prefill_threshold_source == str(profile)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for prompt_len, sparse in ((1200, False), (2000, True)):
+        before = list(on.backend.prefill_tiles)
+        on.generate([list(range(100, 100 + prompt_len))], params)
+        kept, causal = (a - b for a, b in zip(on.backend.prefill_tiles, before))
+        assert (causal > 0) == sparse and (kept < causal) == sparse, (prompt_len, kept, causal)

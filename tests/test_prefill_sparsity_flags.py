@@ -46,10 +46,10 @@ def test_flags_reach_the_backend(smol):
     assert 0 < kept < causal
 
 
-def test_prefill_flags_default_off():
+def test_prefill_flags_default_auto():
     sp = engine_config_from_args(build_parser().parse_args(["generate"])).sparsity
     assert (sp.prefill_sparsity, sp.prefill_sparsity_min_len, sp.prefill_block, sp.prefill_q_block,
-            sp.prefill_estimator) == (0.0, -1, 64, 2048, "antidiagonal")  # -1: the device's profile
+            sp.prefill_estimator) == (-1.0, -1, 64, 2048, "antidiagonal")  # -1: auto (calibration, profile)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -84,7 +84,7 @@ def test_serve_settings_carry_prefill_sparsity():
     # ``lserve serve`` flags
     args = build_parser().parse_args(["serve", "--device", "cpu", "--prefill-sparsity", "0.9"])
     assert ServeSettings.from_args(args).engine_config().sparsity.prefill_sparsity == 0.9
-    assert ServeSettings(device="cpu").engine_config().sparsity.prefill_sparsity == 0.0
+    assert ServeSettings(device="cpu").engine_config().sparsity.prefill_sparsity == -1.0  # auto
     with pytest.raises(ConfigError, match="prefill_q_block must be a multiple"):
         ServeSettings.from_dict({"device": "cpu", "prefill_q_block": "100"})
 

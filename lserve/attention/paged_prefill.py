@@ -120,9 +120,9 @@ class PathCost:
     ``cudnn_rate`` plus ``row_cost`` seconds of gathers, launches and merge per query row).
 
     Defaults fitted to one Llama-3-8B layer on the H200 (``benchmarks/bsp_prefill/bsp_prefill_h200.json``:
-    the mma kernel 213-224 TFLOP/s on computed tiles (``MEASURED_RATE`` per kernel); gathered 16.4-17 ms at 32k whatever the kept fraction,
-    45-90 ms at 128k for 10-50% kept): the kernel wins at every measured fraction at 32k, up to
-    ~20% kept at 128k and ~10% at 256k.
+    the mma kernel 213-224 TFLOP/s on computed tiles, ``MEASURED_RATE`` per kernel; gathered
+    16.4-17 ms at 32k whatever the kept fraction, 45-90 ms at 128k for 10-50% kept): the mma
+    kernel wins at every measured fraction at 32k, up to ~20% kept at 128k and ~10% at 256k.
     """
 
     kernel_rate: float = 220e12

@@ -18,7 +18,10 @@ from lserve.sparsity.prefill_blocks import pad_positions
 
 THREADS = 512  # EST_THREADS of the kernel
 DEVICE_TYPE = "cuda"  # where the kernel runs (a CPU test swaps in an emulation of it)
-GEMM_GROUPS = 16  # the rows of a chunk are scored in about this many GEMMs (memory permitting)
+# The rows of a chunk are scored in about this many GEMMs (memory permitting). Measured at 128k on
+# the H200 (bsp_prefill_estimate_h200.json, llama3-8b layer): 4 GEMMs of 16 rows 7.4 ms, 16 GEMMs of
+# 4 rows 11.3 ms: the smaller GEMMs lose more to lower tensor-core occupancy than they save above the diagonal.
+GEMM_GROUPS = 4
 MAX_SHARED = 200 * 1024  # block sums of one row in shared memory: nkb * 4 bytes
 
 

@@ -43,6 +43,7 @@ from lserve.sparsity.in_effect import in_effect
 from lserve.sparsity.kv_read import KVReadTotals
 from lserve.sparsity.patterns import HeadLayout, load_pattern, random_pattern
 from lserve.sparsity.plan import SeqStep
+from lserve.sparsity.prefill_taus import resolve_layer_taus
 from lserve.sparsity.threshold import PREFILL, lookup, lookup_ratio, profile_key
 
 log = logging.getLogger("lserve")
@@ -110,15 +111,28 @@ def step_alpha(mc, layout: HeadLayout) -> float:
                            [n * mc.group_size for n in layout.n_dense()])
 
 
-def resolve_prefill_min_len(sparsity: SparsityConfig, device: str, model_cfg, dtype) -> tuple[SparsityConfig, str | None]:
-    """``sparsity`` with an "auto" (-1) ``prefill_sparsity_min_len`` resolved: the profiled length of this
-    device and model shape, else :data:`~lserve.config.PREFILL_MIN_LEN_UNPROFILED`; and the profile
-    file it came from (None: not from a profile)."""
+def resolve_prefill(sparsity: SparsityConfig, device: str, model_cfg, dtype) -> tuple[SparsityConfig, str | None, str | None]:
+    """``sparsity`` with its prefill settings resolved, the profile file its length came from (None:
+    not from a profile), and why block-sparse prefill is off (None: it is on, or off by request).
+
+    * ``prefill_sparsity_min_len`` "auto" (-1): the profiled length of this device and model shape;
+      without a profile, :data:`~lserve.config.PREFILL_MIN_LEN_UNPROFILED` for a tau the user set.
+    * ``prefill_sparsity`` "auto" (the default) is on only where both were measured: the model ships
+      its per-layer taus (``lserve calibrate-prefill``) and, unless the user set a length, a profile
+      of this device and shape (``lserve bench profile-prefill-threshold``) says from where it pays.
+      Otherwise it is off: an unmeasured speed-up is not assumed.
+    """
+    auto = sparsity.prefill_sparsity < 0
+    if auto and resolve_layer_taus(sparsity.prefill_sparsity, model_cfg)[0] is None:
+        return replace(sparsity, prefill_sparsity=0.0), None, f"no prefill calibration ships for model {model_cfg.name!r}"
     if sparsity.prefill_sparsity_min_len >= 0:
-        return sparsity, None
+        return sparsity, None, None
     found = lookup(profile_key(device, model_cfg, dtype), PREFILL, "min_len")
+    if found is None and auto:
+        return (replace(sparsity, prefill_sparsity=0.0), None,
+                "no profile of this device and model shape says where it pays (lserve bench profile-prefill-threshold)")
     min_len, source = (int(found[0]), found[1]) if found else (PREFILL_MIN_LEN_UNPROFILED, None)
-    return replace(sparsity, prefill_sparsity_min_len=min_len), source
+    return replace(sparsity, prefill_sparsity_min_len=min_len), source, None
 
 
 def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCache:
@@ -154,15 +168,16 @@ class LLMEngine:
             raise ConfigError("INT4 KV needs an even head_dim")
         self.layout = build_layout(config, mc)
         self.model = LlamaModel(mc, self.loaded.weights, self.layout, dtype, config.device)
-        sparsity, self.prefill_threshold_source = resolve_prefill_min_len(config.sparsity, config.device, mc, dtype)
+        sparsity, self.prefill_threshold_source, prefill_off = resolve_prefill(config.sparsity, config.device, mc, dtype)
+        #: the sparsity settings in effect (``config.sparsity`` with its "auto" values resolved)
+        self.sparsity = sparsity
         self.cache = build_cache(config, mc, self.layout, dtype)
         self.backend = make_backend(config.backend, mc, sparsity, self.cache)
-        if sparsity.prefill_sparsity < 0:  # auto: say which taus are in effect
-            if self.backend.prefill_taus_source is None:
-                log.warning("prefill_sparsity auto: no prefill calibration ships for model %r; block-sparse "
-                            "prefill is off (lserve calibrate-prefill makes one)", mc.name)
-            else:
-                log.info("prefill_sparsity auto: per-layer taus from %s", self.backend.prefill_taus_source)
+        if prefill_off is not None:
+            log.info("block-sparse prefill: off (%s)", prefill_off)
+        elif sparsity.prefill_sparsity < 0:
+            log.info("block-sparse prefill: per-layer taus from %s, from %d tokens", self.backend.prefill_taus_source,
+                     sparsity.prefill_sparsity_min_len)
         self.sparsity_in_effect = in_effect(sparsity, mc, self.layout.streaming_fraction())
         self.threshold_source = None
         if sparsity.dynamic_threshold < 0:  # auto: the profile of this device and model shape, if any
@@ -222,8 +237,9 @@ class LLMEngine:
           steps without decodes, whose chunks are large; a chunk next to decodes stays as small as
           the step budget says (the backend runs an off-grid chunk through flash).
         """
-        sparsity = self.config.sparsity
-        if sparsity.request_prefill_sparsity(seq.params.prefill_sparsity) != 0:
+        sparsity = self.sparsity
+        if (sparsity.request_prefill_sparsity(seq.params.prefill_sparsity) != 0
+                and len(seq.prompt_ids) >= sparsity.prefill_sparsity_min_len):
             return sparsity.prefill_q_block
         return 0 if decoding else self.backend.chunk_align(len(seq.prompt_ids))
 
@@ -233,7 +249,7 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, chat)
         self.check_request(ids, params)
-        if params.prefill_sparsity not in (None, self.config.sparsity.prefill_sparsity):
+        if params.prefill_sparsity not in (None, self.sparsity.prefill_sparsity):
             # its pages hold K/V of another prefill than the engine's: neither reuse nor share them
             params = replace(params, prefix_cache=False)
         seq_id = next(self._ids)
