@@ -123,6 +123,7 @@ def test_default_model_prefill_sparsity_follows_the_device_profile(smol, tmp_pat
     on = LLMEngine(cfg, smol)
     assert on.sparsity.prefill_sparsity == -1.0 and on.sparsity.prefill_sparsity_min_len == 1500
     assert on.backend.prefill_layer_taus is not None and on.prefill_threshold_source == str(profile)
+    assert on.sparsity_in_effect["prefill_sparsity"] == "shipped:smollm2-135m from 1500 tokens"
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for prompt_len, sparse in ((1200, False), (2000, True)):
         before = list(on.backend.prefill_tiles)

@@ -38,6 +38,8 @@ def in_effect(sp: SparsityConfig, model: ModelConfig, streaming_fraction: float)
         prefill = f"tau {sp.prefill_sparsity:g}" if sp.prefill_sparsity > 0 else "off"
     else:
         prefill = f"shipped:{folder.name}" if ships(PREFILL_TAUS_NAME) else f"off ({missing})"
+    if sp.prefill_sparsity != 0 and sp.prefill_sparsity_min_len > 0:
+        prefill += f" from {sp.prefill_sparsity_min_len} tokens"
     facts = {"shipped": folder.name if folder is not None else None, "pattern": pattern,
              "streaming_fraction": round(streaming_fraction, 4), "token_budget": sp.token_budget,
              "select_layers": layers, "adaptive_budgets": budgets, "prefill_sparsity": prefill}
