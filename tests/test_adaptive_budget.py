@@ -183,7 +183,7 @@ def test_sparsity_summary_says_budgets_are_adaptive_with_their_mean(tiny, tmp_pa
     assert 0 < frac < 1
     assert facts["summary"] == (f"pattern random ({frac:g} of KV heads streaming); decode budgets adaptive ({p}), "
                                 "mean 64 tokens, selecting layers all; prefill sparsity off")
-    sp = eng.config.sparsity
+    sp = eng.sparsity  # the settings in effect (auto resolved)
     uniform = in_effect(replace(sp, adaptive_budgets="", prefill_sparsity=0.9), tiny.config, frac)["summary"]
     assert uniform == (f"pattern random ({frac:g} of KV heads streaming); decode budget uniform 64 tokens, "
                        "selecting layers all; prefill sparsity on, tau 0.9")

@@ -13,6 +13,9 @@ def test_first_paying_needs_every_longer_context_to_pay():
     assert first_paying(rows, "dense_s", "sparse_s") == (2048, 2048)
     rows[3]["sparse_s"] = 1.5
     assert first_paying(rows, "dense_s", "sparse_s") == (None, 16384)  # off as far as measured
+    rows[3]["sparse_s"] = 0.98
+    assert first_paying(rows, "dense_s", "sparse_s") == (2048, 2048)
+    assert first_paying(rows, "dense_s", "sparse_s", margin=0.03) == (None, 16384)  # 2% is noise
 
 
 def test_profiled_min_len_is_what_an_auto_engine_uses(tmp_path, monkeypatch):

@@ -200,7 +200,8 @@ class CupyBackend(AttentionBackend):
         self.flash = causal_impl(self.device, self.dtype, self.D) if self.dtype != torch.float32 else None
         self.one_call = self.flash is not None and self.kv_quant == "none"
         # block lists go to the bsp kernel where its cost model says it is faster (None: never)
-        self.bsp_shape = bsp.default_shape(self.D, torch.cuda.get_device_capability(self.device))
+        cc = torch.cuda.get_device_capability(self.device) if torch.device(self.device).type == "cuda" else (0, 0)
+        self.bsp_shape = bsp.default_shape(self.D, cc)
         self.bsp_cost = (bsp.PathCost(kernel_rate=bsp.MEASURED_RATE[self.bsp_shape.impl])
                          if bsp.supported(self.dtype, self.D) else None)
         # Chunks of long prompts on this grid run cuDNN (chunked.chunk_impl); the engine aligns them.

@@ -8,14 +8,15 @@ becomes the entry :func:`lserve.sparsity.threshold.save_profile` stores for engi
 from __future__ import annotations
 
 
-def first_paying(rows: list[dict], base: str, candidate: str) -> tuple[int | None, int]:
+def first_paying(rows: list[dict], base: str, candidate: str, margin: float = 0.0) -> tuple[int | None, int]:
     """(threshold, context to switch on from) of a sweep: the smallest measured context from which
-    ``candidate`` is faster than ``base`` at every larger measured context too (None: not at the
-    largest), and that context, or twice the largest measured one where it never paid (off as
+    ``candidate`` is faster than ``base`` by more than ``margin`` (a share of ``base``: a gain
+    inside the timing noise does not count) at every larger measured context too (None: not at
+    the largest), and that context, or twice the largest measured one where it never paid (off as
     far as measured)."""
     threshold = None
     for r in sorted(rows, key=lambda r: -r["context"]):
-        if r[candidate] >= r[base]:
+        if r[candidate] >= (1.0 - margin) * r[base]:
             break
         threshold = r["context"]
     return threshold, threshold if threshold is not None else 2 * max(r["context"] for r in rows)
