@@ -173,11 +173,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws4(BSP
     // P V over the step's 128 keys, or its first 64 when the step holds one list block
     auto issue_pv = [&](int j) {
         const u32 tV = v0 + (u32)(j % NSTAGE) * TILE_BYTES;
-        if (2 * j + 1 < nblk) {  // one commit in each branch: a commit after the join costs an extra group
+        // a fence and a commit in each branch: ptxas fences a branch's first wgmma anyway, and a
+        // commit after the join costs an extra (empty) group that wait_group 1 would then count
+        if (2 * j + 1 < nblk) {
+            wg_fence();
 #pragma unroll
             for (int kk = 0; kk < SN / 16; ++kk) wg_pv_n128(o, pa[kk], v_desc(tV, kk), 1);
             wg_commit();
         } else {
+            wg_fence();
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) wg_pv_n128(o, pa[kk], v_desc(tV, kk), 1);
             wg_commit();
