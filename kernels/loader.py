@@ -18,6 +18,8 @@ needed) and prints the register / shared-memory report.
 from __future__ import annotations
 
 import functools
+import hashlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,14 +41,16 @@ FAMILIES = {
     "bsp_prefill": ("bsp_prefill.cu", ("ls_bsp_prefill",)),  # block-sparse prefill over paged KV
     "bsp_prefill_wg": ("bsp_prefill_wg.cu", ("ls_bsp_prefill_wg",)),  # the same on Hopper wgmma (sm_90a)
     "bsp_prefill_ws": ("bsp_prefill_ws.cu", ("ls_bsp_prefill_ws",)),  # warp-specialized wgmma (sm_90a, D 128)
+    "bsp_prefill_ws4": ("bsp_prefill_ws4.cu", ("ls_bsp_prefill_ws4",)),  # v4: 128 keys a step, Q in smem
     "prefill_estimate": ("prefill_estimate.cu", ("ls_antidiag_mass",)),  # block masses of a prefill chunk
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }
-TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "bsp_prefill_wg", "bsp_prefill_ws", "decode_tc", "selector_tc")
+TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "bsp_prefill_wg", "bsp_prefill_ws", "bsp_prefill_ws4", "decode_tc",
+                        "selector_tc")
 # Families built for sm_90a exactly (architecture-specific instructions: wgmma); NVRTC is asked for
 # that target directly, since CuPy's RawModule picks the plain compute capability.
-SM90A_FAMILIES = ("bsp_prefill_wg", "bsp_prefill_ws")
+SM90A_FAMILIES = ("bsp_prefill_wg", "bsp_prefill_ws", "bsp_prefill_ws4")
 # Families that take a TierLayer pointer and have an LS_TIER build (kernels/tier.cuh).
 TIER_FAMILIES = ("kv_write", "decode", "decode_tc")
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -136,11 +140,37 @@ def options_of(variant: Variant) -> tuple[str, ...]:
     return BASE_OPTIONS + (f"-I{KERNEL_DIR}",) + variant.defines()
 
 
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def included_headers(family: str) -> list[Path]:
+    """The headers of this directory a family's source includes, directly or through other headers
+    (every ``#include "..."`` line, whatever ``#if`` surrounds it), sorted."""
+    seen: set[Path] = set()
+    todo = [KERNEL_DIR / FAMILIES[family][0]]
+    while todo:
+        for name in _INCLUDE.findall(todo.pop().read_text()):
+            path = KERNEL_DIR / name
+            if path.is_file() and path not in seen:
+                seen.add(path)
+                todo.append(path)
+    return sorted(seen)
+
+
+def build_key(variant: Variant) -> str:
+    """What names a variant's cached binary: a hash of its source, every header it includes (an edited
+    header must not reuse a stale cubin) and its compiler options."""
+    h = hashlib.sha1(source_of(variant.family).encode())
+    for path in included_headers(variant.family):
+        h.update(b"\0" + path.name.encode() + b"\0" + path.read_bytes())
+    h.update(b"\0" + "\0".join(options_of(variant)).encode())
+    return h.hexdigest()[:16]
+
+
 def _load_sm90a(variant: Variant):
     """NVRTC with ``-arch=sm_90a`` (a cubin; else PTX for the driver to finish), written under
-    ``$LSERVE_CACHE_DIR/kernels`` (named by a hash of source and options) and loaded from there as
-    a ``cupy.RawModule``."""
-    import hashlib
+    ``$LSERVE_CACHE_DIR/kernels`` (named by :func:`build_key`) and loaded from there as a
+    ``cupy.RawModule``."""
     import os
 
     import cupy
@@ -149,8 +179,7 @@ def _load_sm90a(variant: Variant):
     cc = cupy.cuda.Device().compute_capability
     if cc != "90":
         raise KernelError(f"the {variant.family} kernel needs an sm_90 GPU (Hopper), this one is sm_{cc}")
-    src, opts = source_of(variant.family), options_of(variant)
-    key = hashlib.sha1((src + "\0".join(opts)).encode()).hexdigest()[:16]
+    src, opts, key = source_of(variant.family), options_of(variant), build_key(variant)
     folder = Path(os.environ.get("LSERVE_CACHE_DIR", Path.home() / ".cache" / "lserve")) / "kernels"
     errors = []
     for arch, getter, suffix in (("sm_90a", "getCUBIN", "cubin"), ("compute_90a", "getPTX", "ptx")):
@@ -281,6 +310,8 @@ def all_variants() -> list[Variant]:
                     out.append(Variant("bsp_prefill_wg", dt, d))
                     for sw, pp in ((1, 0), (1, 1), (0, 0)):
                         out.append(Variant("bsp_prefill_ws", dt, d, tuning=(f"LS_BSP_SWIZZLE={sw}", f"LS_BSP_PINGPONG={pp}")))
+                    for st in (2, 3):
+                        out.append(Variant("bsp_prefill_ws4", dt, d, tuning=(f"LS_BSP_STAGES={st}",)))
             out.append(Variant("fused", dt, d))
     return out
 

@@ -95,3 +95,31 @@ def test_meta_layout_is_defined_once():
         assert not re.search(r"#define\s+META_", src), f"{f.name} redefines a META row"
         if re.search(r"\bMETA_\w+", src):
             assert '#include "decode_meta.cuh"' in src, f"{f.name} reads META without decode_meta.cuh"
+
+
+def test_sm90a_cache_key_covers_the_included_headers(tmp_path, monkeypatch):
+    """The sm_90a cubin cache is named by build_key: editing a header the kernel includes, directly
+    or through another header, must give a new name (a stale cubin would run the old header);
+    editing a header it does not include, or nothing, keeps the name."""
+    import shutil
+
+    from lserve.kernels import loader
+
+    for f in list(KERNEL_DIR.glob("*.cu")) + list(KERNEL_DIR.glob("*.cuh")):
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setattr(loader, "KERNEL_DIR", tmp_path)
+    var = loader.Variant("bsp_prefill_ws4", "bf16", 128, tuning=("LS_BSP_STAGES=2",))
+    names = {p.name for p in loader.included_headers(var.family)}
+    assert names == {"common.cuh", "mma.cuh", "wgmma.cuh", "sm90_pipe.cuh", "bsp_tile.cuh"}
+    key = loader.build_key(var)
+    assert loader.build_key(var) == key
+    assert loader.build_key(loader.Variant("bsp_prefill_ws4", "bf16", 128, tuning=("LS_BSP_STAGES=3",))) != key
+    seen = {key}
+    for header in ("sm90_pipe.cuh", "mma.cuh"):  # included directly; only through wgmma.cuh
+        with open(tmp_path / header, "a") as f:
+            f.write("\n// edited\n")
+        assert loader.build_key(var) not in seen, header
+        seen.add(loader.build_key(var))
+    with open(tmp_path / "decode_meta.cuh", "a") as f:  # not included by this family
+        f.write("\n// edited\n")
+    assert loader.build_key(var) in seen

@@ -96,3 +96,22 @@ def test_warp_specialized_shapes_name_their_kernel_and_refuse_head_dim_64():
     # a tile of the warp-specialized kernel holds 128 // group positions
     p = bsp.plan([bsp.PrefillSeq(0, 0, 1000, 0, None)], 7, 1, "cpu", ws)
     assert max(t[2] - t[1] for t in p.tiles.tolist()) == 128 // 7 and p.shape is ws
+
+
+def test_v4_shapes_name_their_kernel_and_fit_shared_memory():
+    v2, v3 = bsp.TileShape("v4", 1, 8, stages=2), bsp.TileShape("v4", 1, 8, stages=3)
+    assert (v2.rows, v2.threads, v2.name, v3.name) == (128, 384, "v4_s2", "v4_s3")
+    var = v3.variant("fp16", 128)
+    assert (var.family, var.dtype, var.tuning) == ("bsp_prefill_ws4", "fp16", ("LS_BSP_STAGES=3",))
+    # stages of 128 keys of K and V, the swizzled Q tile, four mbarriers a stage; three stages still fit 227 KiB
+    assert v2.smem_bytes(128) == 1024 + 2 * 65536 + 32768 + 64
+    assert v3.smem_bytes(128) == 1024 + 3 * 65536 + 32768 + 96 <= 227 * 1024
+    assert not v2.supports(64)
+    with pytest.raises(ValueError, match="head_dim 128 only"):
+        v2.variant("bf16", 64)
+    for bad in (dict(stages=4), dict(stages=1), dict(warps=4), dict(mt=2)):
+        with pytest.raises(ValueError, match="bad tile shape"):
+            bsp.TileShape(**{"impl": "v4", "mt": 1, "warps": 8, **bad})
+    assert bsp.default_shape(128, (9, 0)).impl == "ws"  # v4 is not the default before it is measured
+    p = bsp.plan([bsp.PrefillSeq(0, 0, 1000, 0, None)], 4, 1, "cpu", v2)
+    assert max(t[2] - t[1] for t in p.tiles.tolist()) == 32 and p.shape is v2

@@ -24,6 +24,9 @@ BN = 64  # key block of the kernels; block lists must use the same block
 # the warp-specialized kernel's impls -> (LS_BSP_SWIZZLE, LS_BSP_PINGPONG): K/V in the 128-byte
 # swizzle or v2's no-swizzle layout; the consumer warpgroups taking turns at the tensor cores or not
 WS_IMPLS = {"ws": (1, 0), "wsp": (1, 1), "wsi": (0, 0)}
+# v4 (``kernels/bsp_prefill_ws4.cu``): 128 keys (two list blocks) per pipeline step, Q in shared memory
+V4 = "v4"
+V4_STAGES = (2, 3)  # a stage holds 128 keys of K and of V (64 KiB): three fill the 227 KiB a CTA may use
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,10 @@ class TileShape:
     128-byte swizzle, "wsi" in v2's no-swizzle layout; "wsp" is "ws" with the two consumer warpgroups
     taking turns at issuing their GEMMs (FA3's ping-pong). On the H200 "ws" runs 249-262 TF/s on
     computed tiles against "mma"'s 217-223 (same call, ``bsp_prefill_ws_h200.json``): the default for
-    head dim 128 on sm_90 (:func:`default_shape`).
+    head dim 128 on sm_90 (:func:`default_shape`). "v4": ``kernels/bsp_prefill_ws4.cu`` (sm_90a, head
+    dim 128), the same producer and two consumer warpgroups over 128 keys (two list blocks) per step,
+    Q in shared memory (S by SS-wgmma), K and V in separate ``stages``-deep rings (2 or 3); not yet
+    measured, so never the default.
     """
 
     impl: str = "mma"
@@ -50,7 +56,8 @@ class TileShape:
 
     def __post_init__(self) -> None:
         ok = (self.impl == "mma" or (self.impl == "wg" and self.mt == 1 and self.warps % 4 == 0)
-              or (self.impl in WS_IMPLS and self.mt == 1 and self.warps == 8 and 2 <= self.stages <= 4))
+              or (self.impl in WS_IMPLS and self.mt == 1 and self.warps == 8 and 2 <= self.stages <= 4)
+              or (self.impl == V4 and self.mt == 1 and self.warps == 8 and self.stages in V4_STAGES))
         if not ok or self.mt < 1 or self.warps < 1:
             raise ValueError(f"bad tile shape {self}")
 
@@ -62,11 +69,16 @@ class TileShape:
     @property
     def threads(self) -> int:
         """Threads of one CTA (the warp-specialized kernel adds its producer warpgroup)."""
-        return 32 * self.warps + (128 if self.impl in WS_IMPLS else 0)
+        return 32 * self.warps + (128 if self.warp_specialized else 0)
+
+    @property
+    def warp_specialized(self) -> bool:
+        """A producer warpgroup feeds a ring of K/V stages ("ws", "wsp", "wsi", "v4")."""
+        return self.impl in WS_IMPLS or self.impl == V4
 
     @property
     def name(self) -> str:
-        if self.impl in WS_IMPLS:
+        if self.warp_specialized:
             return f"{self.impl}_s{self.stages}"
         return f"{self.impl}_mt{self.mt}_w{self.warps}"
 
@@ -76,7 +88,10 @@ class TileShape:
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory of one CTA: the Q tile and the stages of K and V blocks (two for
-        "mma"/"wg"; "ws": ``stages``, 1024-byte aligned for the swizzle, plus two mbarriers per stage)."""
+        "mma"/"wg"; "ws": ``stages``, 1024-byte aligned for the swizzle, plus two mbarriers per stage;
+        "v4": ``stages`` K tiles and V tiles of 128 keys, the swizzled Q tile and four mbarriers per stage)."""
+        if self.impl == V4:
+            return 1024 + self.stages * 2 * 2 * BN * head_dim * 2 + self.rows * head_dim * 2 + 32 * self.stages
         if self.impl in WS_IMPLS:
             return 1024 + self.stages * 2 * BN * head_dim * 2 + self.rows * (head_dim + 8) * 2 + 16 * self.stages
         if self.impl == "wg":
@@ -90,6 +105,8 @@ class TileShape:
             raise ValueError(f"the {self.impl} prefill kernel is checked for head_dim 128 only, not {head_dim}")
         if self.impl == "wg":
             return Variant("bsp_prefill_wg", dtype, head_dim, tuning=(f"LS_BSP_WG={self.warps // 4}",))
+        if self.impl == V4:
+            return Variant("bsp_prefill_ws4", dtype, head_dim, tuning=(f"LS_BSP_STAGES={self.stages}",))
         if self.impl in WS_IMPLS:
             return Variant("bsp_prefill_ws", dtype, head_dim,
                            tuning=(f"LS_BSP_SWIZZLE={WS_IMPLS[self.impl][0]}", f"LS_BSP_PINGPONG={WS_IMPLS[self.impl][1]}",

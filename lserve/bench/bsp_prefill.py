@@ -51,7 +51,8 @@ from lserve.sparsity.prefill_blocks import combine_group, estimate_masses, fixed
 CONTEXTS = (32768, 131072, 262144)
 FRACTIONS = (0.1, 0.2, 0.3, 0.5)
 VARIANTS = (bsp.TileShape("mma", 2, 4), bsp.TileShape("mma", 1, 8), bsp.TileShape("wg", 1, 8),
-            bsp.TileShape("wg", 1, 4), *(bsp.TileShape(i, 1, 8) for i in bsp.WS_IMPLS))
+            bsp.TileShape("wg", 1, 4), *(bsp.TileShape(i, 1, 8) for i in bsp.WS_IMPLS),
+            *(bsp.TileShape(bsp.V4, 1, 8, stages=s) for s in bsp.V4_STAGES))
 # every shape --variants may name: VARIANTS (the default run, and the GPU test's parity) plus the
 # warp-specialized kernel's other ring depths (parity-checked by the run that names them)
 SHAPES = {v.name: v for v in VARIANTS + tuple(bsp.TileShape(i, 1, 8, stages=s) for i in bsp.WS_IMPLS for s in (2, 4))}
@@ -293,7 +294,8 @@ def main(argv=None) -> None:
     p.add_argument("--name", default=None, help="file stem (default bsp_prefill_h200, or bsp_prefill_MODEL_h200)")
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS],
-                   help="tile shapes by name (impl_mtM_wW; the warp-specialized kernel: ws_sS / wsi_sS, S stages)")
+                   help="tile shapes by name (impl_mtM_wW; the warp-specialized kernels: ws_sS / wsp_sS / wsi_sS / "
+                        "v4_sS, S stages)")
     a = p.parse_args(argv)
     bad = [n for n in a.variants if n not in SHAPES]
     if bad:

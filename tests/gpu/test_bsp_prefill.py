@@ -2,7 +2,7 @@
 poisoned with NaN): groups 1/4/5/7/8, head dims 64/128, page sizes 16/32/64, ragged lengths, chunks
 with cached past, dense and streaming heads in one launch, block lists and every block kept; every
 tile-shape variant of ``lserve.bench.bsp_prefill.VARIANTS`` (v1 mma.sync, v2 wgmma, v3 warp-specialized
-"ws"/"wsp"/"wsi", the last four head dim 128 only)."""
+"ws"/"wsp"/"wsi", v4 "v4_s2"/"v4_s3" (128 keys a step, Q in shared memory); all but v1 head dim 128 only)."""
 
 import pytest
 import torch
