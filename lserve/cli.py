@@ -174,9 +174,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from lserve.bench.serve import CONFIG_FLAGS, parse_plan
 
         configs = tuple(a.configs.split(","))
-        bad = [c for c in configs if c not in CONFIG_FLAGS]
-        if bad:
-            raise ConfigError(f"--configs: unknown configuration {bad[0]!r} (choose from {', '.join(CONFIG_FLAGS)})")
+        sweep_configs = tuple(a.sweep_configs.split(",")) if a.sweep_configs else configs
+        for flag, names in (("--configs", configs), ("--sweep-configs", sweep_configs)):
+            bad = [c for c in names if c not in CONFIG_FLAGS]
+            if bad:
+                raise ConfigError(f"{flag}: unknown configuration {bad[0]!r} (choose from {', '.join(CONFIG_FLAGS)})")
         try:
             plan = parse_plan(a.plan or [], a.decode_tokens or 64)
         except ValueError as e:
@@ -200,7 +202,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                         workload=a.workload, plan=tuple(a.plan or ()), requests_per_c=a.requests_per_c,
                         point_limit_s=a.point_limit, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
                         itl_slo_sweep=tuple(a.itl_slo_sweep or ()), sweep_point=a.sweep_point, port=a.port,
-                        decode_step_min_c=a.decode_step_min_c if a.decode_step else None)
+                        decode_step_min_c=a.decode_step_min_c if a.decode_step else None, sweep_configs=sweep_configs)
     return 0
 
 
@@ -295,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--itl-slo-sweep", type=float, nargs="+", default=None, metavar="MS",
                    help="serve: after the plan, serve --sweep-point once per --itl-slo-ms value (0: none), per "
                         "configuration, and plot TTFT p50 against ITL p99 (<name>_itl_slo.png)")
+    b.add_argument("--sweep-configs", default=None,
+                   help="serve: configurations the ITL SLO sweep serves, comma-separated (default: --configs); a plan "
+                        "entry at the sweep point is already its point at the default SLO")
     b.add_argument("--sweep-point", default=None, metavar="CONTEXT:C",
                    help="serve: the sweep's load point (default: the longest context at concurrency 4)")
     b.add_argument("--port", type=int, default=8321, help="serve: the port of the servers it starts")

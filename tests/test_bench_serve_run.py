@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms
+from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms, sweep_curve
 from lserve.cli import main
 
 
@@ -30,7 +30,9 @@ def test_bad_bench_flags_are_one_line_errors(capsys):
     assert main(["bench", "serve", "--sweep-point", "4"]) == 2
     assert main(["bench", "serve", "--itl-slo-sweep", "-5"]) == 2
     assert main(["bench", "serve", "--decode-step-min-c", "0"]) == 2
-    assert capsys.readouterr().err.count("lserve: error: ") == 4
+    assert main(["bench", "serve", "--sweep-configs", "lserve,fast"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("lserve: error: ") == 5 and "--sweep-configs: unknown configuration 'fast'" in err
 
 
 def test_the_bound_is_a_round_of_prefills_and_pure_decode_steps():
@@ -54,6 +56,21 @@ def test_the_bound_is_a_round_of_prefills_and_pure_decode_steps():
     assert all(r["bound_tok_s"] is None for r in old)
 
 
+def test_the_trade_off_curve_takes_the_plan_row_at_the_sweep_point():
+    """A plan row at the sweep's point is the curve's point at the default SLO, unless the sweep
+    served that SLO itself; other plan rows stay out."""
+    def row(config, ctx, slo, ttft=10.0, c=4):
+        return {"config": config, "workload": "reasoning", "context": ctx, "concurrency": c, "output_len": 256,
+                "itl_slo_ms": slo, "ttft_p50_s": ttft, "itl_p99_ms": 90.0}
+    plan = [row("lserve", 131072, 100.0), row("dense", 131072, 100.0), row("lserve", 32768, 100.0),
+            row("lserve", 131072, 100.0, c=1)]
+    sweep = [row("lserve", 131072, 0.0), row("lserve", 131072, 200.0), row("dense", 131072, 100.0, ttft=None)]
+    curve = sweep_curve({"rows": plan, "itl_sweep": sweep})
+    assert sorted((r["config"], r["itl_slo_ms"]) for r in curve) == [("lserve", 0.0), ("lserve", 100.0),
+                                                                     ("lserve", 200.0)]
+    assert sweep_curve({"rows": plan, "itl_sweep": sweep[:2]})[-1]["config"] == "dense"
+
+
 def test_served_itl_slo_is_the_last_flag_or_the_default():
     assert served_itl_slo_ms(["--model", "tiny"]) == 100.0
     assert served_itl_slo_ms(["--itl-slo-ms", "50", "--itl-slo-ms", "0"]) == 0.0
@@ -72,7 +89,8 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("LSERVE_API_KEY", "bench-key")
     argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--backend", "torch", "--configs", "lserve",
             "--plan", "reasoning:96:1,2:16", "--point-time", "2", "--requests-per-c", "3", "--no-engine-ttft",
-            "--itl-slo-sweep", "0", "40", "--sweep-point", "96:2", "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
+            "--itl-slo-sweep", "0", "40", "--sweep-configs", "lserve", "--sweep-point", "96:2",
+            "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
             "--out", str(tmp_path), "--name", "cpu", "--port", str(_free_port()), "--deadline", "600"]
     assert main(argv) == 0
     rep = json.loads((tmp_path / "cpu.json").read_text())

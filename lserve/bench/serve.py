@@ -443,14 +443,16 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     workload: str = "random", plan: tuple[str, ...] = (), requests_per_c: int = 8,
                     point_limit_s: float = 600.0, slo_ttft_ms: float = 30000.0, slo_itl_ms: float = 200.0,
                     itl_slo_sweep: tuple[float, ...] = (), sweep_point: str | None = None,
-                    decode_step_min_c: int | None = 1) -> dict:
+                    decode_step_min_c: int | None = 1, sweep_configs: tuple[str, ...] | None = None) -> dict:
     """Run the served benchmark and write ``<out_dir>/<name>.json`` + ``.png``; returns the report.
 
     Load points come from ``plan`` (``WORKLOAD:CONTEXT:C1,C2[:OUTPUT]``, :func:`parse_plan`), else
     from ``contexts`` x (``short_concurrency`` up to 4k, else ``long_concurrency``) with
     ``workload``. ``itl_slo_sweep``: serve ``sweep_point`` (``CONTEXT:C``, the same workload as
     the plan's entry at that context, or the longest context at concurrency 4) once per
-    ``--itl-slo-ms`` value, per configuration, after the plan. ``decode_step_min_c``: time the
+    ``--itl-slo-ms`` value, per configuration of ``sweep_configs`` (default ``configs``), after the
+    plan (a plan entry at the sweep point is its point at the servers' default SLO, so that value
+    need not be swept again: every server start costs ~45 s on the H200). ``decode_step_min_c``: time the
     pure decode step (``decode_step_ms``, the bound's ``d``) of every point with at least that
     concurrency, per configuration, before the servers start (None: none, and no bound).
     """
@@ -566,7 +568,7 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
             continue
         serve(config, [], config, points, report["rows"], probes=True)
     for ms in itl_slo_sweep:
-        for config in configs:
+        for config in sweep_configs or configs:
             if time_left() < 60:
                 _log(f"skipping the ITL SLO sweep of {config} at {ms} ms: out of time")
                 continue
@@ -632,11 +634,24 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def sweep_curve(report: dict) -> list[dict]:
+    """The rows of the ITL SLO trade-off: the sweep's, and the plan's rows of the same (workload,
+    context, concurrency, output) at an SLO the sweep did not serve for their configuration;
+    rows without a TTFT or ITL p99 left out."""
+    sweep = report.get("itl_sweep") or []
+    points = {(r.get("workload"), r["context"], r["concurrency"], r["output_len"]) for r in sweep}
+    served = {(r["config"], r["itl_slo_ms"]) for r in sweep}
+    plan = [r for r in report["rows"] if (r.get("workload"), r["context"], r["concurrency"], r["output_len"]) in points
+            and (r["config"], r.get("itl_slo_ms")) not in served and r.get("itl_slo_ms") is not None]
+    return [r for r in sweep + plan if r["ttft_p50_s"] is not None and r["itl_p99_ms"] is not None]
+
+
 def plot_itl_sweep(report: dict, path: Path) -> None:
     """TTFT p50 against ITL p99 of the ITL SLO sweep, one line per configuration, each point
-    labelled with its ``--itl-slo-ms`` (0: none)."""
+    labelled with its ``--itl-slo-ms`` (0: none); with it the plan's rows at the sweep's point
+    (served at the default SLO)."""
     plt = pyplot()
-    rows = [r for r in report.get("itl_sweep") or [] if r["ttft_p50_s"] is not None and r["itl_p99_ms"] is not None]
+    rows = sweep_curve(report)
     if plt is None or not rows:
         return
     fig, ax = plt.subplots(figsize=(6, 4.5))
