@@ -391,9 +391,27 @@ def engine_measurements(model: str, device: str, backend: str, ttft_contexts: li
       come after warm-ups).
     * ``{config: {context: {C: ms}}}``: the pure decode step of ``C`` sequences at each context of
       ``decode_points`` (context -> concurrencies), per ``decode_configs``
-      (:func:`lserve.bench.decode_step.decode_step_s`, median of ``decode_steps`` steps; one
+      (:func:`lserve.bench.decode_step.decode_step_s`, fastest of ``decode_steps`` steps; one
       engine per configuration and context).
+
+    On a CPU this runs on one torch thread: beside the servers and other processes, OpenMP
+    threads spinning for the cores made steps 10-50x slower (a small model gains little from two).
     """
+    import torch
+
+    cuda = device.startswith("cuda")
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(1)
+    try:
+        return _engine_measurements(model, device, backend, ttft_contexts, ttft_configs, decode_points,
+                                    decode_configs, decode_steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _engine_measurements(model, device, backend, ttft_contexts, ttft_configs, decode_points, decode_configs,
+                         decode_steps) -> tuple[dict, dict]:
     import torch
 
     from lserve.bench.decode_step import decode_engine, decode_step_s
