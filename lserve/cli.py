@@ -174,15 +174,19 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from lserve.bench.serve import CONFIG_FLAGS, parse_plan
 
         configs = tuple(a.configs.split(","))
-        bad = [c for c in configs if c not in CONFIG_FLAGS]
-        if bad:
-            raise ConfigError(f"--configs: unknown configuration {bad[0]!r} (choose from {', '.join(CONFIG_FLAGS)})")
+        sweep_configs = tuple(a.sweep_configs.split(",")) if a.sweep_configs else configs
+        for flag, names in (("--configs", configs), ("--sweep-configs", sweep_configs)):
+            bad = [c for c in names if c not in CONFIG_FLAGS]
+            if bad:
+                raise ConfigError(f"{flag}: unknown configuration {bad[0]!r} (choose from {', '.join(CONFIG_FLAGS)})")
         try:
             plan = parse_plan(a.plan or [], a.decode_tokens or 64)
         except ValueError as e:
             raise ConfigError(f"--plan: {e}") from None
         if a.point_time < 0 or a.requests_per_c < 1 or a.slo_ttft_ms <= 0 or a.slo_itl_ms <= 0:
             raise ConfigError("--point-time must be >= 0, --requests-per-c >= 1, --slo-ttft-ms and --slo-itl-ms > 0")
+        if a.decode_step_min_c < 1:
+            raise ConfigError(f"--decode-step-min-c must be >= 1 (--no-decode-step: none), got {a.decode_step_min_c}")
         if any(v < 0 for v in a.itl_slo_sweep or ()):
             raise ConfigError("--itl-slo-sweep values must be >= 0 ms (0: no ITL SLO)")
         if a.sweep_point is not None and not (len(a.sweep_point.split(":")) == 2
@@ -197,7 +201,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                         configs=configs, engine_contexts=tuple(sorted(c for c in planned if c >= 32768 and a.engine_ttft)),
                         workload=a.workload, plan=tuple(a.plan or ()), requests_per_c=a.requests_per_c,
                         point_limit_s=a.point_limit, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
-                        itl_slo_sweep=tuple(a.itl_slo_sweep or ()), sweep_point=a.sweep_point, port=a.port)
+                        itl_slo_sweep=tuple(a.itl_slo_sweep or ()), sweep_point=a.sweep_point, port=a.port,
+                        decode_step_min_c=a.decode_step_min_c if a.decode_step else None, sweep_configs=sweep_configs)
     return 0
 
 
@@ -268,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--configs", default="lserve,dense", help="serve: configurations, comma-separated")
     b.add_argument("--engine-ttft", action=argparse.BooleanOptionalAction, default=True,
                    help="serve: time the engine's own one-step TTFT at the contexts >= 32k first")
+    b.add_argument("--decode-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve: time the engine's pure decode step at each point's context and concurrency first (the "
+                        "d of bound_tok_s; --no-decode-step: no bound)")
+    b.add_argument("--decode-step-min-c", type=int, default=1, metavar="C",
+                   help="serve: time the decode step only for points of at least this concurrency")
     b.add_argument("--server-flags", default="",
                    help="serve: more `lserve serve` flags for every configuration, one string (e.g. \"--itl-slo-ms 50\")")
     b.add_argument("--point-time", type=float, default=30.0,
@@ -287,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--itl-slo-sweep", type=float, nargs="+", default=None, metavar="MS",
                    help="serve: after the plan, serve --sweep-point once per --itl-slo-ms value (0: none), per "
                         "configuration, and plot TTFT p50 against ITL p99 (<name>_itl_slo.png)")
+    b.add_argument("--sweep-configs", default=None,
+                   help="serve: configurations the ITL SLO sweep serves, comma-separated (default: --configs); a plan "
+                        "entry at the sweep point is already its point at the default SLO")
     b.add_argument("--sweep-point", default=None, metavar="CONTEXT:C",
                    help="serve: the sweep's load point (default: the longest context at concurrency 4)")
     b.add_argument("--port", type=int, default=8321, help="serve: the port of the servers it starts")

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms
+from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms, sweep_curve
 from lserve.cli import main
 
 
@@ -29,21 +29,46 @@ def test_bad_bench_flags_are_one_line_errors(capsys):
     assert main(["bench", "serve", "--configs", "lserve,sparse"]) == 2
     assert main(["bench", "serve", "--sweep-point", "4"]) == 2
     assert main(["bench", "serve", "--itl-slo-sweep", "-5"]) == 2
+    assert main(["bench", "serve", "--decode-step-min-c", "0"]) == 2
+    assert main(["bench", "serve", "--sweep-configs", "lserve,fast"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("lserve: error: ") == 5 and "--sweep-configs: unknown configuration 'fast'" in err
 
 
-def test_the_bound_is_a_round_of_prefills_and_decode_steps():
-    """C * n / (C * P + (n - 1) * d): P from the concurrency-1 row, else the engine's TTFT."""
+def test_the_bound_is_a_round_of_prefills_and_pure_decode_steps():
+    """C * n / (C * P + (n - 1) * d): P the smaller of the concurrency-1 row's TTFT and the
+    engine's, d the measured pure decode step at batch C (never the row's ITL); no d, no bound."""
     rows = [{"config": "lserve", "workload": "random", "context": 2048, "output_len": 512, "concurrency": c,
-             "ttft_p50_s": t, "itl_p50_ms": d} for c, t, d in ((1, 0.066, 4.7), (32, 1.2, 21.0))]
+             "ttft_p50_s": t, "itl_p50_ms": itl} for c, t, itl in ((1, 0.066, 4.7), (32, 1.2, 21.0))]
     rows.append({"config": "lserve", "workload": "reasoning", "context": 131072, "output_len": 2048, "concurrency": 4,
                  "ttft_p50_s": 30.0, "itl_p50_ms": 8.0})
     rows.append({"config": "dense", "workload": "reasoning", "context": 131072, "output_len": 2048, "concurrency": 4,
-                 "ttft_p50_s": 50.0, "itl_p50_ms": None})
-    bound_tok_s(rows, {"lserve": {"131072": 7.15}})
-    assert rows[0]["bound_tok_s"] == pytest.approx(512 / (0.066 + 511 * 0.0047), rel=1e-3)
-    assert rows[1]["bound_tok_s"] == pytest.approx(32 * 512 / (32 * 0.066 + 511 * 0.021), rel=1e-3)
-    assert rows[2]["bound_tok_s"] == pytest.approx(4 * 2048 / (4 * 7.15 + 2047 * 0.008), rel=1e-3)
-    assert rows[3]["bound_tok_s"] is None
+                 "ttft_p50_s": 50.0, "itl_p50_ms": 60.0})
+    steps = {"lserve": {"2048": {"1": 4.2, "32": 9.5}, "131072": {"4": 6.0}}, "dense": {"131072": {"1": 9.0}}}
+    bound_tok_s(rows, {"lserve": {"131072": 7.15, "2048": 0.08}}, steps)
+    assert rows[0]["bound_tok_s"] == pytest.approx(512 / (0.066 + 511 * 0.0042), rel=1e-3)
+    assert rows[1]["bound_tok_s"] == pytest.approx(32 * 512 / (32 * 0.066 + 511 * 0.0095), rel=1e-3)
+    assert rows[2]["bound_tok_s"] == pytest.approx(4 * 2048 / (4 * 7.15 + 2047 * 0.006), rel=1e-3)
+    assert [r["decode_step_ms"] for r in rows] == [4.2, 9.5, 6.0, None]
+    assert rows[3]["bound_tok_s"] is None  # its ITL is there, its batch-4 decode step is not
+    old = [dict(r, decode_step_ms=None) for r in rows]
+    bound_tok_s(old)  # a report from before decode_step_ms: no bound rather than a wrong one
+    assert all(r["bound_tok_s"] is None for r in old)
+
+
+def test_the_trade_off_curve_takes_the_plan_row_at_the_sweep_point():
+    """A plan row at the sweep's point is the curve's point at the default SLO, unless the sweep
+    served that SLO itself; other plan rows stay out."""
+    def row(config, ctx, slo, ttft=10.0, c=4):
+        return {"config": config, "workload": "reasoning", "context": ctx, "concurrency": c, "output_len": 256,
+                "itl_slo_ms": slo, "ttft_p50_s": ttft, "itl_p99_ms": 90.0}
+    plan = [row("lserve", 131072, 100.0), row("dense", 131072, 100.0), row("lserve", 32768, 100.0),
+            row("lserve", 131072, 100.0, c=1)]
+    sweep = [row("lserve", 131072, 0.0), row("lserve", 131072, 200.0), row("dense", 131072, 100.0, ttft=None)]
+    curve = sweep_curve({"rows": plan, "itl_sweep": sweep})
+    assert sorted((r["config"], r["itl_slo_ms"]) for r in curve) == [("lserve", 0.0), ("lserve", 100.0),
+                                                                     ("lserve", 200.0)]
+    assert sweep_curve({"rows": plan, "itl_sweep": sweep[:2]})[-1]["config"] == "dense"
 
 
 def test_served_itl_slo_is_the_last_flag_or_the_default():
@@ -64,7 +89,8 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("LSERVE_API_KEY", "bench-key")
     argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--backend", "torch", "--configs", "lserve",
             "--plan", "reasoning:96:1,2:16", "--point-time", "2", "--requests-per-c", "3", "--no-engine-ttft",
-            "--itl-slo-sweep", "0", "40", "--sweep-point", "96:2", "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
+            "--itl-slo-sweep", "0", "40", "--sweep-configs", "lserve", "--sweep-point", "96:2",
+            "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
             "--out", str(tmp_path), "--name", "cpu", "--port", str(_free_port()), "--deadline", "600"]
     assert main(argv) == 0
     rep = json.loads((tmp_path / "cpu.json").read_text())
@@ -74,11 +100,15 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
     for r in rows:
         assert r["failed"] == 0 and r["cancelled_at_limit"] == 0
         assert r["completed"] >= 3 * r["concurrency"] and r["duration_s"] >= 2.0  # both minimums held
-        assert r["bound_tok_s"] > 0 and r["itl_slo_ms"] == 100.0
+        assert r["itl_slo_ms"] == 100.0
+        # an upper bound: the engine's own decode step at this batch, not the served ITL
+        assert r["decode_step_ms"] == rep["decode_step_ms"]["lserve"]["96"][str(r["concurrency"])] > 0
+        assert r["bound_tok_s"] >= r["output_tok_s"] > 0
         assert r["slo"] == {"ttft_ms": 60000.0, "itl_ms": 60000.0} and r["good_requests"] == r["completed"]
     assert rep["point_time_s"] == 2.0 and rep["requests_per_c"] == 3
     sweep = rep["itl_sweep"]
     assert [(r["itl_slo_ms"], r["concurrency"], r["context"]) for r in sweep] == [(0.0, 2, 96), (40.0, 2, 96)]
     assert all(r["completed"] >= 6 and r["ttft_p50_s"] and r["itl_p99_ms"] for r in sweep)
+    assert all(r["bound_tok_s"] >= r["output_tok_s"] for r in sweep)
     assert set(rep["startup_s"]) == {"lserve", "lserve@itl0", "lserve@itl40"}
     assert (tmp_path / "cpu.png").stat().st_size > 0 and (tmp_path / "cpu_itl_slo.png").stat().st_size > 0

@@ -16,6 +16,9 @@ Also, per run:
   (``lserve bench e2e``'s measurement, whole prompt in one step, the second prompt of its length,
   same process, before any server starts); ``engine_ttft_by_config``: the same per served
   configuration but dense;
+* ``decode_step_ms``: per configuration, context and concurrency, the engine's pure decode step
+  of that batch (:mod:`lserve.bench.decode_step`, timed before any server starts; only points
+  with ``C >= --decode-step-min-c``), the ``d`` of each row's ``bound_tok_s``;
 * ``hol``: a short request sent while the LServe server prefills a long prompt, against the same
   short request alone (head-of-line blocking);
 * ``prefix_cache`` (``--prefix-contexts``): per context, the TTFT of a first and a second question
@@ -94,25 +97,30 @@ def parse_plan(items: list[str], default_output: int) -> list[tuple[str, int, li
     return out
 
 
-def bound_tok_s(rows: list[dict], engine_ttft: dict | None = None) -> None:
-    """Set each row's ``bound_tok_s``: the output tokens/s its closed loop could reach at most on
-    this server, from the measured prefill time and decode step.
+def bound_tok_s(rows: list[dict], engine_ttft: dict | None = None, decode_step_ms: dict | None = None) -> None:
+    """Set each row's ``bound_tok_s`` (and ``decode_step_ms``): the output tokens/s its closed loop
+    could reach at most on this server, from the prefill time and the pure decode step.
 
     One GPU does one thing at a time, so a round of ``C`` requests of ``n`` output tokens takes at
     least ``C * P + (n - 1) * d``: each prompt's prefill ``P``, and ``n - 1`` decode steps of the
-    batch of ``C``, ``d`` each, even if every decode were folded into a prefill step. ``P`` is the
-    TTFT p50 of the concurrency-1 row of the same (configuration, workload, context, output) (a
-    prefill with nothing beside it), else the engine's own one-step TTFT at that context; ``d`` is
-    the row's own ITL p50 (most gaps at a load point are decode steps of its batch). Hence
+    batch of ``C``, ``d`` each (a step of fewer sequences costs less but yields fewer tokens:
+    full batches are the cheapest way to ``C * (n - 1)`` tokens; a step that decodes and
+    prefills runs the decodes' forward beside the chunk's, so folding saves no decode time).
+    ``d`` is the pure decode step at batch ``C`` and the row's context
+    (``decode_step_ms[config][context][C]``, :func:`lserve.bench.decode_step.decode_step_s`),
+    never a served ITL, whose mixed steps would make the bound no bound. ``P`` is the smaller
+    of the TTFT p50 of the concurrency-1 row of the same (configuration, workload, context,
+    output) and the engine's own one-step TTFT at that context. Hence
     ``bound = C * n / (C * P + (n - 1) * d)``; None where ``P`` or ``d`` is missing.
     """
     alone = {(r["config"], r.get("workload"), r["context"], r["output_len"]): r["ttft_p50_s"]
              for r in rows if r["concurrency"] == 1 and r.get("ttft_p50_s")}
     for r in rows:
-        p = alone.get((r["config"], r.get("workload"), r["context"], r["output_len"]))
-        if p is None and engine_ttft:
-            p = engine_ttft.get(r["config"], {}).get(str(r["context"]))
-        d = r.get("itl_p50_ms")
+        ps = [alone.get((r["config"], r.get("workload"), r["context"], r["output_len"])),
+              (engine_ttft or {}).get(r["config"], {}).get(str(r["context"]))]
+        p = min((x for x in ps if x), default=None)
+        d = (decode_step_ms or {}).get(r["config"], {}).get(str(r["context"]), {}).get(str(r["concurrency"]))
+        r["decode_step_ms"] = d
         c, n = r["concurrency"], r["output_len"]
         r["bound_tok_s"] = None if p is None or not d else round(c * n / (c * p + (n - 1) * d / 1e3), 2)
 
@@ -371,36 +379,76 @@ def prefix_probe(base_url: str, vocab: int, context: int, question_len: int = 64
             "cached_ttft_s": round(cached, 4), "cached_tokens": c2, "ratio": round(cached / first, 4)}
 
 
-def engine_ttft(model: str, contexts: list[int], device: str, backend: str,
-                configs: tuple[str, ...] = ("lserve",)) -> dict[str, dict[str, float]]:
-    """``lserve bench e2e``'s TTFT at each context, per configuration: {config: {context: s}}.
+def engine_measurements(model: str, device: str, backend: str, ttft_contexts: list[int], ttft_configs: tuple[str, ...],
+                        decode_points: dict[int, list[int]], decode_configs: tuple[str, ...],
+                        decode_steps: int = 16) -> tuple[dict, dict]:
+    """What the engine alone does, in this process before any server starts, on one copy of the
+    weights: ``(engine_ttft_by_config, decode_step_ms)``.
 
-    As ``lserve bench e2e`` times it: one engine per configuration, the second of two prompts of
-    each length (a fresh engine's first long prompt is slower; the served prompts come after
-    warm-ups)."""
+    * ``{config: {context: s}}``: ``lserve bench e2e``'s TTFT at each of ``ttft_contexts``, per
+      ``ttft_configs``, as that bench times it: one engine per configuration, the second of two
+      prompts of each length (a fresh engine's first long prompt is slower; the served prompts
+      come after warm-ups).
+    * ``{config: {context: {C: ms}}}``: the pure decode step of ``C`` sequences at each context of
+      ``decode_points`` (context -> concurrencies), per ``decode_configs``
+      (:func:`lserve.bench.decode_step.decode_step_s`, fastest of ``decode_steps`` steps; one
+      engine per configuration and context).
+
+    On a CPU this runs on one torch thread: beside the servers and other processes, OpenMP
+    threads spinning for the cores made steps 10-50x slower (a small model gains little from two).
+    """
     import torch
 
+    cuda = device.startswith("cuda")
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(1)
+    try:
+        return _engine_measurements(model, device, backend, ttft_contexts, ttft_configs, decode_points,
+                                    decode_configs, decode_steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _engine_measurements(model, device, backend, ttft_contexts, ttft_configs, decode_points, decode_configs,
+                         decode_steps) -> tuple[dict, dict]:
+    import torch
+
+    from lserve.bench.decode_step import decode_engine, decode_step_s
     from lserve.bench.e2e import _engine, measure_engine
     from lserve.models.loader import load_model
 
-    loaded = load_model(model, dtype=torch.bfloat16, device=device)
-    out: dict[str, dict[str, float]] = {}
-    for config in configs:
-        eng = _engine(loaded, model, engine_sparsity(config), max(contexts), device, backend, decode_steps=4)
-        measure_engine(eng, min(2048, min(contexts)), 4)  # warm-up
-        out[config] = {}
-        for ctx in contexts:
+    cuda = device.startswith("cuda")
+    loaded = load_model(model, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    ttft: dict[str, dict[str, float]] = {}
+    for config in ttft_configs if ttft_contexts else ():
+        eng = _engine(loaded, model, engine_sparsity(config), max(ttft_contexts), device, backend, decode_steps=4)
+        measure_engine(eng, min(2048, min(ttft_contexts)), 4)  # warm-up
+        ttft[config] = {}
+        for ctx in ttft_contexts:
             measure_engine(eng, ctx, 4, seed=ctx)
-            ttft, _ = measure_engine(eng, ctx, 4, seed=ctx + 1)
-            out[config][str(ctx)] = round(ttft, 4)
-            _log(f"engine TTFT of {config} at {ctx}: {ttft:.3f} s")
+            t, _ = measure_engine(eng, ctx, 4, seed=ctx + 1)
+            ttft[config][str(ctx)] = round(t, 4)
+            _log(f"engine TTFT of {config} at {ctx}: {t:.3f} s")
         del eng
         gc.collect()
+    steps: dict[str, dict[str, dict[str, float]]] = {}
+    for config in decode_configs:
+        for ctx, batches in sorted(decode_points.items()):
+            eng = decode_engine(loaded, model, engine_sparsity(config), ctx, max(batches), device, backend,
+                                steps=decode_steps)
+            for c in sorted(batches):
+                d = decode_step_s(eng, ctx, c, steps=decode_steps, seed=ctx)
+                steps.setdefault(config, {}).setdefault(str(ctx), {})[str(c)] = round(d * 1e3, 3)
+                _log(f"decode step of {config} at {ctx}, batch {c}: {d * 1e3:.2f} ms")
+            del eng
+            gc.collect()
     del loaded
     gc.collect()
-    torch.cuda.empty_cache()
-    _log(f"engine freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated in this process")
-    return out
+    if cuda:
+        torch.cuda.empty_cache()
+        _log(f"engine freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated in this process")
+    return ttft, steps
 
 
 def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200", model: str = "llama3-8b",
@@ -412,14 +460,19 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     prefix_contexts: tuple[int, ...] = (), prefix_name: str = "prefix_cache_h200",
                     workload: str = "random", plan: tuple[str, ...] = (), requests_per_c: int = 8,
                     point_limit_s: float = 600.0, slo_ttft_ms: float = 30000.0, slo_itl_ms: float = 200.0,
-                    itl_slo_sweep: tuple[float, ...] = (), sweep_point: str | None = None) -> dict:
+                    itl_slo_sweep: tuple[float, ...] = (), sweep_point: str | None = None,
+                    decode_step_min_c: int | None = 1, sweep_configs: tuple[str, ...] | None = None) -> dict:
     """Run the served benchmark and write ``<out_dir>/<name>.json`` + ``.png``; returns the report.
 
     Load points come from ``plan`` (``WORKLOAD:CONTEXT:C1,C2[:OUTPUT]``, :func:`parse_plan`), else
     from ``contexts`` x (``short_concurrency`` up to 4k, else ``long_concurrency``) with
     ``workload``. ``itl_slo_sweep``: serve ``sweep_point`` (``CONTEXT:C``, the same workload as
     the plan's entry at that context, or the longest context at concurrency 4) once per
-    ``--itl-slo-ms`` value, per configuration, after the plan.
+    ``--itl-slo-ms`` value, per configuration of ``sweep_configs`` (default ``configs``), after the
+    plan (a plan entry at the sweep point is its point at the servers' default SLO, so that value
+    need not be swept again: every server start costs ~45 s on the H200). ``decode_step_min_c``: time the
+    pure decode step (``decode_step_ms``, the bound's ``d``) of every point with at least that
+    concurrency, per configuration, before the servers start (None: none, and no bound).
     """
     t_start = time.monotonic()
     out_dir = Path(out_dir)
@@ -453,7 +506,8 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
               "itl_sweep": []}
 
     def save():
-        bound_tok_s(report["rows"], report.get("engine_ttft_by_config"))
+        bound_tok_s(report["rows"] + report["itl_sweep"], report.get("engine_ttft_by_config"),
+                    report.get("decode_step_ms"))
         write_json(path, report)
         plot_serve(report, path.with_suffix(".png"))
         if report["itl_sweep"]:
@@ -462,11 +516,20 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
     def time_left() -> float:
         return float("inf") if deadline_s is None else deadline_s - (time.monotonic() - t_start)
 
-    if engine_contexts:
-        by_config = engine_ttft(model, list(engine_contexts), device, backend,
-                                tuple(c for c in configs if c != "dense") or configs)
-        report["engine_ttft_by_config"] = by_config
-        report["engine_ttft_s"] = by_config.get("lserve", next(iter(by_config.values())))
+    decode_points: dict[int, set[int]] = {}
+    for _, ctx, concs, _ in everything:
+        decode_points.setdefault(ctx, set()).update(c for c in concs if decode_step_min_c and c >= decode_step_min_c)
+    decode_points = {ctx: sorted(cs) for ctx, cs in decode_points.items() if cs}
+    if engine_contexts or decode_points:
+        t0 = time.monotonic()
+        by_config, steps = engine_measurements(model, device, backend, list(engine_contexts),
+                                               tuple(c for c in configs if c != "dense") or configs,
+                                               decode_points, configs)
+        report["engine_s"] = round(time.monotonic() - t0, 1)
+        if by_config:
+            report["engine_ttft_by_config"] = by_config
+            report["engine_ttft_s"] = by_config.get("lserve", next(iter(by_config.values())))
+        report["decode_step_ms"] = steps
         save()
     tok = _tokenizer(_vocab(model))
 
@@ -523,7 +586,7 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
             continue
         serve(config, [], config, points, report["rows"], probes=True)
     for ms in itl_slo_sweep:
-        for config in configs:
+        for config in sweep_configs or configs:
             if time_left() < 60:
                 _log(f"skipping the ITL SLO sweep of {config} at {ms} ms: out of time")
                 continue
@@ -548,13 +611,16 @@ def merge_reports(paths: list[str | Path], out_dir: str | Path, name: str) -> di
     for key in ("engine_ttft_s", "steps", "startup_s"):
         report[key] = {f"{k}" if key == "engine_ttft_s" else f"{k}@{i}": v for i, r in enumerate(parts)
                        for k, v in (r.get(key) or {}).items()}
-    report["engine_ttft_by_config"] = {}
+    report["engine_ttft_by_config"], report["decode_step_ms"] = {}, {}
     for r in parts:
         for config, ttfts in (r.get("engine_ttft_by_config") or {}).items():
             report["engine_ttft_by_config"].setdefault(config, {}).update(ttfts)
+        for config, by_ctx in (r.get("decode_step_ms") or {}).items():
+            for ctx, by_c in by_ctx.items():
+                report["decode_step_ms"].setdefault(config, {}).setdefault(ctx, {}).update(by_c)
     report["hol"] = next((r["hol"] for r in parts if r.get("hol")), None)
     path = Path(out_dir) / f"{name}.json"
-    bound_tok_s(report["rows"], report["engine_ttft_by_config"])
+    bound_tok_s(report["rows"] + report["itl_sweep"], report["engine_ttft_by_config"], report["decode_step_ms"])
     write_json(path, report)
     plot_serve(report, path.with_suffix(".png"))
     if report["itl_sweep"]:
@@ -573,10 +639,10 @@ def summary(report: dict) -> str:
     """A short text table of the rows (and of the ITL SLO sweep)."""
     def line(r: dict) -> str:
         return (f"{r['config']:13s} {r.get('workload', 'random'):9s} {r['context']:7d} {r['output_len']:5d} "
-                f"{r['concurrency']:3d} {r['output_tok_s']:8.1f} {r.get('bound_tok_s')!s:>8s}  "
+                f"{r['concurrency']:3d} {r['output_tok_s']:8.1f} {r.get('bound_tok_s')!s:>8s} {r.get('decode_step_ms')!s:>7s}  "
                 f"{r['ttft_p50_s']}/{r['ttft_p99_s']}  {r['itl_p50_ms']}/{r['itl_p99_ms']}  "
                 f"{r['completed']}/{r['failed']}  {r.get('good_requests')}  {r.get('itl_slo_ms')}")
-    head = ("config        workload  context   out   C    tok/s    bound  TTFT p50/p99 s  ITL p50/p99 ms  "
+    head = ("config        workload  context   out   C    tok/s    bound  step ms  TTFT p50/p99 s  ITL p50/p99 ms  "
             "ok/failed  good  itl-slo")
     lines = [head, *(line(r) for r in report["rows"])]
     if report.get("itl_sweep"):
@@ -586,11 +652,24 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def sweep_curve(report: dict) -> list[dict]:
+    """The rows of the ITL SLO trade-off: the sweep's, and the plan's rows of the same (workload,
+    context, concurrency, output) at an SLO the sweep did not serve for their configuration;
+    rows without a TTFT or ITL p99 left out."""
+    sweep = report.get("itl_sweep") or []
+    points = {(r.get("workload"), r["context"], r["concurrency"], r["output_len"]) for r in sweep}
+    served = {(r["config"], r["itl_slo_ms"]) for r in sweep}
+    plan = [r for r in report["rows"] if (r.get("workload"), r["context"], r["concurrency"], r["output_len"]) in points
+            and (r["config"], r.get("itl_slo_ms")) not in served and r.get("itl_slo_ms") is not None]
+    return [r for r in sweep + plan if r["ttft_p50_s"] is not None and r["itl_p99_ms"] is not None]
+
+
 def plot_itl_sweep(report: dict, path: Path) -> None:
     """TTFT p50 against ITL p99 of the ITL SLO sweep, one line per configuration, each point
-    labelled with its ``--itl-slo-ms`` (0: none)."""
+    labelled with its ``--itl-slo-ms`` (0: none); with it the plan's rows at the sweep's point
+    (served at the default SLO)."""
     plt = pyplot()
-    rows = [r for r in report.get("itl_sweep") or [] if r["ttft_p50_s"] is not None and r["itl_p99_ms"] is not None]
+    rows = sweep_curve(report)
     if plt is None or not rows:
         return
     fig, ax = plt.subplots(figsize=(6, 4.5))
