@@ -252,11 +252,15 @@ class HostTier:
         for s in seqs:  # full (before this step) and older than the window: spill once
             hi = min(s.start // N, (s.length - 1) // N - self.local_pages + 1)
             lo = max(self._spilled_to.get(s.seq_id, 0), self.sink_pages)
-            for i in range(lo, hi):
+            i = lo
+            # while host slots are free: the last R - P of them are left to spills on demand (a
+            # full host leaves at most R - P pages hot, so a step's pins still find slots)
+            while i < hi and self._host_nfree:
                 if self._host[s.pages[i]] < 0:
                     prev = self._host[s.pages[i - 1]] if i else -1
                     self._spill(s.pages[i], int(prev) + 1 if prev >= 0 else None)
-            self._spilled_to[s.seq_id] = max(lo, hi)
+                i += 1
+            self._spilled_to[s.seq_id] = max(lo, i)
         self.flush()
 
     def fetch(self, layer: int, pages, streamed: bool = False) -> None:
