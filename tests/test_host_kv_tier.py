@@ -259,13 +259,13 @@ def test_long_prompts_with_prefix_hits_and_preemption_keep_outputs(tiny):
     fewer virtual pages than those two need (preemption): outputs equal the twin's, every slot
     comes back."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    shared = _long_prompt(6 * RESIDENT * 16, 1)
+    shared = _long_prompt(4 * RESIDENT * 16, 1)
     first = [shared + _long_prompt(300, 2), DOC[:200]]
     second = [shared + _long_prompt(300, 3), _long_prompt(len(shared) + 300, 4)]
-    on = _engine(tiny, "tiny", RESIDENT, host_kv_gib=_gib(tiny, "tiny", 300))
+    on = _engine(tiny, "tiny", RESIDENT, host_kv_gib=_gib(tiny, "tiny", 200))
     assert on.cache.dense_alloc.num_pages < 2 * len(second[0]) // 16  # the second two do not fit together
     # the first of the second two decodes while the other prefills (one prompt per 64-token step)
-    plist = [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True), params]
+    plist = [SamplingParams(max_tokens=80, temperature=0, ignore_eos=True), params]
     outs = on.generate(first, params) + on.generate(second, plist)
     assert outs[2].metrics["cached_tokens"] >= len(shared) - 16
     assert on.scheduler.num_preemptions > 0
