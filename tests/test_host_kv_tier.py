@@ -42,8 +42,13 @@ def _gib(loaded, model: str, host_pages: int, kv_quant: str = "none") -> float:
 
 
 def _twin(loaded, model: str, tiered: LLMEngine, **kw) -> LLMEngine:
-    """A tier-off engine with as many dense pages as ``tiered`` has virtual ones."""
-    return _engine(loaded, model, tiered.cache.dense_alloc.num_pages, **kw)
+    """A tier-off engine with as many dense pages as ``tiered`` has virtual ones, chunking prompts
+    as it does (with the tier, by the token cap alone: ``StepBudget.for_engine``; other chunk
+    boundaries round quantized keys differently)."""
+    off = _engine(loaded, model, tiered.cache.dense_alloc.num_pages, **kw)
+    assert tiered.scheduler.budget.alpha == 0 < off.scheduler.budget.alpha
+    off.scheduler.budget = tiered.scheduler.budget
+    return off
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +203,95 @@ def test_mirrored_fetch_of_stale_picks_counts_streamed_reads(tiny, mirrored):
     assert st.misses - before.misses == 2 and st.streamed - before.streamed == 2
     assert all(tier.is_resident(0, v) for v in offloaded[:2]) and not tier.is_resident(0, free)
     tier.check()
+
+
+# -- long prompts: a prompt many times the resident set, prefilled in chunks ----------------------
+RESIDENT = 32  # resident pages (512 tokens); the long prompt is 8x that
+
+
+def _long_prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 200, n).tolist()
+
+
+def _record_scans(tier) -> list[tuple]:
+    """Wrap ``tier.scan``: every scan's (layer, pages, host pages, runs, prefill), in order."""
+    seen, scan = [], tier.scan
+
+    def recording(layer, pages, prefill=False):
+        sc = scan(layer, pages, prefill)
+        seen.append((layer, len(pages), len(sc.host_pos), len(sc.runs), prefill))
+        return sc
+
+    tier.scan = recording
+    return seen
+
+
+def test_long_prompt_reads_its_past_in_bulk_with_full_chunks(tiny):
+    """A 4096-token prompt over 512 resident tokens: chunks carry max_batched_tokens at any depth,
+    each chunk finds as much of its past resident as the set holds beside a step's pins, reads the
+    rest in one or two bulk copies per layer, and the counters add up; outputs equal the twin's."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = _long_prompt(8 * RESIDENT * 16, 0)
+    on = _engine(tiny, "tiny", RESIDENT, host_kv_gib=_gib(tiny, "tiny", 300))
+    tier = on.cache.host_tier
+    scans = _record_scans(tier)
+    out = on.generate([prompt], params)[0]
+    pre = [s for s in scans if s[4]]
+    layers = {s[0] for s in pre}
+    assert len(pre) == len(layers) * (len(prompt) // 64 - 1)  # 64-token chunks to the end
+    for layer, n, host, runs, _ in pre:
+        assert n - host >= min(n, RESIDENT - PINNED), (layer, n, host)  # the past stays resident as room allows
+        assert runs <= 2 and (runs > 0) == (host > 0)
+    st = on.stats().host_kv
+    page_bytes = [p.page_bytes() for p in on.cache.dense]
+    assert st.prefill_streamed == sum(s[2] for s in pre) > 4 * len(prompt) // 16
+    assert st.prefill_bytes_h2d == sum(s[2] * page_bytes[s[0]] for s in pre)
+    assert st.h2d_copies == sum(s[3] for s in scans) < st.streamed / 20
+    assert st.streamed >= st.prefill_streamed and st.bytes_h2d >= st.prefill_bytes_h2d
+    tier.check()
+    off = _twin(tiny, "tiny", on)
+    assert off.generate([prompt], params)[0].token_ids == out.token_ids
+
+
+def test_long_prompts_with_prefix_hits_and_preemption_keep_outputs(tiny):
+    """Long prompts several times the resident set, chunked: one with a short one decoding beside
+    it, then one whose long prefix hits pages that went to the host next to another long one, with
+    fewer virtual pages than those two need (preemption): outputs equal the twin's, every slot
+    comes back."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    shared = _long_prompt(4 * RESIDENT * 16, 1)
+    first = [shared + _long_prompt(300, 2), DOC[:200]]
+    second = [shared + _long_prompt(300, 3), _long_prompt(len(shared) + 300, 4)]
+    on = _engine(tiny, "tiny", RESIDENT, host_kv_gib=_gib(tiny, "tiny", 200))
+    assert on.cache.dense_alloc.num_pages < 2 * len(second[0]) // 16  # the second two do not fit together
+    # the first of the second two decodes while the other prefills (one prompt per 64-token step)
+    plist = [SamplingParams(max_tokens=80, temperature=0, ignore_eos=True), params]
+    outs = on.generate(first, params) + on.generate(second, plist)
+    assert outs[2].metrics["cached_tokens"] >= len(shared) - 16
+    assert on.scheduler.num_preemptions > 0
+    st = on.stats().host_kv
+    assert st.prefill_streamed > 0 and st.fetched > 0 and st.hits > 0
+    on.cache.host_tier.check()
+    off = _twin(tiny, "tiny", on)
+    want = off.generate(first, params) + off.generate(second, plist)
+    assert [o.token_ids for o in want] == [o.token_ids for o in outs]
+    assert off.scheduler.num_preemptions == on.scheduler.num_preemptions
+    on.cache.prefix.evict(on.cache.prefix.num_evictable)
+    on.cache.host_tier.check()
+    assert on.cache.host_tier.held_pages() == set()
+
+
+def test_policy_evicts_unprotected_pages_first():
+    from lserve.cache.tier_policy import RecencyPolicy
+
+    pol = RecencyPolicy()
+    pol.touch([1, 2, 3])
+    pol.touch([10, 11], protect=True)  # a prefilling sequence's fresh pages
+    pol.protect([2])
+    pol.touch([1])
+    assert [pol.victim(lambda p, k=k: p not in k) for k in ((), {3}, {1, 3}, {1, 3, 10})] == [3, 1, 10, 11]
+    pol.unprotect([10, 2])  # its prefill ended: most recent among the others
+    assert pol.victim(lambda p: p not in {3, 1}) == 10 and len(pol) == 5
+    pol.forget(11)
+    pol.forget(3)
+    assert 11 not in pol and 3 not in pol and len(pol) == 3

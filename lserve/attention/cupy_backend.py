@@ -739,12 +739,13 @@ class CupyBackend(AttentionBackend):
             for sp, (off, npg) in zip(st.cont, st.c_page_off):
                 sl, start = slice(sp.t0, sp.t1), sp.step.start
                 pages = st.c_pages_long[off: off + npg]
+                ids = sp.step.dense_pages  # the same ids on the host: the host tier stages its past from them
                 qd = q[sl, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
                 if self.prefill_tau(sp, layer):
                     if self.one_call:  # the chunk's keys are in the pool already (attend)
-                        kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new)
+                        kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new, ids)
                     else:
-                        kp, vp = self.cache.dense[layer].sequence_kv(pages, start)  # [Hd, start, D]
+                        kp, vp = self.cache.dense[layer].sequence_kv(pages, start, ids)  # [Hd, start, D]
                         kd = torch.cat((kp, k[sl, :nd].transpose(0, 1)), 1)  # [Hd, start + n, D]
                         vd = torch.cat((vp, v[sl, :nd].transpose(0, 1)), 1)
                     blocks = self.sparse_prefill_blocks(sp, layer, qd, kd)
@@ -757,15 +758,16 @@ class CupyBackend(AttentionBackend):
                 # else one flash call (the chunk's keys are in the pool already), else the merge path
                 impl = chunk_impl(self.device, self.dtype, self.D, start, sp.step.num_new) if self.chunk_grid else None
                 if impl is None and self.one_call:
-                    kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new)  # [Hd, start + n, D]
+                    kd, vd = self.cache.dense[layer].sequence_kv(pages, start + sp.step.num_new, ids)  # [Hd, start + n, D]
                     o = causal_attention(qd, kd, vd, self.scale)
                 else:
                     if impl is not None:  # the past in grid pieces, each gathered alone: shapes and strides repeat
                         N, pool = self.cache.page_size, self.cache.dense[layer]
-                        past = [pool.sequence_kv(pages[a // N:], b - a) for a, b in grid_segments(start, self.chunk_grid)]
+                        past = [pool.sequence_kv(pages[a // N:], b - a, ids[a // N:])
+                                for a, b in grid_segments(start, self.chunk_grid)]
                         kp, vp = [p[0] for p in past], [p[1] for p in past]  # [Hd, len_i, D] each
                     else:
-                        kp, vp = self.cache.dense[layer].sequence_kv(pages, start)  # [Hd, start, D]
+                        kp, vp = self.cache.dense[layer].sequence_kv(pages, start, ids)  # [Hd, start, D]
                     o = dense_chunk(qd, kp, vp, k[sl, :nd].transpose(0, 1), v[sl, :nd].transpose(0, 1), G,
                                     self.scale, impl)
                 self.chunk_kernels[impl or ("flash" if self.one_call else "merge")] += 1

@@ -6,8 +6,8 @@ the host asynchronously after it ran and installed into the resident set at a la
 (:meth:`HostTier.fetch`, batched on the stream), for the steps that reuse or repeat the
 selection. Nothing here waits on the GPU except for picks at least one step old, which are done.
 Hits and misses are counted from those picks against the residency the selecting step saw;
-scans (decode rows reading every page, prefill chunks over a cached past) are counted as
-streamed reads at plan time.
+decode rows reading every page are counted as streamed reads at plan time (prefill chunks over a
+cached past stage it in bulk copies and are counted there: :meth:`HostTier.scan`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class TierPicks:
             self.tier.fetch(layer, pick[np.arange(pick.shape[-1]) < cnt[..., None]], streamed=True)
 
     def after_plan(self, st) -> None:
-        """A step's tables are planned: remember its selecting slots, count its scans."""
+        """A step's tables are planned: remember its selecting slots, count its decode scans."""
         if st.nb:
             slot = st.fields["slot"]
             rows = st.host_table("sel_rows")[: st.n_sel_rows].tolist() if st.n_sel_rows else []
@@ -81,8 +81,6 @@ class TierPicks:
             if any(kinds):
                 self._last = kinds
             self._count_decode_scans(st)
-        for sp in st.cont:  # dense heads of every layer read the chunk's cached past
-            self.tier.note_reads(sp.step.dense_pages[: -(-sp.step.start // self.tier.page_size)])
 
     def _count_decode_scans(self, st) -> None:
         """Decode rows that read every page of a layer (it does not select, or the row reads no

@@ -103,9 +103,10 @@ class TorchBackend(AttentionBackend):
         return out
 
     # -- helpers ------------------------------------------------------------------------------
-    def _dense_kv(self, layer: int, pages: torch.Tensor, length: int):
-        """Cached K/V of the dense heads for the first ``length`` tokens: two [H_d, L, D]."""
-        return self.cache.dense[layer].sequence_kv(pages, length)
+    def _dense_kv(self, layer: int, pages: torch.Tensor, length: int, page_list: list[int] | None = None):
+        """Cached K/V of the dense heads for the first ``length`` tokens: two [H_d, L, D]
+        (``page_list``: the page ids on the host, for the host KV tier's bulk reads)."""
+        return self.cache.dense[layer].sequence_kv(pages, length, page_list)
 
     def _ring_kv(self, layer: int, sp: SeqPlan):
         """Cached K/V of the streaming heads and their positions: [H_s, R*N, D] x2, [R*N]."""
@@ -192,7 +193,7 @@ class TorchBackend(AttentionBackend):
         if nd:
             kc, vc = k[:, :nd].transpose(0, 1), v[:, :nd].transpose(0, 1)  # [Hd, n, D]
             if start:
-                kp, vp = self._dense_kv(layer, sp.pages[: -(-start // self.cache.page_size)], start)
+                kp, vp = self._dense_kv(layer, sp.pages[: -(-start // self.cache.page_size)], start, sp.step.dense_pages)
                 kc, vc = torch.cat((kp, kc), 1), torch.cat((vp, vc), 1)
             qd = q[:, : nd * G].transpose(0, 1)  # [Hd*G, n, D]
             blocks = self.sparse_prefill_blocks(sp, layer, qd, kc)

@@ -6,14 +6,18 @@ request of that many tokens with the dense pool cut to ``--resident-tokens`` and
 host tier, and the all-GPU engine where its pool fits beside the weights. Rows carry decode
 ms/token, TTFT, H2D bytes per decode step and the hit rate; the report also holds the longest
 context one request can hold with the tier (its virtual pages) against all-GPU. Writes
-``OUT/host_tier_h200.json`` after every run and ``OUT/host_tier_h200.png``; runs that would start
-past the deadline are listed as skipped. Progress lines go to stdout.
+``OUT/host_tier_h200.json`` after every run and ``OUT/host_tier_h200.png``. Runs go shortest
+context first (tier, then all-GPU), so a cut loses the longest; a run whose estimated time
+(:func:`estimate_s`, scaled from the longest context measured so far) would pass the deadline is
+listed as skipped, and one that passes it while prefilling is aborted and kept as a ``cut`` row
+(tokens prefilled, seconds). Progress lines (one per prefill chunk) go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from pathlib import Path
 
@@ -32,7 +36,7 @@ def plan_runs(contexts, gpu_bytes: float, bytes_per_token: float, host_bytes: fl
     """The runs to make: per context a tier run (where the host holds it) and an all-GPU run (where
     its pool fits ``gpu_bytes``), each with the host GiB it needs (0 all-GPU)."""
     runs = []
-    for ctx in contexts:
+    for ctx in sorted(contexts):  # shortest first: a deadline cuts the longest
         need = (ctx + DECODE_STEPS + 1024) * bytes_per_token * margin
         if need <= host_bytes:
             runs.append({"mode": "tier", "context": ctx, "host_kv_gib": round(need / 2**30, 2),
@@ -40,6 +44,65 @@ def plan_runs(contexts, gpu_bytes: float, bytes_per_token: float, host_bytes: fl
         if need <= gpu_bytes:
             runs.append({"mode": "gpu", "context": ctx, "host_kv_gib": 0.0, "resident_tokens": 0})
     return runs
+
+
+# Before any run is measured: a 128k prefill's seconds (the all-GPU TTFT on the H200 was 9.4 s;
+# with margin) and an engine's set-up.
+PRIOR_TTFT_128K_S = 15.0
+SETUP_S = 20.0
+
+
+def estimate_s(run: dict, rows: list[dict], setup_s: float = SETUP_S) -> float:
+    """Seconds ``run`` should take: set-up, its prefill scaled from the longest measured context of
+    its mode (else of any mode, else :data:`PRIOR_TTFT_128K_S`) as half linear (the weights) and
+    half quadratic (dense heads' attention) in the context, and its decode steps."""
+    ctx = run["context"]
+    done = [r for r in rows if not r.get("cut")]
+    ref = max((r for r in done if r["mode"] == run["mode"]), key=lambda r: r["context"], default=None) \
+        or max(done, key=lambda r: r["context"], default=None)
+    ttft, ms, c0 = (ref["ttft_s"], ref["decode_ms_per_token"], ref["context"]) if ref else \
+        (PRIOR_TTFT_128K_S, 10.0, 131072)
+    r = ctx / c0
+    return setup_s + ttft * (0.5 * r + 0.5 * r * r) + DECODE_STEPS * ms * r / 1e3
+
+
+def _measure(eng, run: dict, t_start: float, deadline_s: float) -> dict:
+    """Prefill one random prompt of the run's context chunk by chunk (a progress line each), then
+    decode: TTFT, median decode ms/token, prefill chunks; a ``cut`` row (tokens prefilled,
+    seconds) when the deadline passes during the prefill."""
+    from lserve.engine import SamplingParams
+
+    ctx = run["context"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, eng.model_config.vocab_size - 2, (ctx,), generator=g).tolist()
+    rid = eng.add_request(ids, SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = last = time.perf_counter()
+    chunks = 0
+    while True:
+        outs = eng.step()
+        chunks += 1
+        now = time.perf_counter()
+        seq = eng.sequence(rid)
+        done = seq.num_computed if seq is not None else ctx
+        st = eng.stats().host_kv
+        print(f"[{now - t_start:6.0f}s]   chunk {chunks}: {done}/{ctx} tokens, {now - last:.2f} s"
+              + (f", prefill H2D {st.prefill_bytes_h2d / 2**30:.1f} GiB in {st.h2d_copies} copies" if st else ""),
+              flush=True)
+        last = now
+        if any(o.token_ids for o in outs):
+            break
+        if now - t_start > deadline_s:
+            eng.abort(rid)
+            return {"cut": True, "prefilled_tokens": done, "prefill_s": now - t0, "prefill_chunks": chunks}
+    ttft = time.perf_counter() - t0
+    steps = []
+    while eng.has_unfinished():
+        t1 = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t1)
+    return {"ttft_s": ttft, "decode_ms_per_token": statistics.median(steps) * 1e3, "prefill_chunks": chunks}
 
 
 def _engine(loaded, run: dict, sp):
@@ -56,7 +119,7 @@ def _engine(loaded, run: dict, sp):
 
 def run(out_dir: str | Path, contexts=CONTEXTS, resident_tokens: int = 65536, deadline_s: float = 500.0,
         reserve_gib: float = 8.0) -> dict:
-    from lserve.bench.e2e import CONFIGS, kv_bytes_per_token, measure_engine
+    from lserve.bench.e2e import CONFIGS, kv_bytes_per_token
     from lserve.models.loader import load_model
 
     t0 = time.perf_counter()
@@ -70,32 +133,39 @@ def run(out_dir: str | Path, contexts=CONTEXTS, resident_tokens: int = 65536, de
               "kv_bytes_per_token": per_token, "host_bytes_available": host_bytes, "gpu_bytes_for_kv": gpu_bytes,
               "max_context_gpu": int(gpu_bytes // per_token), "rows": [], "skipped": []}
     path = out / "host_tier_h200.json"
+    setup = SETUP_S
     for r in plan_runs(contexts, gpu_bytes, per_token, host_bytes, resident_tokens):
         elapsed = time.perf_counter() - t0
-        # a run costs about its prefill (~30 s per 128k tokens, measured on the e2e bench) plus set-up
-        if elapsed + 30 * r["context"] / 131072 + 20 > deadline_s:
-            report["skipped"].append(r)
-            print(f"[{elapsed:6.0f}s] skip {r['mode']} {r['context']} (deadline)", flush=True)
+        est = estimate_s(r, report["rows"], setup)
+        if elapsed + est > deadline_s:
+            report["skipped"].append({**r, "estimate_s": round(est)})
+            print(f"[{elapsed:6.0f}s] skip {r['mode']} {r['context']} (needs ~{est:.0f} s, deadline)", flush=True)
             continue
-        print(f"[{elapsed:6.0f}s] {r['mode']} context {r['context']} host {r['host_kv_gib']} GiB", flush=True)
+        print(f"[{elapsed:6.0f}s] {r['mode']} context {r['context']} host {r['host_kv_gib']} GiB (~{est:.0f} s)",
+              flush=True)
+        t_run = time.perf_counter()
         eng = _engine(loaded, r, sp)
-        ttft, per = measure_engine(eng, r["context"], DECODE_STEPS)
-        row = {**r, "ttft_s": ttft, "decode_ms_per_token": per * 1e3}
+        setup = time.perf_counter() - t_run
+        row = {**r, **_measure(eng, r, t0, deadline_s)}
         st = eng.stats().host_kv
         if st is not None:
             row.update(hit_rate=st.hit_rate, h2d_bytes_total=st.bytes_h2d, h2d_bytes_last_step=st.step_bytes_h2d,
                        d2h_bytes_total=st.bytes_d2h, fetched=st.fetched, streamed=st.streamed, spilled=st.spilled,
-                       virtual_tokens=eng.cache.dense_alloc.num_pages * eng.cache.page_size)
+                       prefill_streamed=st.prefill_streamed, prefill_bytes_h2d=st.prefill_bytes_h2d,
+                       h2d_copies=st.h2d_copies, virtual_tokens=eng.cache.dense_alloc.num_pages * eng.cache.page_size)
             eng.cache.host_tier.check()
         report["rows"].append(row)
-        print(f"    decode {row['decode_ms_per_token']:.2f} ms/token, ttft {ttft:.1f} s"
-              + (f", hit rate {st.hit_rate:.3f}, last-step H2D {st.step_bytes_h2d / 2**20:.1f} MiB" if st else ""),
-              flush=True)
+        if row.get("cut"):
+            print(f"    cut at the deadline: {row['prefilled_tokens']} tokens in {row['prefill_s']:.1f} s", flush=True)
+        else:
+            print(f"    decode {row['decode_ms_per_token']:.2f} ms/token, ttft {row['ttft_s']:.1f} s"
+                  + (f", hit rate {st.hit_rate:.3f}, prefill H2D {st.prefill_bytes_h2d / 2**30:.2f} GiB "
+                     f"({st.prefill_streamed} pages, {st.h2d_copies} copies)" if st else ""), flush=True)
         write_json(path, report)
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-    tier_rows = [x for x in report["rows"] if x["mode"] == "tier"]
+    tier_rows = [x for x in report["rows"] if x["mode"] == "tier" and not x.get("cut")]
     # one request holds the tier's virtual pages: the host's memory (as sized) plus the resident set
     report["max_context_tier"] = int(host_bytes // (per_token * 1.1)) + resident_tokens
     report["max_context_tier_measured"] = max((x["context"] for x in tier_rows), default=0)
@@ -114,7 +184,7 @@ def plot(report: dict, path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, label in (("tier", "host KV tier"), ("gpu", "all-GPU")):
-        rows = sorted((x for x in report["rows"] if x["mode"] == mode), key=lambda x: x["context"])
+        rows = sorted((x for x in report["rows"] if x["mode"] == mode and not x.get("cut")), key=lambda x: x["context"])
         if rows:
             ax.plot([x["context"] for x in rows], [x["decode_ms_per_token"] for x in rows], "o-", label=label)
     ax.set_xscale("log", base=2)

@@ -4,7 +4,9 @@ A zeroed CPU buffer is page-locked and mapped into the GPU's address space (``cu
 with the portable and mapped flags); on GPUs that use the host pointer for registered memory
 (Hopper and every recent GPU on Linux, checked here) a kernel dereferences the host address
 directly, over PCIe. The buffer is handed out as a CUDA tensor, so torch ops (index copies) and
-our kernels move pages between tiers on the GPU's stream, ordered with everything else.
+our kernels move pages between tiers on the GPU's stream, ordered with everything else; its CPU
+twin (the same bytes as a CPU tensor) is the source of bulk copies (``copy_`` of a slice: one DMA
+at PCIe bandwidth, where a kernel's reads of mapped memory are many small PCIe transactions).
 """
 
 from __future__ import annotations
@@ -51,10 +53,30 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     RuntimeError
         When ``device`` cannot address registered host memory by its host pointer.
     """
+    return mapped_pair(shape, dtype, device)[0]
+
+
+def mapped_pair(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`mapped_zeros`, with its CPU twin: (CUDA-typed tensor, CPU tensor) over the same bytes."""
     device = torch.device(device)
     if not host_pointer_usable(device):
         raise RuntimeError(f"{device} cannot read host memory at its host address "
                            "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0): the host KV tier needs it")
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    raw = torch.as_tensor(_Registered(nbytes), device=device)  # uint8 over the host bytes, no copy
-    return raw[:nbytes].view(dtype).view(shape)
+    reg = _Registered(nbytes)
+    raw = torch.as_tensor(reg, device=device)  # uint8 over the host bytes, no copy (it holds ``reg``)
+    return raw[:nbytes].view(dtype).view(shape), reg.cpu[:nbytes].view(dtype).view(shape)
+
+
+class MappedAllocator:
+    """``alloc`` for :class:`~lserve.cache.paged_pool.PagedPool`: mapped pinned tensors of
+    ``device``, whose CPU twins it keeps in allocation order (:attr:`cpu`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu: list[torch.Tensor] = []
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        gpu, cpu = mapped_pair(shape, dtype, self.device)
+        self.cpu.append(cpu)
+        return gpu

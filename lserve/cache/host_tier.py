@@ -10,8 +10,14 @@ all layers, -1: no host copy) and, per layer, to a resident slot (-1: not reside
 * The pages a step writes and its decoding sequences' windows are *pinned*: made resident at
   plan time (:meth:`HostTier.prepare`) and never evicted during the step.
 * :meth:`HostTier.fetch` installs a layer's selected pages into resident slots (evicting by the
-  policy); what does not fit, and scans (prefill's past, decode below the selection threshold),
-  is read from the host directly (:meth:`HostTier.locate`).
+  policy); what does not fit is read from the host directly (:meth:`HostTier.locate`).
+* Scans (a prefill chunk's past, decode below the selection threshold) read a sequence's pages
+  in logical order: :meth:`HostTier.scan` splits them into resident slots and runs of consecutive
+  host slots, and :meth:`HostTier.stage` copies those runs to the device with one bulk copy each.
+  A sequence's pages are spilled to consecutive host slots in logical order where they are free,
+  so its offloaded past is a handful of runs; a prefilling sequence's pages are protected in the
+  eviction order (:class:`~lserve.cache.tier_policy.RecencyPolicy`), so its next chunk finds as
+  much of its past resident as the resident set holds.
 
 Both tiers are :class:`~lserve.cache.paged_pool.PagedPool` objects on devices given by the
 caller; on the CPU both are plain tensors and a "copy" is a tensor copy.
@@ -27,6 +33,7 @@ with the step's kernels on that stream, so nothing waits on the host.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,6 +43,17 @@ import torch
 
 from lserve.cache.paged_pool import PagedPool
 from lserve.cache.tier_policy import RecencyPolicy
+
+
+class Scan(NamedTuple):
+    """Where a scan's pages are (:meth:`HostTier.scan`): positions (into the scanned list) read
+    from resident slots ``res_slots``, positions read from the host, and those host pages as
+    ``runs`` of consecutive host slots, (first slot, count), in the order of ``host_pos``."""
+
+    res_pos: np.ndarray
+    res_slots: np.ndarray
+    host_pos: np.ndarray
+    runs: list[tuple[int, int]]
 
 
 class SeqSpan(NamedTuple):
@@ -58,6 +76,9 @@ class HostKVStats:
     device. ``hits`` / ``misses``: selected pages found resident / not, per layer and fetch;
     ``fetched``: pages (per layer) copied into the resident set; ``streamed``: pages (per layer)
     read from the host without entering it; ``spilled``: pages copied to the host (all layers).
+    ``prefill_streamed`` / ``prefill_bytes_h2d``: the share of ``streamed`` / ``bytes_h2d`` that
+    prefill chunks read of their past; ``h2d_copies``: bulk copies (runs of consecutive host
+    slots, per layer) that scans read the host with.
     ``bytes_h2d`` / ``bytes_d2h``: totals; ``step_bytes_*``: those of the latest step.
     """
 
@@ -71,6 +92,9 @@ class HostKVStats:
     fetched: int = 0
     streamed: int = 0
     spilled: int = 0
+    prefill_streamed: int = 0
+    prefill_bytes_h2d: int = 0
+    h2d_copies: int = 0
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     step_bytes_h2d: int = 0
@@ -140,11 +164,15 @@ class HostTier:
         Keep the page table on the resident pools' device too (:attr:`slot_table`, the
         :meth:`layer_struct` the kernels take) and move pages in batches on the device's stream;
         both pools must then be addressable there (the host ones in mapped memory).
+    host_views : list of list of Tensor, optional
+        Per layer, the host pool's tensors (:meth:`PagedPool.tensors` order) as CPU tensors, the
+        sources of :meth:`stage`'s bulk copies (mapped pools: their CPU twins); None: the host
+        pools' own tensors.
     """
 
     def __init__(self, resident: list[PagedPool], host: list[PagedPool], num_pages: int, page_size: int,
                  sink_pages: int, local_pages: int, policy: Callable[[], RecencyPolicy] = RecencyPolicy,
-                 mirror: bool = False) -> None:
+                 mirror: bool = False, host_views: list[list[torch.Tensor]] | None = None) -> None:
         self.resident, self.host = resident, host
         self.num_layers = len(resident)
         self.page_size, self.sink_pages, self.local_pages = page_size, sink_pages, local_pages
@@ -153,10 +181,17 @@ class HostTier:
         self._res = np.full((self.num_layers, num_pages), -1, dtype=np.int64)  # page -> resident slot
         self._host = np.full(num_pages, -1, dtype=np.int64)  # page -> host slot
         self._res_free = [list(range(self.num_slots - 1, -1, -1)) for _ in range(self.num_layers)]
-        self._host_free = list(range(self.num_host - 1, -1, -1))
+        # free host slots: a mask, and a heap of them (lowest first; entries of slots taken out of
+        # turn stay until popped) so spills fill the pool in order and runs stay long
+        self._host_is_free = np.ones(self.num_host, dtype=bool)
+        self._host_heap = list(range(self.num_host))
+        self._host_nfree = self.num_host
+        self._host_views = host_views or [h.tensors() for h in host]
         self._policy = [policy() for _ in range(self.num_layers)]
         self._pinned: set[int] = set()
+        self._keep_new: set[int] = set()  # pages a prefilling sequence writes this step
         self._spilled_to: dict[int, int] = {}  # seq_id -> pages below this index were considered
+        self._protected: dict[int, list[int]] = {}  # seq_id (prefilling) -> its pages protected so far
         self._page_bytes = [p.page_bytes() for p in resident]
         self._stats = HostKVStats(resident_slots=self.num_slots * self.num_layers, host_pages=self.num_host)
         self.mirror = mirror
@@ -180,27 +215,52 @@ class HostTier:
         st.step_bytes_h2d = st.step_bytes_d2h = 0
         seqs = list(seqs)
         N = self.page_size
-        pinned, written = set(), []
+        order, written, keep = [], [], set()  # pinned pages in logical order: eviction order follows
         for s in seqs:
             last = (s.length - 1) // N
             w = s.pages[s.start // N: last + 1]
             written += w
-            pinned.update(w)
+            order += w
             if s.decode:
-                pinned.update(s.pages[: min(self.sink_pages, last + 1)])
-                pinned.update(s.pages[max(0, last - self.local_pages + 1): last + 1])
-        self._pinned = pinned
+                order += s.pages[: min(self.sink_pages, last + 1)]
+                order += s.pages[max(0, last - self.local_pages + 1): last + 1]
+                done = self._protected.pop(s.seq_id, None)
+                if done:  # prefill is over: its pages are ordinary cache entries now
+                    for pol in self._policy:
+                        pol.unprotect(done)
+            else:  # its past (read whole by the next chunk) goes protected, before this step evicts
+                prot = self._protected.setdefault(s.seq_id, [])
+                new = s.pages[len(prot): s.start // N]
+                for pol in self._policy:
+                    pol.protect(new)
+                prot += new
+                keep.update(w)
+        pinned = dict.fromkeys(order)
+        self._pinned, self._keep_new = set(order), keep
         for v in pinned:
             self._make_resident(v)
+        for s in seqs:
+            if not s.decode:
+                prot = self._protected[s.seq_id]
+                w = s.pages[len(prot): (s.length - 1) // N + 1]
+                for pol in self._policy:  # the chunk's pages stay protected after the step
+                    pol.protect(w)
+                prot += w
+        self._keep_new = set()
         for v in written:
             self._drop_host(v)
         for s in seqs:  # full (before this step) and older than the window: spill once
             hi = min(s.start // N, (s.length - 1) // N - self.local_pages + 1)
             lo = max(self._spilled_to.get(s.seq_id, 0), self.sink_pages)
-            for i in range(lo, hi):
+            i = lo
+            # while host slots are free: the last R - P of them are left to spills on demand (a
+            # full host leaves at most R - P pages hot, so a step's pins still find slots)
+            while i < hi and self._host_nfree:
                 if self._host[s.pages[i]] < 0:
-                    self._spill(s.pages[i])
-            self._spilled_to[s.seq_id] = max(lo, hi)
+                    prev = self._host[s.pages[i - 1]] if i else -1
+                    self._spill(s.pages[i], int(prev) + 1 if prev >= 0 else None)
+                i += 1
+            self._spilled_to[s.seq_id] = max(lo, i)
         self.flush()
 
     def fetch(self, layer: int, pages, streamed: bool = False) -> None:
@@ -247,6 +307,48 @@ class HostTier:
             if n:
                 st.streamed += n
                 self._count_h2d(n * self._page_bytes[layer])
+
+    def scan(self, layer: int, pages, prefill: bool = False) -> Scan:
+        """Where ``layer`` reads ``pages`` (one sequence's, in order; a list or array) from, as a
+        :class:`Scan`; the host pages count as streamed (``prefill``: also as a prefill chunk's
+        past), and each run of consecutive host slots as one copy."""
+        ids = np.asarray(pages, dtype=np.int64)
+        r, h = self._res[layer][ids], self._host[ids]
+        on = r >= 0
+        if not (on | (h >= 0)).all():
+            bad = int(ids[~(on | (h >= 0))][0])
+            raise RuntimeError(f"host KV tier: page {bad} of layer {layer} is read but holds no data")
+        host_pos = np.flatnonzero(~on)
+        runs: list[tuple[int, int]] = []
+        if host_pos.size:
+            hs = h[host_pos]
+            cut = np.flatnonzero(np.diff(hs) != 1) + 1
+            first = np.concatenate(([0], cut))
+            runs = list(zip(hs[first].tolist(), np.diff(np.concatenate((first, [hs.size]))).tolist()))
+            n, st = int(host_pos.size), self._stats
+            st.streamed += n
+            st.h2d_copies += len(runs)
+            self._count_h2d(n * self._page_bytes[layer])
+            if prefill:
+                st.prefill_streamed += n
+                st.prefill_bytes_h2d += n * self._page_bytes[layer]
+        return Scan(np.flatnonzero(on), r[on], host_pos, runs)
+
+    def stage(self, layer: int, runs: list[tuple[int, int]]) -> PagedPool:
+        """``layer``'s host pages of ``runs`` (:attr:`Scan.runs`) copied, one bulk copy per run and
+        storage tensor, into a new pool on the resident device, in order (in stream order on a GPU:
+        after every earlier spill, before the reads that follow)."""
+        p = self.resident[layer]
+        dev = p.k.device
+        n = sum(c for _, c in runs)
+        pool = PagedPool(n, p.num_heads, p.page_size, p.head_dim, p.kv_quant, p.dtype, dev,
+                         alloc=lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
+        for dst, src in zip(pool.tensors(), self._host_views[layer]):
+            o = 0
+            for h0, c in runs:
+                dst[o: o + c].copy_(src[h0: h0 + c], non_blocking=True)
+                o += c
+        return pool
 
     def device_slots(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As :meth:`locate`, from the device table (mirror only; no host sync, nothing counted)."""
@@ -332,15 +434,19 @@ class HostTier:
             self._drop_host(v)
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished, aborted or preempted sequence's spill progress."""
+        """Forget a finished, aborted or preempted sequence's spill progress and protection."""
         self._spilled_to.pop(seq_id, None)
+        done = self._protected.pop(seq_id, None)
+        if done:
+            for pol in self._policy:
+                pol.unprotect(done)
 
     # -- views --------------------------------------------------------------------------------
     def stats(self) -> HostKVStats:
         """A snapshot of the counters."""
         st = self._stats
         st.resident_slots_used = int((self._res >= 0).sum())
-        st.pages_on_host = self.num_host - len(self._host_free)
+        st.pages_on_host = self.num_host - self._host_nfree
         st.hot_pages = int(((self._res >= 0).all(axis=0) & (self._host < 0)).sum())
         return HostKVStats(**{k: getattr(st, k) for k in st.__dataclass_fields__})
 
@@ -371,7 +477,10 @@ class HostTier:
             owned(self._res[layer], self._res_free[layer], self.num_slots, f"layer {layer} resident")
             if len(self._policy[layer]) != int((self._res[layer] >= 0).sum()):
                 raise RuntimeError(f"host KV tier: layer {layer} policy out of step with its resident set")
-        owned(self._host, self._host_free, self.num_host, "host")
+        free = np.flatnonzero(self._host_is_free)
+        owned(self._host, free.tolist(), self.num_host, "host")
+        if len(free) != self._host_nfree or not set(free.tolist()) <= set(self._host_heap):
+            raise RuntimeError("host KV tier: free host slots out of step with their heap")
         partial = (self._res >= 0).any(axis=0) & ~(self._res >= 0).all(axis=0) & (self._host < 0)
         if partial.any():
             raise RuntimeError(f"host KV tier: page {int(np.flatnonzero(partial)[0])} lost its data in some layer")
@@ -395,7 +504,7 @@ class HostTier:
         a hot unpinned page spilled first (the start-up sizing guarantees a host slot for it)."""
         for layer in range(self.num_layers):
             if self._res[layer, v] >= 0:
-                self._policy[layer].touch((v,))
+                self._policy[layer].touch((v,), v in self._keep_new)
                 continue
             slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned)
             if slot is None:
@@ -409,7 +518,7 @@ class HostTier:
                 self._install(layer, v, slot)
             else:  # a fresh page: written this step
                 self._res[layer, v] = slot
-                self._policy[layer].touch((v,))
+                self._policy[layer].touch((v,), v in self._keep_new)
                 self._dirty.add(v)
 
     def _install(self, layer: int, v: int, slot: int) -> None:
@@ -419,14 +528,26 @@ class HostTier:
             _copy(self.host[layer], int(self._host[v]), self.resident[layer], slot)
         self._res[layer, v] = slot
         self._dirty.add(v)
-        self._policy[layer].touch((v,))
+        self._policy[layer].touch((v,), v in self._keep_new)
         self._count_h2d(self._page_bytes[layer])
 
-    def _spill(self, v: int) -> None:
-        """Copy hot page ``v`` (resident in every layer) to a host slot."""
-        if not self._host_free:
-            raise RuntimeError("host KV tier: no free host slot to spill to")
-        hs = self._host_free.pop()
+    def _take_host(self, hint: int | None) -> int:
+        """A free host slot: ``hint`` where it is one, else the lowest."""
+        free = self._host_is_free
+        if hint is None or not (0 <= hint < self.num_host and free[hint]):
+            if not self._host_nfree:
+                raise RuntimeError("host KV tier: no free host slot to spill to")
+            while not free[self._host_heap[0]]:
+                heapq.heappop(self._host_heap)
+            hint = heapq.heappop(self._host_heap)
+        free[hint] = False
+        self._host_nfree -= 1
+        return hint
+
+    def _spill(self, v: int, hint: int | None = None) -> None:
+        """Copy hot page ``v`` (resident in every layer) to a host slot (``hint`` if it is free:
+        the slot after its predecessor's, so a sequence's pages form runs)."""
+        hs = self._take_host(hint)
         for layer in range(self.num_layers):
             if self.mirror:
                 self._queue("d2h", layer, int(self._res[layer, v]), hs)
@@ -448,6 +569,9 @@ class HostTier:
 
     def _drop_host(self, v: int) -> None:
         if self._host[v] >= 0:
-            self._host_free.append(int(self._host[v]))
+            hs = int(self._host[v])
+            self._host_is_free[hs] = True
+            self._host_nfree += 1
+            heapq.heappush(self._host_heap, hs)
             self._host[v] = -1
             self._dirty.add(v)

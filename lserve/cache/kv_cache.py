@@ -133,15 +133,19 @@ class KVCache:
             raise ConfigError(f"--host-kv-gib {cfg.host_kv_gib:g} holds {host_pages} pages of {page_bytes} bytes, "
                               f"no more than the {pinned} a step pins: it adds no capacity")
         d0 = resident[0]
-        alloc = None
+        host, views = [], None
         if host_device == "mapped":
-            from lserve.cache.host_memory import mapped_zeros
+            from lserve.cache.host_memory import MappedAllocator
 
-            alloc, host_device, mirror = (lambda shape, dt: mapped_zeros(shape, dt, self.device)), self.device, True
-        host = [PagedPool(host_pages, p.num_heads, p.page_size, d0.head_dim, p.kv_quant, p.dtype, host_device,
-                          alloc=alloc) for p in resident]
+            host_device, mirror, views = self.device, True, []
+        for p in resident:
+            alloc = MappedAllocator(self.device) if views is not None else None
+            host.append(PagedPool(host_pages, p.num_heads, p.page_size, d0.head_dim, p.kv_quant, p.dtype, host_device,
+                                  alloc=alloc))
+            if alloc is not None:
+                views.append(alloc.cpu)
         self.host_tier = HostTier(resident, host, cfg.num_pages + host_pages - pinned, cfg.page_size,
-                                  self.ring.sink_pages, self.ring.local_pages, mirror=mirror)
+                                  self.ring.sink_pages, self.ring.local_pages, mirror=mirror, host_views=views)
         self.dense = [TieredPool(self.host_tier, i, r, h) for i, (r, h) in enumerate(zip(resident, host))]
         return cfg.num_pages + host_pages - pinned
 

@@ -97,10 +97,12 @@ class PagedPool:
 
         return one(self.k, self.k_scale, self.k_zero), one(self.v, self.v_scale, self.v_zero)
 
-    def sequence_kv(self, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def sequence_kv(self, pages: torch.Tensor, length: int,
+                    page_list: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of positions [0, length) of one sequence, every head of the pool.
 
         pages: [>= ceil(length / N_P)] long, the sequence's pages in order -> two [H, length, D].
+        ``page_list``: the same ids on the host (unused here; the host KV tier's view reads by them).
         """
         h = self.num_heads
         heads = self._head_rows

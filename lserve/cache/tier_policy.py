@@ -7,33 +7,52 @@ from collections.abc import Callable, Iterable
 
 
 class RecencyPolicy:
-    """Least recently selected (or written) resident page first.
+    """Least recently selected (or written) resident page first, protected pages last.
 
     The tier calls :meth:`touch` whenever a page of the layer is made resident, selected or
     written, :meth:`forget` when it leaves the layer's resident set, and :meth:`victim` to pick
-    the page whose slot a fetch takes. Another policy (frequency, selector scores) is another
-    class with these three methods.
+    the page whose slot a fetch takes. Pages of a sequence that is still prefilling are
+    *protected* (:meth:`protect`, :meth:`unprotect`): its next chunk reads all of them, so they
+    are evicted only when no unprotected page can be, oldest first (the past's front, which then
+    comes back from the host as one contiguous range). Another policy (frequency, selector
+    scores) is another class with these methods.
     """
 
     def __init__(self) -> None:
         self._order: OrderedDict[int, None] = OrderedDict()  # resident pages, least recent first
+        self._kept: OrderedDict[int, None] = OrderedDict()  # protected resident pages, oldest first
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._kept)
 
     def __contains__(self, page: int) -> bool:
-        return page in self._order
+        return page in self._order or page in self._kept
 
-    def touch(self, pages: Iterable[int]) -> None:
-        """Mark ``pages`` (resident) as used now."""
+    def touch(self, pages: Iterable[int], protect: bool = False) -> None:
+        """Mark ``pages`` (resident) as used now; ``protect``: new ones enter protected."""
         for p in pages:
-            self._order[p] = None
-            self._order.move_to_end(p)
+            d = self._kept if p in self._kept or (protect and p not in self._order) else self._order
+            d[p] = None
+            d.move_to_end(p)
+
+    def protect(self, pages: Iterable[int]) -> None:
+        """Move resident ``pages`` (in this order) to the end of the protected ones."""
+        for p in pages:
+            if self._order.pop(p, 0) is None:
+                self._kept[p] = None
+
+    def unprotect(self, pages: Iterable[int]) -> None:
+        """Move protected ``pages`` (in this order) back among the others, as most recent."""
+        for p in pages:
+            if self._kept.pop(p, 0) is None:
+                self._order[p] = None
 
     def forget(self, page: int) -> None:
         """``page`` left the resident set."""
-        del self._order[page]
+        if self._order.pop(page, 0) is not None:
+            del self._kept[page]
 
     def victim(self, evictable: Callable[[int], bool]) -> int | None:
-        """The least recent resident page that ``evictable`` accepts, or None."""
-        return next((p for p in self._order if evictable(p)), None)
+        """The least recent unprotected resident page that ``evictable`` accepts, else the oldest
+        protected one, or None."""
+        return next((p for d in (self._order, self._kept) for p in d if evictable(p)), None)

@@ -1,6 +1,9 @@
 """One layer's dense pool with the host tier on: the :class:`~lserve.cache.paged_pool.PagedPool`
 reading interface over virtual page ids, each read from the resident slot when there is one and
-from the host slot otherwise (:meth:`lserve.cache.host_tier.HostTier.locate`)."""
+from the host slot otherwise (:meth:`lserve.cache.host_tier.HostTier.locate`). Reads of a
+sequence's pages in order (a prefill chunk's past, a decode scan: the callers pass the ids as a
+host list) bring the host part to the device in bulk copies of runs of consecutive host slots
+(:meth:`~lserve.cache.host_tier.HostTier.stage`) and read nothing twice."""
 
 from __future__ import annotations
 
@@ -64,6 +67,32 @@ class TieredPool:
         m = on_dev.view(*on_dev.shape, *([1] * (kd.dim() - on_dev.dim())))
         return torch.where(m, kd, kh.to(kd.device)), torch.where(m, vd, vh.to(vd.device))
 
+    def _scanned(self, page_list, read: Callable[[PagedPool, torch.Tensor], tuple], dim: int,
+                 prefill: bool) -> tuple:
+        """``read(pool, slots)`` of the pages ``page_list`` (host ids, in order), resident ones from
+        their slots and the rest staged from the host in bulk; the page axis of the result is ``dim``."""
+        sc = self.tier.scan(self.layer, page_list, prefill)
+        dev = self.resident.k.device
+        def on_dev(a):
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+        if not sc.runs:
+            return read(self.resident, on_dev(sc.res_slots))
+        staged = self.tier.stage(self.layer, sc.runs)
+        kh, vh = read(staged, torch.arange(staged.num_pages, device=dev))
+        if not sc.res_pos.size:
+            return kh, vh
+        kd, vd = read(self.resident, on_dev(sc.res_slots))
+        rp, hp = on_dev(sc.res_pos), on_dev(sc.host_pos)
+        out = []
+        for d, h in ((kd, kh), (vd, vh)):
+            shape = list(d.shape)
+            shape[dim] = len(page_list)
+            x = d.new_empty(shape)
+            x.index_copy_(dim, rp, d)
+            x.index_copy_(dim, hp, h)
+            out.append(x)
+        return tuple(out)
+
     def gather(self, pages: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`PagedPool.gather`: pages [R, C], heads [R, 1] -> two [R, C, N_P, D]."""
         return self._merged(pages, lambda pool, s: pool.gather(s, heads.to(s.device)))
@@ -73,14 +102,25 @@ class TieredPool:
         return self._merged(pages, lambda pool, s: pool.read(s))
 
     def pages_view(self, pages: torch.Tensor, page_list: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`PagedPool.pages_view` (always a copy: pages may sit in either tier)."""
-        return self.read(pages)
+        """As :meth:`PagedPool.pages_view` (always a copy: pages may sit in either tier); with
+        ``page_list`` (the same ids on the host) a scan, the host pages staged in bulk."""
+        if page_list is None or self.num_heads == 0:
+            return self.read(pages)
+        return self._scanned(page_list[: pages.numel()], lambda pool, s: pool.read(s), 0, False)
 
-    def sequence_kv(self, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`PagedPool.sequence_kv`: positions [0, length) of every head -> two [H, length, D]."""
+    def sequence_kv(self, pages: torch.Tensor, length: int,
+                    page_list: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`PagedPool.sequence_kv`: positions [0, length) of every head -> two [H, length, D].
+        With ``page_list`` (the same ids on the host) a prefill chunk's past: a scan, the host
+        pages staged in bulk, counted as the prefill's."""
         h = self.num_heads
-        if self._head_rows is None or self._head_rows.device != pages.device:
-            self._head_rows = torch.arange(h, device=pages.device)[:, None]
-        k, v = self.gather(pages[: -(-length // self.page_size)].expand(h, -1), self._head_rows)
+        dev = self.resident.k.device if page_list is not None else pages.device
+        if self._head_rows is None or self._head_rows.device != dev:
+            self._head_rows = torch.arange(h, device=dev)[:, None]
+        n = -(-length // self.page_size)
+        if page_list is None or h == 0:
+            k, v = self.gather(pages[:n].expand(h, -1), self._head_rows)
+        else:
+            k, v = self._scanned(page_list[:n], lambda pool, s: pool.gather(s.expand(h, -1), self._head_rows), 1, True)
         d = k.shape[-1]
         return k.view(h, -1, d)[:, :length], v.view(h, -1, d)[:, :length]

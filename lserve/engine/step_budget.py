@@ -14,6 +14,8 @@ long prompt is prefilled in chunks whose *cost* is bounded, not only their token
   ``max_batched_tokens`` tokens and at most the cost of prefilling that many from an empty cache
   (decodes included, deterministically): a prompt of ``max_batched_tokens`` tokens is one step,
   as in vLLM, and chunks deeper into a longer prompt carry fewer tokens for the same cost.
+* With the host KV tier on (and no time target) chunks carry ``max_batched_tokens`` tokens at any
+  depth: each chunk re-reads its offloaded past from the host (:meth:`StepBudget.for_engine`).
 * With one (``lserve serve``'s default), or with an ITL SLO, the budget follows measured speed.
   A step is modelled as ``overhead + cost / rate``: ``rate`` (token-equivalents per second) is
   learnt from steps that only prefill, times the target gives their budget. A step that also
@@ -123,7 +125,15 @@ class StepBudget:
 
     @classmethod
     def for_engine(cls, config, alpha: float) -> StepBudget:
-        """The budget an engine with :class:`~lserve.config.EngineConfig` ``config`` schedules with."""
+        """The budget an engine with :class:`~lserve.config.EngineConfig` ``config`` schedules with.
+
+        With the host KV tier on and no time model, chunks are bounded by ``max_batched_tokens``
+        alone (``alpha`` 0): each chunk reads its past beyond the resident set from the host again,
+        so the read grows with the number of chunks (~ (L - R)^2 / (2 * chunk) tokens per layer
+        for an L-token prompt and R resident), and chunks that shrink with depth multiply it
+        (3.4x at 128k on Llama-3-8B, ~10x at 512k)."""
+        if config.cache.host_kv_gib and not (config.step_time_target or config.itl_slo_ms):
+            alpha = 0.0
         return cls(config.max_batched_tokens, alpha, config.step_time_target, config.itl_slo_ms / 1000.0,
                    config.min_prefill_share)
 

@@ -149,6 +149,13 @@ class EngineMetrics:
             "streamed": counter("host_kv_pages_streamed",
                                 "Host KV tier: pages (per layer) read from the host without entering the resident set."),
             "spilled": counter("host_kv_pages_spilled", "Host KV tier: pages copied to the host (all layers)."),
+            "prefill_streamed": counter("host_kv_prefill_pages_streamed",
+                                        "Host KV tier: pages (per layer) prefill chunks read of their past from the host."),
+            "prefill_bytes_h2d": counter("host_kv_prefill_bytes_h2d",
+                                         "Host KV tier: bytes prefill chunks read of their past from the host."),
+            "h2d_copies": counter("host_kv_h2d_copies",
+                                  "Host KV tier: bulk host-to-device copies (runs of consecutive host pages, per "
+                                  "layer) that scans read the host with."),
             "bytes_h2d": counter("host_kv_bytes_h2d", "Host KV tier: bytes copied host-to-device."),
             "bytes_d2h": counter("host_kv_bytes_d2h", "Host KV tier: bytes copied device-to-host."),
         }

@@ -22,6 +22,13 @@ def _engine(loaded, num_pages: int, gib: float, kv_quant: str) -> LLMEngine:
                                   max_num_seqs=2, max_batched_tokens=64, backend="torch"), loaded)
 
 
+def _chunked_as(off: LLMEngine, on: LLMEngine) -> LLMEngine:
+    """``off`` (tier off) chunking prompts as ``on`` (tier on: by the token cap alone,
+    ``StepBudget.for_engine``); other chunk boundaries round keys differently."""
+    off.scheduler.budget = on.scheduler.budget
+    return off
+
+
 def test_host_tier_across_devices_keeps_greedy_outputs():
     tiny = load_model("tiny", seed=3, device="cuda", dtype=torch.float32)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -33,7 +40,7 @@ def test_host_tier_across_devices_keeps_greedy_outputs():
         st = on.stats().host_kv
         assert st.fetched > 0 and st.spilled > 0 and st.streamed > 0
         on.cache.host_tier.check()
-        off = _engine(tiny, on.cache.dense_alloc.num_pages, 0.0, kv_quant)
+        off = _chunked_as(_engine(tiny, on.cache.dense_alloc.num_pages, 0.0, kv_quant), on)
         assert [o.token_ids for o in off.generate(prompts, params)] == [o.token_ids for o in outs]
 
 
@@ -78,7 +85,7 @@ def test_cupy_tier_greedy_equal_with_fetches_every_step(kv_quant, graphs):
     if graphs:  # decode steps replayed: the kernels read the table and host pool at fixed addresses
         assert on.graphs.replays > 0
     on.cache.host_tier.check()  # the device table equals the host one
-    off = _cupy(tiny, on.cache.dense_alloc.num_pages, 0.0, kv_quant, graphs)
+    off = _chunked_as(_cupy(tiny, on.cache.dense_alloc.num_pages, 0.0, kv_quant, graphs), on)
     want = off.generate(prompts, params) + off.generate(prompts[:1], params)
     assert [o.token_ids for o in want] == [o.token_ids for o in outs]
 
@@ -90,8 +97,31 @@ def test_cupy_tier_preemption_returns_every_slot():
     on = _cupy(tiny, 14, _cupy_gib(tiny, 24, "int4"), "int4", True, prefix_cache=False)
     outs = on.generate(prompts, params)
     assert on.scheduler.num_preemptions > 0
-    off = _cupy(tiny, on.cache.dense_alloc.num_pages, 0.0, "int4", True, prefix_cache=False)
+    off = _chunked_as(_cupy(tiny, on.cache.dense_alloc.num_pages, 0.0, "int4", True, prefix_cache=False), on)
     assert [o.token_ids for o in off.generate(prompts, params)] == [o.token_ids for o in outs]
     tier = on.cache.host_tier
     tier.check()
     assert on.cache.all_free() and tier.held_pages() == set()
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int4"])
+def test_cupy_long_prompt_stages_its_past_in_bulk(kv_quant):
+    """A prompt 8x the resident set (32 pages), chunked: each chunk's offloaded past comes from the
+    mapped host pool's CPU twin in a copy or two per layer (a DMA, not reads of mapped memory), and
+    what is staged equals what the kernels read there; outputs equal tier-off with the same chunks."""
+    import numpy as np
+
+    tiny = load_model("tiny", seed=3, device="cuda", dtype=torch.bfloat16)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompt = np.random.default_rng(0).integers(10, 200, 8 * 32 * 16).tolist()
+    on = _cupy(tiny, 32, _cupy_gib(tiny, 300, kv_quant), kv_quant, True)
+    out = on.generate([prompt], params)[0]
+    st = on.stats().host_kv
+    assert st.prefill_streamed > 4 * len(prompt) // 16 and st.h2d_copies < st.prefill_streamed / 20
+    tier = on.cache.host_tier
+    tier.check()
+    staged = tier.stage(1, [(0, 40), (100, 8)])
+    for a, b in zip(staged.tensors(), tier.host[1].tensors()):  # the twin's bytes are the mapped pool's
+        assert torch.equal(a, torch.cat((b[0:40], b[100:108])))
+    off = _chunked_as(_cupy(tiny, on.cache.dense_alloc.num_pages, 0.0, kv_quant, True), on)
+    assert off.generate([prompt], params)[0].token_ids == out.token_ids
