@@ -31,7 +31,15 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lserve.bench.decode_step import decode_engine, decode_step_s, output_tokens, random_prompt, start_batch
+from lserve.bench.decode_step import (
+    decode_engine,
+    decode_step_s,
+    output_tokens,
+    random_prompt,
+    start_batch,
+    sync,
+    timed_steps,
+)
 from lserve.bench.e2e import CONFIGS
 from lserve.bench.report import header
 from lserve.engine.sampling import SamplingParams
@@ -61,7 +69,7 @@ def main(argv=None) -> int:
                           steps=2 * a.steps, warmup=WARMUP, cuda_graphs=False)
     # the prefill: the first prompt of every batch below (past 8k its pages are then reused)
     eager.add_request(random_prompt(eager, a.context, 0), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    _sync(a.device)
+    sync(a.device)
     t0 = time.perf_counter()
     prefill = _kernels(eager.step, 1, cuda)  # the whole prompt in one step
     prefill_wall = time.perf_counter() - t0
@@ -98,27 +106,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def _eager_batch(eng, context: int, n: int, steps: int, cuda: bool) -> dict:
     """Kernels of ``steps`` eager decode steps of ``n`` sequences, then the same steps' wall time
     without the profiler; the sequences are then run to the end."""
-    dev = eng.config.device
     start_batch(eng, context, n, output_tokens(n, 2 * steps, WARMUP))
     for _ in range(WARMUP):
         eng.step()
     before = eng.stats()
     kernels = _kernels(lambda: [eng.step() for _ in range(steps)], steps, cuda)
-    _sync(dev)
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        walls.append(time.perf_counter() - t0)
-    _sync(dev)
+    walls = timed_steps(eng, steps)
     after = eng.stats()
     kinds = {k: v - before.step_kinds.get(k, 0) for k, v in after.step_kinds.items() if v - before.step_kinds.get(k, 0)}
     if kinds != {"decode_eager": 2 * steps} or after.running != n:

@@ -28,9 +28,22 @@ SHARE_FROM = 8192  # longer prompts are one prompt shared through the prefix cac
 DECODE_KINDS = ("graph", "decode_eager")  # step kinds with no prefill in them
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
+
+
+def timed_steps(engine: LLMEngine, steps: int) -> list[float]:
+    """Wall seconds of each of ``steps`` engine steps, the device idle before the first and after the last."""
+    sync(engine.config.device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    sync(engine.config.device)
+    return times
 
 
 def output_tokens(batch: int, steps: int, warmup: int) -> int:
@@ -101,18 +114,11 @@ def decode_step_s(engine: LLMEngine, context: int, batch: int, steps: int = 16, 
     RuntimeError
         If a timed step was not a decode-only step of the whole batch.
     """
-    dev = engine.config.device
     start_batch(engine, context, batch, output_tokens(batch, steps, warmup), seed)
     for _ in range(warmup):
         engine.step()
     before = engine.stats()
-    _sync(dev)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    _sync(dev)
+    times = timed_steps(engine, steps)
     after = engine.stats()
     kinds = {k: after.step_kinds.get(k, 0) - before.step_kinds.get(k, 0) for k in after.step_kinds}
     decode_only = sum(kinds.get(k, 0) for k in DECODE_KINDS) == steps
