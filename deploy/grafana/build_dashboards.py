@@ -252,8 +252,11 @@ def overview() -> dict:
           [(f"sum by (replica) (rate(lserve:host_kv_bytes_h2d_total{{{SEL}}}[{RI}])) / "
             f"sum by (replica) (rate(lserve:engine_steps_total{{{SEL}}}[{RI}]))", "{{replica}} host-to-device / step"),
            (f"sum by (replica) (rate(lserve:host_kv_bytes_d2h_total{{{SEL}}}[{RI}])) / "
-            f"sum by (replica) (rate(lserve:engine_steps_total{{{SEL}}}[{RI}]))", "{{replica}} device-to-host / step")],
-          "bytes", "Bytes the host tier copied per engine step (fetches and host reads; spills), per replica.")
+            f"sum by (replica) (rate(lserve:engine_steps_total{{{SEL}}}[{RI}]))", "{{replica}} device-to-host / step"),
+           (f"sum by (replica) (rate(lserve:host_kv_prefill_bytes_h2d_total{{{SEL}}}[{RI}])) / "
+            f"sum by (replica) (rate(lserve:engine_steps_total{{{SEL}}}[{RI}]))", "{{replica}} prefill past reads / step")],
+          "bytes", "Bytes the host tier copied per engine step (fetches and host reads; spills), per replica, and "
+                   "the part of the host-to-device bytes that prefill chunks read of their offloaded past.")
     g.newline()
     return {
         "uid": "lserve-overview", "title": "LServe", "description":

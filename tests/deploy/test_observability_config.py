@@ -144,7 +144,7 @@ def test_dashboards_and_rules_use_only_exported_metrics(exported_names):
     host = {m for m in used if m.startswith("lserve:host_kv_")}
     assert host == {"lserve:host_kv_pages_on_host", "lserve:host_kv_resident_slots_used", "lserve:host_kv_hits_total",
                     "lserve:host_kv_misses_total", "lserve:host_kv_hit_rate", "lserve:host_kv_bytes_h2d_total",
-                    "lserve:host_kv_bytes_d2h_total"}, host
+                    "lserve:host_kv_bytes_d2h_total", "lserve:host_kv_prefill_bytes_h2d_total"}, host
 
 
 # -- Grafana ------------------------------------------------------------------------------------
