@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import asdict
 from typing import Any
 
 from lserve.cache.host_tier import HostKVStats
@@ -236,7 +237,8 @@ class EngineReplica:
                 "dense_pages_total": st.dense_pages_total,
                 "stream_pages_used": st.stream_pages_used, "all_pages_free": st.all_pages_free,
                 "queued_prompt_tokens": sum(self._queued.values()), "num_preemptions": st.num_preemptions,
-                "aborted": self.aborted, "steps": st.steps, "step_kinds": st.step_kinds}
+                "aborted": self.aborted, "steps": st.steps, "step_kinds": st.step_kinds,
+                "host_kv": asdict(st.host_kv) if st.host_kv is not None else None}
 
     def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
         """``{"prompt": text, "add_special_tokens": bool}`` or ``{"messages": chat}`` -> ``{"tokens": ids}``

@@ -49,6 +49,8 @@ def test_host_tier_series_move_on_metrics(tmp_path):
         assert r.json()["usage"]["prompt_tokens"] > 1536  # more than the device holds
         _wait_for(lambda: total(scrape(app)[1]["lserve:host_kv_hits"], "_total") > 0, 10, "no hits exported")
         _, fams = scrape(app)
+        admin = httpx.get(f"{app.url}/admin/engines", timeout=30).json()["replicas"]
+        assert all(r["host_kv"]["spilled"] > 0 and r["host_kv"]["host_pages"] > 0 for r in admin), admin
 
     value = {c: total(fams[f"lserve:host_kv_{c}"], "_total") for c in COUNTERS}
     value.update({g: total(fams[f"lserve:host_kv_{g}"]) for g in GAUGES})
