@@ -186,6 +186,6 @@ def test_sparsity_summary_says_budgets_are_adaptive_with_their_mean(tiny, tmp_pa
     sp = eng.sparsity  # the settings in effect (auto resolved)
     uniform = in_effect(replace(sp, adaptive_budgets="", prefill_sparsity=0.9), tiny.config, frac)["summary"]
     assert uniform == (f"pattern random ({frac:g} of KV heads streaming); decode budget uniform 64 tokens, "
-                       "selecting layers all; prefill sparsity on, tau 0.9")
+                       "selecting layers all; prefill sparsity on, tau 0.9 from 4096 tokens")  # unprofiled tiny
     off = in_effect(replace(sp, token_budget=0, static_sparsity=0.0), tiny.config, 0.0)["summary"]
     assert off == "pattern none (0 of KV heads streaming); decode page selection off (token budget 0); prefill sparsity off"

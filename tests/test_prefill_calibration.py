@@ -8,7 +8,7 @@ import torch
 
 from lserve.calibration.prefill import choose_taus
 from lserve.cli import main
-from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
+from lserve.config import PREFILL_MIN_LEN_UNPROFILED, CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
 from lserve.models.loader import load_model
 from lserve.sparsity.prefill_taus import CALIBRATION_KIND, TAU_GRID, default_calibration_for, load_layer_taus
@@ -116,6 +116,8 @@ def test_default_model_prefill_sparsity_follows_the_device_profile(smol, tmp_pat
     with caplog.at_level(logging.INFO):
         off = LLMEngine(cfg, smol)
     assert off.sparsity.prefill_sparsity == 0.0 and off.backend.prefill_layer_taus is None
+    # a request's own tau starts where an unprofiled set tau would
+    assert off.sparsity.prefill_sparsity_min_len == PREFILL_MIN_LEN_UNPROFILED
     assert "block-sparse prefill: off (no profile of this device" in caplog.text
     assert off.sparsity_in_effect["prefill_sparsity"] == "off"
     key = profile_key("cpu", smol.config, torch.float32)

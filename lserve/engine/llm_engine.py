@@ -43,7 +43,7 @@ from lserve.sparsity.in_effect import in_effect
 from lserve.sparsity.kv_read import KVReadTotals
 from lserve.sparsity.patterns import HeadLayout, load_pattern, random_pattern
 from lserve.sparsity.plan import SeqStep
-from lserve.sparsity.prefill_taus import resolve_layer_taus
+from lserve.sparsity.prefill_taus import default_calibration_for
 from lserve.sparsity.threshold import PREFILL, lookup, lookup_ratio, profile_key
 
 log = logging.getLogger("lserve")
@@ -116,23 +116,25 @@ def resolve_prefill(sparsity: SparsityConfig, device: str, model_cfg, dtype) -> 
     not from a profile), and why block-sparse prefill is off (None: it is on, or off by request).
 
     * ``prefill_sparsity_min_len`` "auto" (-1): the profiled length of this device and model shape;
-      without a profile, :data:`~lserve.config.PREFILL_MIN_LEN_UNPROFILED` for a tau the user set.
+      without a profile, :data:`~lserve.config.PREFILL_MIN_LEN_UNPROFILED` (where a set tau, or a
+      request's own, starts).
     * ``prefill_sparsity`` "auto" (the default) is on only where both were measured: the model ships
       its per-layer taus (``lserve calibrate-prefill``) and, unless the user set a length, a profile
       of this device and shape (``lserve bench profile-prefill-threshold``) says from where it pays.
       Otherwise it is off: an unmeasured speed-up is not assumed.
     """
-    auto = sparsity.prefill_sparsity < 0
-    if auto and resolve_layer_taus(sparsity.prefill_sparsity, model_cfg)[0] is None:
-        return replace(sparsity, prefill_sparsity=0.0), None, f"no prefill calibration ships for model {model_cfg.name!r}"
-    if sparsity.prefill_sparsity_min_len >= 0:
-        return sparsity, None, None
-    found = lookup(profile_key(device, model_cfg, dtype), PREFILL, "min_len")
-    if found is None and auto:
-        return (replace(sparsity, prefill_sparsity=0.0), None,
-                "no profile of this device and model shape says where it pays (lserve bench profile-prefill-threshold)")
-    min_len, source = (int(found[0]), found[1]) if found else (PREFILL_MIN_LEN_UNPROFILED, None)
-    return replace(sparsity, prefill_sparsity_min_len=min_len), source, None
+    min_len, source, found = sparsity.prefill_sparsity_min_len, None, None
+    if min_len < 0:
+        found = lookup(profile_key(device, model_cfg, dtype), PREFILL, "min_len")
+        min_len, source = (int(found[0]), found[1]) if found else (PREFILL_MIN_LEN_UNPROFILED, None)
+    why_off = None
+    if sparsity.prefill_sparsity < 0:  # auto
+        if default_calibration_for(model_cfg) is None:
+            why_off = f"no prefill calibration ships for model {model_cfg.name!r}"
+        elif sparsity.prefill_sparsity_min_len < 0 and found is None:
+            why_off = "no profile of this device and model shape says where it pays (lserve bench profile-prefill-threshold)"
+    tau = 0.0 if why_off else sparsity.prefill_sparsity  # a request's own tau still runs from min_len
+    return replace(sparsity, prefill_sparsity=tau, prefill_sparsity_min_len=min_len), source, why_off
 
 
 def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCache:
