@@ -54,7 +54,7 @@ def run_prefill_threshold(model: str = "default", device: str = "cpu", backend: 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(model, dtype=dtype, device=device)
     top = max(contexts) + 64
-    # the model's own streaming pattern (auto), prefill sparsity off unless a request asks for it
+    # the model's own streaming pattern (auto) and prefill sparsity at tau from the first token; dense rows turn it off
     sp = SparsityConfig(prefill_sparsity=tau, prefill_sparsity_min_len=0)
     eng = LLMEngine(EngineConfig(model=model, sparsity=sp, cache=CacheConfig(dense_pool_tokens=top), device=device,
                                  backend=backend, max_num_seqs=1, max_batched_tokens=top, max_model_len=top,

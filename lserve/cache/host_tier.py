@@ -229,23 +229,15 @@ class HostTier:
                     for pol in self._policy:
                         pol.unprotect(done)
             else:  # its past (read whole by the next chunk) goes protected, before this step evicts
-                prot = self._protected.setdefault(s.seq_id, [])
-                new = s.pages[len(prot): s.start // N]
-                for pol in self._policy:
-                    pol.protect(new)
-                prot += new
+                self._protect(s, s.start // N)
                 keep.update(w)
         pinned = dict.fromkeys(order)
         self._pinned, self._keep_new = set(order), keep
         for v in pinned:
             self._make_resident(v)
         for s in seqs:
-            if not s.decode:
-                prot = self._protected[s.seq_id]
-                w = s.pages[len(prot): (s.length - 1) // N + 1]
-                for pol in self._policy:  # the chunk's pages stay protected after the step
-                    pol.protect(w)
-                prot += w
+            if not s.decode:  # the chunk's pages stay protected after the step
+                self._protect(s, (s.length - 1) // N + 1)
         self._keep_new = set()
         for v in written:
             self._drop_host(v)
@@ -281,8 +273,7 @@ class HostTier:
         st.hits += len(want) - len(miss)
         st.misses += len(miss)
         if streamed and len(miss):
-            st.streamed += len(miss)
-            self._count_h2d(len(miss) * self._page_bytes[layer])
+            self._count_streamed(layer, len(miss))
         needed = set(want.tolist())
         for v in miss.tolist():
             slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned and p not in needed)
@@ -300,24 +291,18 @@ class HostTier:
         if not pages.size:
             return
         rows = range(self.num_layers) if layers is None else layers
-        st = self._stats
         for layer in rows:
             r = self._res[layer][pages]
             n = int(((r < 0) & (self._host[pages] >= 0)).sum())
             if n:
-                st.streamed += n
-                self._count_h2d(n * self._page_bytes[layer])
+                self._count_streamed(layer, n)
 
     def scan(self, layer: int, pages, prefill: bool = False) -> Scan:
         """Where ``layer`` reads ``pages`` (one sequence's, in order; a list or array) from, as a
         :class:`Scan`; the host pages count as streamed (``prefill``: also as a prefill chunk's
         past), and each run of consecutive host slots as one copy."""
         ids = np.asarray(pages, dtype=np.int64)
-        r, h = self._res[layer][ids], self._host[ids]
-        on = r >= 0
-        if not (on | (h >= 0)).all():
-            bad = int(ids[~(on | (h >= 0))][0])
-            raise RuntimeError(f"host KV tier: page {bad} of layer {layer} is read but holds no data")
+        r, h, on = self._where(layer, ids)
         host_pos = np.flatnonzero(~on)
         runs: list[tuple[int, int]] = []
         if host_pos.size:
@@ -326,9 +311,8 @@ class HostTier:
             first = np.concatenate(([0], cut))
             runs = list(zip(hs[first].tolist(), np.diff(np.concatenate((first, [hs.size]))).tolist()))
             n, st = int(host_pos.size), self._stats
-            st.streamed += n
+            self._count_streamed(layer, n)
             st.h2d_copies += len(runs)
-            self._count_h2d(n * self._page_bytes[layer])
             if prefill:
                 st.prefill_streamed += n
                 st.prefill_bytes_h2d += n * self._page_bytes[layer]
@@ -403,15 +387,9 @@ class HostTier:
         long/long/bool tensors of the same shape on ``pages``' device (slots clamped to 0 where
         unused). Pages read from the host count as streamed."""
         pc = pages.detach().cpu().numpy()
-        r, h = self._res[layer][pc], self._host[pc]
-        on_dev = r >= 0
-        if not (on_dev | (h >= 0)).all():
-            bad = pc[~(on_dev | (h >= 0))].ravel()[0]
-            raise RuntimeError(f"host KV tier: page {bad} of layer {layer} is read but holds no data")
+        r, h, on_dev = self._where(layer, pc)
         if not on_dev.all():
-            n = np.unique(pc[~on_dev]).size
-            self._stats.streamed += n
-            self._count_h2d(n * self._page_bytes[layer])
+            self._count_streamed(layer, np.unique(pc[~on_dev]).size)
         dev = pages.device
         return (torch.from_numpy(np.maximum(r, 0)).to(dev), torch.from_numpy(np.maximum(h, 0)).to(dev),
                 torch.from_numpy(on_dev).to(dev))
@@ -489,6 +467,29 @@ class HostTier:
     def _count_h2d(self, n: int) -> None:
         self._stats.bytes_h2d += n
         self._stats.step_bytes_h2d += n
+
+    def _protect(self, s: SeqSpan, end: int) -> None:
+        """Protect a prefilling sequence's pages up to logical page ``end`` in every layer's eviction order."""
+        prot = self._protected.setdefault(s.seq_id, [])
+        new = s.pages[len(prot): end]
+        for pol in self._policy:
+            pol.protect(new)
+        prot += new
+
+    def _count_streamed(self, layer: int, n: int) -> None:
+        """``n`` pages of ``layer`` read from the host without entering the resident set."""
+        self._stats.streamed += n
+        self._count_h2d(n * self._page_bytes[layer])
+
+    def _where(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Resident slots, host slots and "resident" of ``layer``'s pages ``ids`` (any shape),
+        which must all hold data (a read of a page with none is a bookkeeping error)."""
+        r, h = self._res[layer][ids], self._host[ids]
+        on = r >= 0
+        if not (on | (h >= 0)).all():
+            bad = int(ids[~(on | (h >= 0))].ravel()[0])
+            raise RuntimeError(f"host KV tier: page {bad} of layer {layer} is read but holds no data")
+        return r, h, on
 
     def _slot(self, layer: int, evictable: Callable[[int], bool]) -> int | None:
         """A free resident slot of ``layer``, evicting the policy's victim among ``evictable``."""
