@@ -11,7 +11,7 @@ Writes ``profile_<config>_<context>[_b<N>-...].json`` and prints the tables:
   (``lserve.bench.decode_step``: distinct prompts up to 8k, one shared prompt past it), profiled
   over ``--steps`` eager steps (no CUDA graph, so every kernel is attributed; kernel durations are
   those inside a graph, launch gaps are not): ``kernels`` by GPU time per step and their sum
-  ``kernel_ms``; ``eager_step_ms``, the same steps' median wall time unprofiled; ``step_ms``, the fastest step as
+  ``kernel_ms``; ``eager_step_ms``, the same steps' median wall time unprofiled; ``step_ms``, the mean step as
   the served engine runs it (CUDA-graph replay, async decode), unprofiled; ``host_gap_ms`` =
   ``step_ms - kernel_ms``, the part of a served decode step in which no kernel of it runs
   (host work the device waits for), and ``eager_host_gap_ms`` likewise.

@@ -391,7 +391,7 @@ def engine_measurements(model: str, device: str, backend: str, ttft_contexts: li
       come after warm-ups).
     * ``{config: {context: {C: ms}}}``: the pure decode step of ``C`` sequences at each context of
       ``decode_points`` (context -> concurrencies), per ``decode_configs``
-      (:func:`lserve.bench.decode_step.decode_step_s`, fastest of ``decode_steps`` steps; one
+      (:func:`lserve.bench.decode_step.decode_step_s`, the mean of ``decode_steps`` steps; one
       engine per configuration and context).
 
     On a CPU this runs on one torch thread: beside the servers and other processes, OpenMP
