@@ -17,7 +17,7 @@
 #   bsp        bsp_prefill_h200.{json,png}, bsp_prefill.log (python -m lserve.bench.bsp_prefill: the unified
 #              block-sparse prefill kernel, parity then speed at fixed kept fractions; BSP_ARGS adds flags,
 #              e.g. "--model qwen2.5-7b" -> bsp_prefill_qwen2.5-7b_h200.{json,png})
-#   probe      probe_*.json, probe.log (scripts/probes/probe_$PROBE.py: PROBE=decode (default), selector, launch, timeline,
+#   probe      probe_*.json (bsp_ncu: ncu_*.txt), probe.log (scripts/probes/probe_$PROBE.py: PROBE=decode (default), selector, launch, timeline, bsp_ncu,
 #              sdpa, first_prefill or served_prefill; PROBE_ARGS adds flags)
 #   profile    profile_*.json, profile.log (kernels of the prefill and eager decode steps by GPU time;
 #              PROFILE_ARGS, e.g. "--config lserve --context 32768")

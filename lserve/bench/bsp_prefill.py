@@ -89,7 +89,7 @@ def report_name(model: str) -> str:
     return "bsp_prefill_h200" if model == DEFAULT_MODEL else f"bsp_prefill_{model}_h200"
 
 
-def _paged(k: torch.Tensor, v: torch.Tensor, n_dense: int, page: int, gen: torch.Generator):
+def shuffled_pages(k: torch.Tensor, v: torch.Tensor, n_dense: int, page: int, gen: torch.Generator):
     """Dense heads of k/v [L, H_kv, D] into a pool [P, n_dense, page, D] with shuffled pages."""
     L, _, d = k.shape
     n = -(-L // page)
@@ -112,7 +112,7 @@ def _case(name: str, group: int, d: int, hkv: int, n_dense: int, start: int, n: 
     q = torch.randn(n, hq, d, generator=gen).to(dev, dt)
     k = torch.randn(L, hkv, d, generator=gen).to(dev, dt)
     v = torch.randn(L, hkv, d, generator=gen).to(dev, dt)
-    pool, pages = _paged(k, v, n_dense, page, gen)
+    pool, pages = shuffled_pages(k, v, n_dense, page, gen)
     blocks = fixed_fraction_blocks(n_dense, start, L, frac, bsp.BN, q_block, seed) if frac is not None else None
     streaming = start == 0
     scale = d ** -0.5
@@ -164,7 +164,7 @@ def _row(shape: LayerShape, context: int, fractions, variants, iters: int) -> di
     q = torch.randn(context, H, D, generator=gen).to("cuda", torch.bfloat16)
     k = torch.randn(context, HKV, D, generator=gen).to("cuda", torch.bfloat16)
     v = torch.randn(context, HKV, D, generator=gen).to("cuda", torch.bfloat16)
-    pool, pages = _paged(k, v, HD, 64, gen)
+    pool, pages = shuffled_pages(k, v, HD, 64, gen)
     pages = pages.cuda()
     qt, kt, vt = (x.transpose(0, 1) for x in (q, k, v))
     qd, kd, vd = qt[: HD * G], kt[:HD], vt[:HD]
