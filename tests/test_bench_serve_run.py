@@ -5,9 +5,9 @@ load points of a minimum length and request count, the roofline bound, goodput, 
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
+from ports import free_port
 
 from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms, sweep_curve
 from lserve.cli import main
@@ -76,11 +76,6 @@ def test_served_itl_slo_is_the_last_flag_or_the_default():
     assert served_itl_slo_ms(["--itl-slo-ms", "50", "--itl-slo-ms", "0"]) == 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
     """Two load points of the reasoning workload (16 output tokens here) and an ITL SLO sweep of
@@ -91,7 +86,7 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
             "--plan", "reasoning:96:1,2:16", "--point-time", "2", "--requests-per-c", "3", "--no-engine-ttft",
             "--itl-slo-sweep", "0", "40", "--sweep-configs", "lserve", "--sweep-point", "96:2",
             "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
-            "--out", str(tmp_path), "--name", "cpu", "--port", str(_free_port()), "--deadline", "600"]
+            "--out", str(tmp_path), "--name", "cpu", "--port", str(free_port()), "--deadline", "600"]
     assert main(argv) == 0
     rep = json.loads((tmp_path / "cpu.json").read_text())
     rows = rep["rows"]

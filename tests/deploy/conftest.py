@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_helpers import ALERTS, PROM_CONFIG, REPO, PromAPI, free_port
+from deploy_helpers import ALERTS, PROM_CONFIG, REPO, PromAPI
+from ports import free_port
 
 # load_tests/ is a top-level package of the repository, run as `python -m load_tests` from its root.
 if str(REPO) not in sys.path:

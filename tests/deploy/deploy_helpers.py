@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 import urllib.parse
 import urllib.request
@@ -21,13 +20,6 @@ DASHBOARD_DIR = DEPLOY / "grafana" / "dashboards"
 
 #: What Grafana would put in for the dashboard variables when every model/replica is selected.
 GRAFANA_VARS = {"$__rate_interval": "20s", "$__interval": "5s", "$model": ".*", "$replica": ".*"}
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dashboards() -> dict[str, dict]:

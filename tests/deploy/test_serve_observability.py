@@ -20,7 +20,8 @@ import time
 import urllib.request
 
 import pytest
-from deploy_helpers import DEPLOY, REPO, alert_rules, dashboard_queries, finite_points, free_port, substitute
+from deploy_helpers import DEPLOY, REPO, alert_rules, dashboard_queries, finite_points, substitute
+from ports import free_port
 
 pytestmark = [pytest.mark.deploy_server, pytest.mark.slow]
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
+from ports import free_port
 
 API_KEY = "test-key-lserve"
 APP_NAME = "lserve-test"
@@ -91,11 +91,6 @@ class ServeApp:
 
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="session")
 def serve_app():
@@ -115,7 +110,7 @@ def serve_app():
         prefix_block_chars=256, min_prefix_blocks=2, imbalance_tokens=1024, imbalance_ratio=1.0,
         max_body_bytes=256 * 1024, default_max_tokens=32, sse_keepalive_s=0.25, app_name=APP_NAME)
     tmp = tempfile.mkdtemp(prefix="lsr-", dir="/tmp")
-    port = _free_port()
+    port = free_port()
     old_key = os.environ.get(API_KEY_ENV)
     os.environ[API_KEY_ENV] = API_KEY
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",

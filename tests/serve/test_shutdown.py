@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 
 GRACE_S = 10.0
 START_TIMEOUT_S = 300.0
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stream(threading.Thread):
@@ -149,7 +144,7 @@ def _signal(proc: subprocess.Popen, how: str) -> None:
 
 @pytest.fixture(params=WAYS)
 def server(request, tmp_path):
-    how, port, log = request.param, _free_port(), tmp_path / "server.log"
+    how, port, log = request.param, free_port(), tmp_path / "server.log"
     ray_tmp = tempfile.mkdtemp(prefix="lsd-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     proc = _start_server(port, log, ray_tmp, how)
     with served(proc, f"http://127.0.0.1:{port}", log, ray_tmp) as tree:
