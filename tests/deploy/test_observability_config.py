@@ -26,8 +26,8 @@ from deploy_helpers import (
     alert_rules,
     dashboard_queries,
     dashboards,
-    free_port,
 )
+from ports import free_port
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (apt-get install -y prometheus)")

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_shutdown import Stream, _free_port, _still_running, _wait_for, served
+from ports import free_port
+from test_shutdown import Stream, _still_running, _wait_for, served
 
 from lserve.cli import main as lserve_main
 
@@ -33,7 +34,7 @@ GRACE_S = 8.0  # the drain's, given to the CLI; the server's own shutdown grace 
 
 @pytest.fixture
 def keyed_server(tmp_path):
-    port, log = _free_port(), tmp_path / "server.log"
+    port, log = free_port(), tmp_path / "server.log"
     ray_tmp = tempfile.mkdtemp(prefix="lsd-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, LSERVE_LOG="WARNING", LSERVE_API_KEY=KEY)

@@ -14,7 +14,8 @@ import openai
 import pytest
 import torch
 from hf_dirs import make_hf_dir
-from test_shutdown import _free_port, _wait_for, served
+from ports import free_port
+from test_shutdown import _wait_for, served
 
 START_TIMEOUT_S = 240.0
 PROMPTS = ("Once upon a time, in a land far away, there lived", "The grass is green and the sky is")
@@ -25,7 +26,7 @@ def qwen2_server(tmp_path_factory, smol):
     path = tmp_path_factory.mktemp("qwen2")
     hf = make_hf_dir(path, smol.tokenizer, "Qwen2Config", num_attention_heads=7, num_key_value_heads=1, head_dim=16,
                      tie_word_embeddings=True)
-    port, log = _free_port(), path.parent / "server.log"
+    port, log = free_port(), path.parent / "server.log"
     ray_tmp = tempfile.mkdtemp(prefix="lsq-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k not in ("LSERVE_API_KEY", "RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, LSERVE_LOG="WARNING")

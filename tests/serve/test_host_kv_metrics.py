@@ -13,8 +13,9 @@ import tempfile
 from types import SimpleNamespace
 
 import httpx
+from ports import free_port
 from test_metrics import scrape, total
-from test_shutdown import _free_port, _wait_for, served
+from test_shutdown import _wait_for, served
 
 #: 256-token steps and 2 sequences with a 2 + 5 page window (64-token pages) pin 4 + 2 * 8 = 20
 #: pages; the device holds 24, the host 109 (default model: ~1.5 MB a page over all layers).
@@ -28,7 +29,7 @@ GAUGES = ("pages_on_host", "host_pages", "resident_slots_used", "resident_slots"
 
 
 def test_host_tier_series_move_on_metrics(tmp_path):
-    port, log = _free_port(), tmp_path / "server.log"
+    port, log = free_port(), tmp_path / "server.log"
     ray_tmp = tempfile.mkdtemp(prefix="lsh-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k not in ("LSERVE_API_KEY", "RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, LSERVE_LOG="WARNING")
