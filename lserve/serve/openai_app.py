@@ -97,9 +97,11 @@ def build_openai_app(server: OpenAIServer) -> FastAPI:
         """Engine state of every replica: running/waiting requests, KV pages in use (needs the API key)."""
         server.authorize(request)
         reported = server.reported_stats()
-        if reported is not None:
-            return {"model": server.model_name, "source": "reports", "replicas": reported}
-        return {"model": server.model_name, "source": "broadcast", "replicas": await server.engine_stats()}
+        source = "broadcast" if reported is None else "reports"
+        replicas = await server.engine_stats() if reported is None else reported
+        # the evicted prefixes' hashes are the router's business (up to a few hundred numbers)
+        replicas = [{k: v for k, v in r.items() if k != "prefix_evicted"} for r in replicas]
+        return {"model": server.model_name, "source": source, "replicas": replicas}
 
     @app.post(DRAIN_PATH, status_code=202, responses={401: _ERRORS[401], 400: _ERRORS[400]})
     async def admin_drain(request: Request, req: DrainRequest | None = None) -> dict:
