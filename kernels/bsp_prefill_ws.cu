@@ -20,6 +20,11 @@
 // K/V stage layout (LS_BSP_SWIZZLE): 1 = the 128-byte swizzle (two 64-dim halves of [64 keys]
 // [128 bytes], chunk c of key t at chunk c ^ (t % 8)), serving as the K-major B of Q K^T and the
 // MN-major B of P V; 0 = the no-swizzle core-matrix layout of bsp_prefill_wg.cu.
+// LS_BSP_ABLATE (timing studies only, wrong outputs; never built for the engine): one part left
+// out, so that its cost is the difference to the full kernel. 1: the producer copies nothing (it
+// still arrives on the "full" barriers, the consumers read stale stages); 2: no softmax (S is
+// packed as P, no max, exp, sum or O rescale); 3: no P V GEMM; 4: exp2 replaced by an FMA (MUFU
+// left out, the max/sum chains kept).
 #include "common.cuh"
 
 #if LS_DTYPE == 2
@@ -39,6 +44,14 @@
 #endif
 #ifndef LS_BSP_PINGPONG
 #define LS_BSP_PINGPONG 0
+#endif
+#ifndef LS_BSP_ABLATE
+#define LS_BSP_ABLATE 0
+#endif
+#if LS_BSP_ABLATE == 4
+#define BSP_EXP2(x) fmaf((x), 0.0625f, 1.0f)
+#else
+#define BSP_EXP2(x) fast_exp2(x)
 #endif
 #define NTHREADS 384  // producer warpgroup + 2 consumer warpgroups
 #define BM 128
@@ -129,10 +142,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws(BSP_
                 const bool ok = key < tile.q1;
                 const i64 off = tile.key_off(ok ? key : kb, pages, pool_heads, page_size, kv_tok_stride) + c * 8;
                 const u32 so = kv_off(t, c);
+#if LS_BSP_ABLATE != 1
                 cp_async16(dK + so, kbase + off, ok ? 16 : 0);
                 cp_async16(dV + so, vbase + off, ok ? 16 : 0);
+#else
+                if (off < 0) cp_async16(dK + so, kbase, 0);  // never: keeps the address math alive
+#endif
             }
+#if LS_BSP_ABLATE != 1
             cp_async_mbar_arrive(full(st));
+#else
+            mbar_arrive(full(st));
+#endif
         }
         cp_async_wait<0>();
         return;
@@ -174,7 +195,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws(BSP_
     auto issue_pv = [&](int j) {
         const u32 tV = kv0 + (u32)(j % NSTAGE) * STAGE_BYTES + KV_TILE_BYTES;
 #pragma unroll
+#if LS_BSP_ABLATE != 3
         for (int kk = 0; kk < BN / 16; ++kk) wg_pv_n128(o, pa[kk], v_desc(tV, kk), 1);
+#endif
         wg_commit();
     };
     // Ping-pong: warpgroup w issues after the other has issued (barrier 3 + w: its 128 threads wait,
@@ -196,6 +219,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws(BSP_
     };
     // mask + online softmax of S (block j) into unnormalized probabilities; sets alpha (O's rescale)
     auto softmax = [&](int j) {
+#if LS_BSP_ABLATE == 2
+        alpha[0] = alpha[1] = 1.f;
+        return;
+#endif
         const int kb = tile.block_start(j);
         if (tile.needs_mask(kb)) {
 #pragma unroll
@@ -213,14 +240,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws(BSP_
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float mnew = fmaxf(mrow[hr], mx * qscale);
             const bool none = mnew == LS_NEG_INF;
-            alpha[hr] = none ? 1.f : fast_exp2(mrow[hr] - mnew);
+            alpha[hr] = none ? 1.f : BSP_EXP2(mrow[hr] - mnew);
             const float msub = none ? 0.f : mnew;
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-                    const float pr = fast_exp2(fmaf(s[nt * 4 + e], qscale, -msub));
+                    const float pr = BSP_EXP2(fmaf(s[nt * 4 + e], qscale, -msub));
                     s[nt * 4 + e] = pr;
                     sum += pr;
                 }
@@ -230,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws(BSP_
     };
     auto rescale_and_pack = [&]() {
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
+        for (int dt = 0; dt < DT && LS_BSP_ABLATE != 2; ++dt) {
             o[dt * 4] *= alpha[0]; o[dt * 4 + 1] *= alpha[0];
             o[dt * 4 + 2] *= alpha[1]; o[dt * 4 + 3] *= alpha[1];
         }

@@ -115,3 +115,22 @@ def test_v4_shapes_name_their_kernel_and_fit_shared_memory():
     assert bsp.default_shape(128, (9, 0)).impl == "ws"  # v4 is not the default before it is measured
     p = bsp.plan([bsp.PrefillSeq(0, 0, 1000, 0, None)], 4, 1, "cpu", v2)
     assert max(t[2] - t[1] for t in p.tiles.tolist()) == 32 and p.shape is v2
+
+
+def test_ablations_are_timing_studies_of_ws_only(capsys):
+    """Each ablation names what it leaves out, builds ``ws`` with its LS_BSP_ABLATE, exists only for
+    ``ws``; the bench never parity-checks one nor runs its kept-fraction rows with it."""
+    from lserve.bench import bsp_prefill as bench
+
+    for a, what in bsp.ABLATIONS.items():
+        shape = bsp.TileShape("ws", 1, 8, ablate=a)
+        assert shape.name == f"ws_s3_{what}" and bench.SHAPES[shape.name] == shape
+        assert shape.variant("bf16", 128).tuning[-1] == f"LS_BSP_ABLATE={a}"
+    assert bsp.WS.variant("bf16", 128).tuning == ("LS_BSP_SWIZZLE=1", "LS_BSP_PINGPONG=0", "LS_BSP_STAGES=3")
+    for bad in (dict(impl="ws", ablate=9), dict(impl="wsi", ablate=1), dict(impl="v4", stages=2, ablate=1)):
+        with pytest.raises(ValueError, match="bad tile shape"):
+            bsp.TileShape(mt=1, warps=8, **bad)
+    assert bench.parity((bsp.TileShape("ws", 1, 8, ablate=2),)) == []  # no GPU touched: nothing to check
+    with pytest.raises(SystemExit):
+        bench.main(["out", "--variants", "ws_s3_noload", "ws_s3_nopv"])
+    assert "not a timing study" in capsys.readouterr().err

@@ -27,6 +27,9 @@ WS_IMPLS = {"ws": (1, 0), "wsp": (1, 1), "wsi": (0, 0)}
 # v4 (``kernels/bsp_prefill_ws4.cu``): 128 keys (two list blocks) per pipeline step, Q in shared memory
 V4 = "v4"
 V4_STAGES = (2, 3)  # a stage holds 128 keys of K and of V (64 KiB): three fill the 227 KiB a CTA may use
+# timing studies of "ws" (LS_BSP_ABLATE in kernels/bsp_prefill_ws.cu): the part each leaves out.
+# Their outputs are wrong by design: the bench times them beside the full kernel, nothing else runs them.
+ABLATIONS = {1: "noload", 2: "nosoftmax", 3: "nopv", 4: "noexp"}
 
 
 @dataclass(frozen=True)
@@ -45,20 +48,22 @@ class TileShape:
     computed tiles against "mma"'s 217-223 (same call, ``bsp_prefill_ws_h200.json``): the default for
     head dim 128 on sm_90 (:func:`default_shape`). "v4": ``kernels/bsp_prefill_ws4.cu`` (sm_90a, head
     dim 128), the same producer and two consumer warpgroups over 128 keys (two list blocks) per step,
-    Q in shared memory (S by SS-wgmma), K and V in separate ``stages``-deep rings (2 or 3); not yet
-    measured, so never the default.
+    Q in shared memory (S by SS-wgmma), K and V in separate ``stages``-deep rings (2 or 3):
+    13% slower than "ws" on the H200 (``bsp_prefill_v4_h200.json``), a sandbox variant.
+    ``ablate`` (``ws`` only, :data:`ABLATIONS`): a timing study leaving one part of the kernel out.
     """
 
     impl: str = "mma"
     mt: int = 2
     warps: int = 4
     stages: int = 3  # "ws"/"wsi": K/V ring depth
+    ablate: int = 0
 
     def __post_init__(self) -> None:
         ok = (self.impl == "mma" or (self.impl == "wg" and self.mt == 1 and self.warps % 4 == 0)
               or (self.impl in WS_IMPLS and self.mt == 1 and self.warps == 8 and 2 <= self.stages <= 4)
               or (self.impl == V4 and self.mt == 1 and self.warps == 8 and self.stages in V4_STAGES))
-        if not ok or self.mt < 1 or self.warps < 1:
+        if not ok or self.mt < 1 or self.warps < 1 or (self.ablate and (self.impl != "ws" or self.ablate not in ABLATIONS)):
             raise ValueError(f"bad tile shape {self}")
 
     @property
@@ -79,7 +84,7 @@ class TileShape:
     @property
     def name(self) -> str:
         if self.warp_specialized:
-            return f"{self.impl}_s{self.stages}"
+            return f"{self.impl}_s{self.stages}" + (f"_{ABLATIONS[self.ablate]}" if self.ablate else "")
         return f"{self.impl}_mt{self.mt}_w{self.warps}"
 
     def supports(self, head_dim: int) -> bool:
@@ -108,9 +113,10 @@ class TileShape:
         if self.impl == V4:
             return Variant("bsp_prefill_ws4", dtype, head_dim, tuning=(f"LS_BSP_STAGES={self.stages}",))
         if self.impl in WS_IMPLS:
+            ablate = (f"LS_BSP_ABLATE={self.ablate}",) if self.ablate else ()
             return Variant("bsp_prefill_ws", dtype, head_dim,
                            tuning=(f"LS_BSP_SWIZZLE={WS_IMPLS[self.impl][0]}", f"LS_BSP_PINGPONG={WS_IMPLS[self.impl][1]}",
-                                   f"LS_BSP_STAGES={self.stages}"))
+                                   f"LS_BSP_STAGES={self.stages}", *ablate))
         return Variant("bsp_prefill", dtype, head_dim, tuning=(f"LS_BSP_MT={self.mt}", f"LS_BSP_WARPS={self.warps}"))
 
 

@@ -54,8 +54,10 @@ VARIANTS = (bsp.TileShape("mma", 2, 4), bsp.TileShape("mma", 1, 8), bsp.TileShap
             bsp.TileShape("wg", 1, 4), *(bsp.TileShape(i, 1, 8) for i in bsp.WS_IMPLS),
             *(bsp.TileShape(bsp.V4, 1, 8, stages=s) for s in bsp.V4_STAGES))
 # every shape --variants may name: VARIANTS (the default run, and the GPU test's parity) plus the
-# warp-specialized kernel's other ring depths (parity-checked by the run that names them)
-SHAPES = {v.name: v for v in VARIANTS + tuple(bsp.TileShape(i, 1, 8, stages=s) for i in bsp.WS_IMPLS for s in (2, 4))}
+# warp-specialized kernel's other ring depths (parity-checked by the run that names them) and the
+# timing studies of "ws_s3" (bsp.ABLATIONS: speed only, no parity, never the rows' kernel)
+SHAPES = {v.name: v for v in VARIANTS + tuple(bsp.TileShape(i, 1, 8, stages=s) for i in bsp.WS_IMPLS for s in (2, 4))
+          + tuple(bsp.TileShape("ws", 1, 8, stages=3, ablate=a) for a in bsp.ABLATIONS)}
 DEFAULT_MODEL = "llama3-8b"
 SINK, LOCAL = 128, 256
 TOL = 2e-2
@@ -135,6 +137,8 @@ def parity(variants=VARIANTS, seed: int = 0) -> list[dict]:
     """Every parity case for every tile-shape variant (inputs drawn from ``seed`` onwards)."""
     cases = []
     for vi, var in enumerate(variants):
+        if var.ablate:
+            continue  # a timing study: its output is wrong by design
         for g, d, hkv, nd, start, n, page, frac in [
             (4, 128, 4, 2, 0, 1000, 64, 0.3),    # dense listed + streaming, ragged length
             (4, 128, 4, 2, 0, 777, 16, None),    # every block kept, small pages
@@ -182,9 +186,9 @@ def _row(shape: LayerShape, context: int, fractions, variants, iters: int) -> di
         p = bsp.plan(seq, G, HD, "cuda", var)
         ms = median_events(lambda p=p: bsp.run(q, k, v, out, p, HD, 0, HD, scale, pool=pool, pages=pages), iters)
         tf = _flops_dense(HD * G, context, D) / (ms * 1e-3) / 1e12
-        row["variants"][var.name] = {"dense_ms": ms, "tflops": tf, "vs_cudnn": tf / peer}
+        row["variants"][var.name] = {"dense_ms": ms, "tflops": tf, "vs_cudnn": tf / peer, "ablation": bool(var.ablate)}
         print(f"  {context} {var.name}: {ms:.2f} ms, {tf:.0f} TF/s", file=sys.stderr, flush=True)
-    best = min(variants, key=lambda var: row["variants"][var.name]["dense_ms"])
+    best = min((var for var in variants if not var.ablate), key=lambda var: row["variants"][var.name]["dense_ms"])
     row["best_variant"] = best.name
     p_all = bsp.plan(seq, G, HD, "cuda", best)
     row["streaming_ms"] = median_events(lambda: bsp.run(q, k, v, out, p_all, HD, HD, HKV - HD, scale, SINK, LOCAL),
@@ -300,6 +304,8 @@ def main(argv=None) -> None:
     bad = [n for n in a.variants if n not in SHAPES]
     if bad:
         p.error(f"unknown variant {bad[0]} (known: {', '.join(SHAPES)})")
+    if all(SHAPES[n].ablate for n in a.variants):
+        p.error("--variants needs a kernel that is not a timing study (the rows at kept fractions run it)")
     try:
         layer_shape(a.model)
     except ConfigError as e:
