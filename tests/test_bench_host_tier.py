@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
-from lserve.bench.host_tier import DECODE_STEPS, _measure, estimate_s, main, plan_runs, plot
+from lserve.bench.host_tier import _measure, main, plan_runs, plot
 
 
 def test_plan_runs_tier_where_the_host_holds_it_and_gpu_where_the_pool_fits():
@@ -29,17 +30,6 @@ def test_cli_needs_an_output_folder(capsys):
     assert e.value.code == 2 and "out" in capsys.readouterr().err
 
 
-def test_estimate_scales_the_longest_measured_row_of_the_mode():
-    rows = [{"mode": "tier", "context": 131072, "ttft_s": 10.0, "decode_ms_per_token": 6.0},
-            {"mode": "gpu", "context": 131072, "ttft_s": 9.0, "decode_ms_per_token": 5.0},
-            {"mode": "tier", "context": 262144, "cut": True, "prefilled_tokens": 1000, "prefill_s": 99.0}]
-    tier512 = {"mode": "tier", "context": 524288}
-    # 4x the context: half linear (4x), half quadratic (16x) -> 10x the prefill, 4x the decode step
-    assert estimate_s(tier512, rows, setup_s=20) == pytest.approx(20 + 100 + DECODE_STEPS * 24e-3)
-    assert estimate_s({"mode": "gpu", "context": 524288}, rows, setup_s=0) == pytest.approx(90 + DECODE_STEPS * 20e-3)
-    assert estimate_s(tier512, [], setup_s=0) > estimate_s({"mode": "tier", "context": 131072}, [], setup_s=0) * 9
-
-
 def test_measure_prints_each_chunk_and_cuts_at_the_deadline(capsys):
     from lserve.config import CacheConfig, EngineConfig
     from lserve.engine import LLMEngine
@@ -55,3 +45,56 @@ def test_measure_prints_each_chunk_and_cuts_at_the_deadline(capsys):
     cut = _measure(eng, run, time.perf_counter() - 1, deadline_s=0)
     assert cut["cut"] and cut["prefill_chunks"] == 1 and cut["prefilled_tokens"] == 64
     assert not eng.has_unfinished() and eng.cache.all_free()
+
+
+def test_measure_reports_the_kept_fraction_of_block_sparse_prefill():
+    from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+    from lserve.engine import LLMEngine
+    from lserve.models.loader import load_model
+
+    sp = SparsityConfig(pattern="random", prefill_sparsity=0.3, prefill_sparsity_min_len=128, prefill_block=16,
+                        prefill_q_block=64)
+    eng = LLMEngine(EngineConfig(model="tiny", sparsity=sp, cache=CacheConfig(page_size=16, logical_page_size=4,
+                                                                              num_pages=64),
+                                 max_batched_tokens=128, prefix_cache=False), load_model("tiny", seed=3))
+    row = _measure(eng, {"mode": "gpu", "context": 512}, time.perf_counter(), deadline_s=600, decode_steps=3)
+    assert 0 < row["prefill_kept_fraction"] < 1
+
+
+def _cli(tmp_path, *extra):
+    return main([str(tmp_path), "--model", "tiny", "--device", "cpu", "--gpu-kv-gib", "0.01", "--contexts", "1024",
+                 "--resident-tokens", "640", "--max-batched-tokens", "64", "--decode-steps", "3", *extra])
+
+
+def test_cli_runs_both_modes_on_the_cpu_with_the_tier_reading_the_host(tmp_path, capsys):
+    assert _cli(tmp_path, "--prefill-sparsity", "0") == 0
+    report = json.loads((tmp_path / "host_tier_h200.json").read_text())
+    assert report["prefill_sparsity"] == 0.0 and report["max_batched_tokens"] == 64
+    tier, gpu = report["rows"]
+    assert (tier["mode"], gpu["mode"]) == ("tier", "gpu") and tier["context"] == gpu["context"] == 1024
+    assert tier["prefill_bytes_h2d"] > 0 and tier["prefill_chunks"] == 1024 // 64
+    assert all(r["ttft_s"] > 0 and r["decode_ms_per_token"] > 0 and r["estimate_s"] > 0 for r in (tier, gpu))
+    assert "prefill_kept_fraction" not in tier  # tau 0: no block-sparse prefill ran
+    assert "(estimated" in capsys.readouterr().out
+
+
+def test_cli_skips_runs_estimated_past_the_deadline(tmp_path, capsys):
+    assert _cli(tmp_path, "--deadline", "0.5") == 0
+    report = json.loads((tmp_path / "host_tier_h200.json").read_text())
+    assert report["rows"] == [] and [r["mode"] for r in report["skipped"]] == ["tier", "gpu"]
+    assert all(r["estimate_s"] >= 1 for r in report["skipped"]) and "skip tier 1024" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad, why", [(["--prefill-sparsity", "2"], "prefill"), (["--prefill-sparsity", "x"], "prefill"),
+                                      (["--contexts", "12k"], "contexts"), (["--max-batched-tokens", "0"], "batched")])
+def test_cli_refuses_bad_settings_with_one_error_line(tmp_path, capsys, bad, why):
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--device", "cpu", "--gpu-kv-gib", "1", *bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error:" in err and why in err and "Traceback" not in err
+
+
+def test_cli_off_a_gpu_needs_the_device_memory_to_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--device", "cpu"])
+    assert e.value.code == 2 and "--gpu-kv-gib" in capsys.readouterr().err

@@ -1,81 +1,63 @@
 """Host KV tier on the cupy backend (issue 39): decode ms/token vs context with the tier and all-GPU.
 
 ``python -m lserve.bench.host_tier OUT [--contexts 131072,524288,1048576] [--resident-tokens 65536]
-[--deadline 500]``: llama3-8b preset (random weights), LServe sparsity, INT4 KV. Per context, one
-request of that many tokens with the dense pool cut to ``--resident-tokens`` and the rest in the
-host tier, and the all-GPU engine where its pool fits beside the weights. Rows carry decode
-ms/token, TTFT, H2D bytes per decode step and the hit rate; the report also holds the longest
-context one request can hold with the tier (its virtual pages) against all-GPU. Writes
+[--prefill-sparsity TAU] [--max-batched-tokens 8192] [--deadline 500]``: llama3-8b preset (random
+weights), LServe sparsity, INT4 KV. Per context, one request of that many tokens with the dense pool
+cut to ``--resident-tokens`` and the rest in the host tier, and the all-GPU engine where its pool
+fits beside the weights; both prefill alike (``--prefill-sparsity``: block-sparse prefill's tau,
+"auto" the engine's default; rows carry the kept fraction of causal tiles where it ran). Rows carry
+decode ms/token, TTFT, H2D bytes and the hit rate; the report also holds the longest context one
+request can hold with the tier (its virtual pages) against all-GPU. Writes
 ``OUT/host_tier_h200.json`` after every run and ``OUT/host_tier_h200.png``. Runs go shortest
 context first (tier, then all-GPU), so a cut loses the longest; a run whose estimated time
-(:func:`estimate_s`, scaled from the longest context measured so far) would pass the deadline is
-listed as skipped, and one that passes it while prefilling is aborted and kept as a ``cut`` row
-(tokens prefilled, seconds). Progress lines (one per prefill chunk) go to stdout.
+(:mod:`lserve.bench.host_tier_time`) would pass the deadline is listed as skipped, and one that
+passes it while prefilling is aborted and kept as a ``cut`` row (tokens prefilled, seconds).
+Progress lines (one per prefill chunk) go to stdout. ``--concurrency``: many 128k sequences at
+once instead (:mod:`lserve.bench.host_tier_concurrency`).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
+from lserve.bench.host_tier_common import CONTEXTS, DECODE_STEPS, Settings, Setup, free_memory, host_kv_row, make_engine, setup
+from lserve.bench.host_tier_sizes import max_context
 from lserve.bench.report import header, write_json
-from lserve.config import CacheConfig, EngineConfig
-
-CONTEXTS = (131072, 524288, 1048576)
-DECODE_STEPS = 32
+from lserve.config import KV_QUANT_CHOICES, ConfigError, parse_prefill_sparsity
 
 
 def plan_runs(contexts, gpu_bytes: float, bytes_per_token: float, host_bytes: float, resident_tokens: int,
-              margin: float = 1.1) -> list[dict]:
+              margin: float = 1.1, decode_steps: int = DECODE_STEPS) -> list[dict]:
     """The runs to make: per context a tier run (where the host holds it) and an all-GPU run (where
     its pool fits ``gpu_bytes``), each with the host GiB it needs (0 all-GPU)."""
     runs = []
     for ctx in sorted(contexts):  # shortest first: a deadline cuts the longest
-        need = (ctx + DECODE_STEPS + 1024) * bytes_per_token * margin
+        need = (ctx + decode_steps + 1024) * bytes_per_token * margin
         if need <= host_bytes:
-            runs.append({"mode": "tier", "context": ctx, "host_kv_gib": round(need / 2**30, 2),
+            runs.append({"mode": "tier", "context": ctx, "host_kv_gib": round(need / 2**30, 6),
                          "resident_tokens": resident_tokens})
         if need <= gpu_bytes:
             runs.append({"mode": "gpu", "context": ctx, "host_kv_gib": 0.0, "resident_tokens": 0})
     return runs
 
 
-# Before any run is measured: a 128k prefill's seconds (the all-GPU TTFT on the H200 was 9.4 s;
-# with margin) and an engine's set-up.
-PRIOR_TTFT_128K_S = 15.0
-SETUP_S = 20.0
-
-
-def estimate_s(run: dict, rows: list[dict], setup_s: float = SETUP_S) -> float:
-    """Seconds ``run`` should take: set-up, its prefill scaled from the longest measured context of
-    its mode (else of any mode, else :data:`PRIOR_TTFT_128K_S`) as half linear (the weights) and
-    half quadratic (dense heads' attention) in the context, and its decode steps."""
-    ctx = run["context"]
-    done = [r for r in rows if not r.get("cut")]
-    ref = max((r for r in done if r["mode"] == run["mode"]), key=lambda r: r["context"], default=None) \
-        or max(done, key=lambda r: r["context"], default=None)
-    ttft, ms, c0 = (ref["ttft_s"], ref["decode_ms_per_token"], ref["context"]) if ref else \
-        (PRIOR_TTFT_128K_S, 10.0, 131072)
-    r = ctx / c0
-    return setup_s + ttft * (0.5 * r + 0.5 * r * r) + DECODE_STEPS * ms * r / 1e3
-
-
-def _measure(eng, run: dict, t_start: float, deadline_s: float) -> dict:
+def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: int = DECODE_STEPS) -> dict:
     """Prefill one random prompt of the run's context chunk by chunk (a progress line each), then
-    decode: TTFT, median decode ms/token, prefill chunks; a ``cut`` row (tokens prefilled,
-    seconds) when the deadline passes during the prefill."""
+    decode: TTFT, median decode ms/token, prefill chunks and, where block-sparse prefill ran, the
+    kept fraction of its causal tiles; a ``cut`` row (tokens prefilled, seconds) when the
+    deadline passes during the prefill."""
     from lserve.engine import SamplingParams
 
     ctx = run["context"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, eng.model_config.vocab_size - 2, (ctx,), generator=g).tolist()
-    rid = eng.add_request(ids, SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True))
+    rid = eng.add_request(ids, SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
+    tiles0 = list(eng.backend.prefill_tiles)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = last = time.perf_counter()
@@ -97,82 +79,73 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float) -> dict:
             eng.abort(rid)
             return {"cut": True, "prefilled_tokens": done, "prefill_s": now - t0, "prefill_chunks": chunks}
     ttft = time.perf_counter() - t0
+    kept = eng.backend.prefill_kept_since(tiles0)
     steps = []
     while eng.has_unfinished():
         t1 = time.perf_counter()
         eng.step()
         steps.append(time.perf_counter() - t1)
-    return {"ttft_s": ttft, "decode_ms_per_token": statistics.median(steps) * 1e3, "prefill_chunks": chunks}
+    return {"ttft_s": ttft, "decode_ms_per_token": statistics.median(steps) * 1e3, "prefill_chunks": chunks,
+            **({"prefill_kept_fraction": kept} if kept is not None else {})}
 
 
-def _engine(loaded, run: dict, sp):
-    from lserve.engine.llm_engine import LLMEngine
-
-    ctx = run["context"]
-    tokens = run["resident_tokens"] or ctx + DECODE_STEPS + 1024
-    cache = CacheConfig(dense_pool_tokens=tokens, kv_quant="int4", host_kv_gib=run["host_kv_gib"])
-    cfg = EngineConfig(model="llama3-8b", sparsity=sp, cache=cache, device="cuda", backend="cupy", max_num_seqs=1,
-                       max_batched_tokens=8192, max_model_len=ctx + DECODE_STEPS + 1024,
-                       allow_long_max_model_len=True)
-    return LLMEngine(cfg, loaded)
-
-
-def run(out_dir: str | Path, contexts=CONTEXTS, resident_tokens: int = 65536, deadline_s: float = 500.0,
-        reserve_gib: float = 8.0) -> dict:
-    from lserve.bench.e2e import CONFIGS, kv_bytes_per_token
-    from lserve.models.loader import load_model
-
+def run(settings: Settings, out_dir: str | Path) -> dict:
+    """The single-request rows (module docstring); returns the report written."""
     t0 = time.perf_counter()
     out = Path(out_dir)
-    sp = CONFIGS["lserve"]
-    loaded = load_model("llama3-8b", dtype=torch.bfloat16, device="cuda")
-    per_token = kv_bytes_per_token(loaded, "llama3-8b", sp, "cuda", "int4")
-    gpu_bytes = torch.cuda.mem_get_info()[0] - reserve_gib * 2**30
-    host_bytes = psutil.virtual_memory().available * 0.8
-    report = {**header(), "model": "llama3-8b", "kv_quant": "int4", "sparsity": "lserve", "decode_steps": DECODE_STEPS,
-              "kv_bytes_per_token": per_token, "host_bytes_available": host_bytes, "gpu_bytes_for_kv": gpu_bytes,
-              "max_context_gpu": int(gpu_bytes // per_token), "rows": [], "skipped": []}
+    st = setup(settings)
+    s, sizes = settings, st.sizes
+    report = {**header(), **st.header(), "rows": [], "skipped": []}
     path = out / "host_tier_h200.json"
-    setup = SETUP_S
-    for r in plan_runs(contexts, gpu_bytes, per_token, host_bytes, resident_tokens):
+    runs = plan_runs(s.contexts, st.gpu_bytes, sizes.device_per_token, st.host_bytes, s.resident_tokens,
+                     decode_steps=s.decode_steps)
+    for r in runs:
+        r["prefill_sparsity"] = st.prefill_tau
         elapsed = time.perf_counter() - t0
-        est = estimate_s(r, report["rows"], setup)
-        if elapsed + est > deadline_s:
+        est = st.time.estimate_s(r, report["rows"], s.decode_steps)
+        if elapsed + est > s.deadline_s:
             report["skipped"].append({**r, "estimate_s": round(est)})
             print(f"[{elapsed:6.0f}s] skip {r['mode']} {r['context']} (needs ~{est:.0f} s, deadline)", flush=True)
             continue
         print(f"[{elapsed:6.0f}s] {r['mode']} context {r['context']} host {r['host_kv_gib']} GiB (~{est:.0f} s)",
               flush=True)
         t_run = time.perf_counter()
-        eng = _engine(loaded, r, sp)
-        setup = time.perf_counter() - t_run
-        row = {**r, **_measure(eng, r, t0, deadline_s)}
-        st = eng.stats().host_kv
-        if st is not None:
-            row.update(hit_rate=st.hit_rate, h2d_bytes_total=st.bytes_h2d, h2d_bytes_last_step=st.step_bytes_h2d,
-                       d2h_bytes_total=st.bytes_d2h, fetched=st.fetched, streamed=st.streamed, spilled=st.spilled,
-                       prefill_streamed=st.prefill_streamed, prefill_bytes_h2d=st.prefill_bytes_h2d,
-                       h2d_copies=st.h2d_copies, virtual_tokens=eng.cache.dense_alloc.num_pages * eng.cache.page_size)
-            eng.cache.host_tier.check()
+        eng = _engine(st, r)
+        row = {**r, **_measure(eng, r, t0, s.deadline_s, s.decode_steps), **host_kv_row(eng)}
+        row.update(estimate_s=round(est, 1), wall_s=round(time.perf_counter() - t_run, 1))
         report["rows"].append(row)
-        if row.get("cut"):
-            print(f"    cut at the deadline: {row['prefilled_tokens']} tokens in {row['prefill_s']:.1f} s", flush=True)
-        else:
-            print(f"    decode {row['decode_ms_per_token']:.2f} ms/token, ttft {row['ttft_s']:.1f} s"
-                  + (f", hit rate {st.hit_rate:.3f}, prefill H2D {st.prefill_bytes_h2d / 2**30:.2f} GiB "
-                     f"({st.prefill_streamed} pages, {st.h2d_copies} copies)" if st else ""), flush=True)
+        _print_row(row)
         write_json(path, report)
         del eng
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_memory()
     tier_rows = [x for x in report["rows"] if x["mode"] == "tier" and not x.get("cut")]
     # one request holds the tier's virtual pages: the host's memory (as sized) plus the resident set
-    report["max_context_tier"] = int(host_bytes // (per_token * 1.1)) + resident_tokens
+    report["max_context_tier"] = int(st.host_bytes // (sizes.device_per_token * 1.1)) + s.resident_tokens
     report["max_context_tier_measured"] = max((x["context"] for x in tier_rows), default=0)
+    # the same with the resident set as large as the device allows (key statistics stay on it)
+    report["max_context_tier_full_device"] = max_context(sizes, st.gpu_bytes, st.host_bytes, s.max_batched_tokens)["tier"]
     write_json(path, report)
     plot(report, out / "host_tier_h200.png")
-    print(f"wrote {path}", flush=True)
+    print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)
     return report
+
+
+def _engine(st: Setup, run: dict):
+    ctx, steps = run["context"], st.settings.decode_steps
+    tokens = run["resident_tokens"] or ctx + steps + 1024
+    return make_engine(st, tokens, run["host_kv_gib"], 1, ctx + steps + 1024)
+
+
+def _print_row(row: dict) -> None:
+    if row.get("cut"):
+        print(f"    cut at the deadline: {row['prefilled_tokens']} tokens in {row['prefill_s']:.1f} s", flush=True)
+        return
+    kept = row.get("prefill_kept_fraction")
+    print(f"    decode {row['decode_ms_per_token']:.2f} ms/token, ttft {row['ttft_s']:.1f} s"
+          + (f", kept {kept:.3f} of causal tiles" if kept is not None else "")
+          + (f", hit rate {row['hit_rate']:.3f}, prefill H2D {row['prefill_bytes_h2d'] / 2**30:.2f} GiB "
+             f"({row['prefill_streamed']} pages, {row['h2d_copies']} copies)" if "hit_rate" in row else "")
+          + f"; run {row['wall_s']:.0f} s (estimated {row['estimate_s']:.0f} s)", flush=True)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -190,22 +163,54 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode ms / token")
-    ax.legend()
-    ax.set_title(f"{report['model']} INT4 KV, {report['device']}, {report['date']}\n{report['command']}", fontsize=7)
+    if ax.get_lines():
+        ax.legend()
+    ax.set_title(f"{report['model']} {report.get('kv_quant', 'int4')} KV, {report['device']}, {report['date']}\n"
+                 f"{report['command']}", fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> tuple[Settings, str]:
+    """Settings and the output folder from the command line; bad values exit 2 with one error line."""
     p = argparse.ArgumentParser(prog="python -m lserve.bench.host_tier", description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    p.add_argument("--resident-tokens", type=int, default=65536)
-    p.add_argument("--deadline", type=float, default=500.0, help="seconds; later runs are skipped")
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="tokens per request (comma-separated)")
+    p.add_argument("--resident-tokens", type=int, default=65536, help="the tier's device-resident set (single mode)")
+    p.add_argument("--deadline", type=float, default=500.0, help="seconds; runs estimated past it are skipped")
+    p.add_argument("--prefill-sparsity", default="auto",
+                   help="block-sparse prefill tau in [0, 1] for both modes (0: off), or 'auto' (the engine's default)")
+    p.add_argument("--max-batched-tokens", type=int, default=8192, help="the engine's token cap per step")
+    p.add_argument("--kv-quant", default="int4", choices=KV_QUANT_CHOICES, help="KV storage (none: bf16 on a GPU)")
+    p.add_argument("--concurrency", action="store_true",
+                   help="N sequences per context decoding together: the all-GPU and the tier's most N, tok/s")
+    p.add_argument("--gpu-kv-gib", type=float, default=0.0, help="device memory for KV (0: free memory less 8 GiB)")
+    p.add_argument("--host-kv-gib", type=float, default=0.0,
+                   help="host memory the tier may take (0: 80%% of what the host has available)")
+    p.add_argument("--decode-steps", type=int, default=DECODE_STEPS, help="decode steps timed per run")
+    p.add_argument("--model", default="llama3-8b", help="a preset (random weights)")
+    p.add_argument("--device", default="cuda", help="cuda (cupy backend) or cpu (torch backend)")
     a = p.parse_args(argv)
-    run(a.out, tuple(int(c) for c in a.contexts.split(",")), a.resident_tokens, a.deadline)
+    try:
+        contexts = tuple(int(c) for c in a.contexts.split(","))
+        s = Settings(contexts, a.resident_tokens, a.deadline, parse_prefill_sparsity(a.prefill_sparsity),
+                     a.max_batched_tokens, a.kv_quant, a.gpu_kv_gib, a.host_kv_gib, decode_steps=a.decode_steps,
+                     concurrency=a.concurrency, model=a.model, device=a.device)
+    except ValueError as e:  # ConfigError too
+        p.error(str(e) if isinstance(e, ConfigError) else f"--contexts must be integers, got {a.contexts!r}")
+    return s, a.out
+
+
+def main(argv=None) -> int:
+    s, out = parse_args(argv)
+    if s.concurrency:
+        from lserve.bench.host_tier_concurrency import run as run_concurrency
+
+        run_concurrency(s, out)
+    else:
+        run(s, out)
     return 0
 
 

@@ -1,0 +1,146 @@
+"""What both host-tier bench modes share: their settings, the model and sizes they measure, and
+the engines they build (:mod:`lserve.bench.host_tier`, :mod:`lserve.bench.host_tier_concurrency`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from lserve.bench.host_tier_sizes import KVSizes, kv_sizes
+from lserve.bench.host_tier_time import TimeModel
+from lserve.config import KV_QUANT_CHOICES, CacheConfig, ConfigError, EngineConfig, available_host_bytes
+
+CONTEXTS = (131072, 524288, 1048576)
+DECODE_STEPS = 32
+HOST_SHARE = 0.8  # of the host's available memory the tier may take by default
+
+
+@dataclass
+class Settings:
+    """The bench's command line (``python -m lserve.bench.host_tier --help``), checked once.
+
+    ``prefill_sparsity``: -1 the engine's "auto", else a tau in [0, 1] for both modes.
+    ``gpu_kv_gib``: device memory for KV (0: free memory less ``reserve_gib``; needed on a CPU).
+    ``host_kv_gib``: the host memory the tier may use (0: ``HOST_SHARE`` of what is available).
+    """
+
+    contexts: tuple[int, ...] = CONTEXTS
+    resident_tokens: int = 65536
+    deadline_s: float = 500.0
+    prefill_sparsity: float = -1.0
+    max_batched_tokens: int = 8192
+    kv_quant: str = "int4"
+    gpu_kv_gib: float = 0.0
+    host_kv_gib: float = 0.0
+    reserve_gib: float = 8.0
+    decode_steps: int = DECODE_STEPS
+    concurrency: bool = False
+    model: str = "llama3-8b"
+    device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        check(bool(self.contexts) and all(c > 0 for c in self.contexts), f"contexts must be > 0, got {self.contexts}")
+        check(self.resident_tokens > 0, f"--resident-tokens must be > 0, got {self.resident_tokens}")
+        check(self.deadline_s > 0, f"--deadline must be > 0 seconds, got {self.deadline_s}")
+        check(self.prefill_sparsity == -1.0 or 0.0 <= self.prefill_sparsity <= 1.0,
+              f"--prefill-sparsity must be in [0, 1] or 'auto', got {self.prefill_sparsity}")
+        check(self.max_batched_tokens >= 16, f"--max-batched-tokens must be >= 16, got {self.max_batched_tokens}")
+        check(self.kv_quant in KV_QUANT_CHOICES, f"--kv-quant must be one of {KV_QUANT_CHOICES}, got {self.kv_quant!r}")
+        check(self.gpu_kv_gib >= 0 and self.host_kv_gib >= 0 and self.reserve_gib >= 0,
+              "--gpu-kv-gib, --host-kv-gib and the reserve must be >= 0")
+        check(self.decode_steps >= 2, f"--decode-steps must be >= 2, got {self.decode_steps}")
+        check(self.device.startswith("cuda") or self.gpu_kv_gib > 0,
+              "--gpu-kv-gib is needed off a GPU (the KV memory of the device being modelled)")
+
+    @property
+    def backend(self) -> str:
+        return "cupy" if self.device.startswith("cuda") else "torch"
+
+
+@dataclass
+class Setup:
+    """The model under test and what the runs are sized from."""
+
+    settings: Settings
+    loaded: object
+    sparsity: object  # SparsityConfig as given (its prefill tau unresolved)
+    prefill_tau: float  # resolved by the engine's rule (0: off; -1: per-layer calibrated taus)
+    prefill_min_len: int
+    sizes: KVSizes
+    gpu_bytes: float
+    host_bytes: float
+    time: TimeModel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.settings.device.startswith("cuda") else torch.float32
+
+    def header(self) -> dict:
+        s = self.settings
+        return {"model": s.model, "kv_quant": s.kv_quant, "sparsity": "lserve", "decode_steps": s.decode_steps,
+                "prefill_sparsity": self.prefill_tau, "prefill_sparsity_min_len": self.prefill_min_len,
+                "max_batched_tokens": s.max_batched_tokens, "kv_bytes_per_token": self.sizes.device_per_token,
+                "host_kv_bytes_per_token": self.sizes.host_per_token, "host_bytes_available": self.host_bytes,
+                "gpu_bytes_for_kv": self.gpu_bytes, "max_context_gpu": int(self.gpu_bytes // self.sizes.device_per_token)}
+
+
+def setup(s: Settings) -> Setup:
+    """Load the model, resolve the prefill tau as the engine will, and size the device and host."""
+    from lserve.bench.e2e import CONFIGS
+    from lserve.engine.llm_engine import build_layout, resolve_prefill, step_alpha
+    from lserve.models.loader import load_model
+
+    dtype = torch.bfloat16 if s.device.startswith("cuda") else torch.float32
+    loaded = load_model(s.model, dtype=dtype, device=s.device)
+    mc = loaded.config
+    sp = replace(CONFIGS["lserve"], prefill_sparsity=s.prefill_sparsity)
+    resolved, _, _ = resolve_prefill(sp, s.device, mc, dtype)
+    sizes = kv_sizes(s.model, mc, sp, s.kv_quant, dtype)
+    if s.gpu_kv_gib:
+        gpu = s.gpu_kv_gib * 2**30
+    else:
+        gpu = torch.cuda.mem_get_info()[0] - s.reserve_gib * 2**30
+    host = s.host_kv_gib * 2**30 if s.host_kv_gib else available_host_bytes() * HOST_SHARE
+    layout = build_layout(EngineConfig(model=s.model, sparsity=sp), mc)
+    tm = TimeModel(step_alpha(mc, layout), sizes.host_per_token, s.max_batched_tokens, sp.prefill_stride)
+    return Setup(s, loaded, sp, resolved.prefill_sparsity, resolved.prefill_sparsity_min_len, sizes, gpu, host, tm)
+
+
+def make_engine(st: Setup, pool_tokens: int, host_kv_gib: float, max_num_seqs: int, max_len: int):
+    """An engine of the bench's model and settings: a dense pool of ``pool_tokens`` tokens (the
+    resident set with the tier), ``host_kv_gib`` of host pages, no prefix cache (every prompt's
+    pages are its own)."""
+    from lserve.engine.llm_engine import LLMEngine
+
+    s = st.settings
+    cache = CacheConfig(dense_pool_tokens=pool_tokens, kv_quant=s.kv_quant, host_kv_gib=host_kv_gib)
+    cfg = EngineConfig(model=s.model, sparsity=st.sparsity, cache=cache, device=s.device, backend=s.backend,
+                       max_num_seqs=max_num_seqs, max_batched_tokens=s.max_batched_tokens, max_model_len=max_len,
+                       allow_long_max_model_len=True, prefix_cache=False)
+    return LLMEngine(cfg, st.loaded)
+
+
+def free_memory() -> None:
+    """Give a dropped engine's memory back before the next one is built (the caller drops it)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def host_kv_row(eng) -> dict:
+    """The tier's counters for a row (empty with the tier off); checks its tables agree."""
+    st = eng.stats().host_kv
+    if st is None:
+        return {}
+    eng.cache.host_tier.check()
+    return {"hit_rate": st.hit_rate, "h2d_bytes_total": st.bytes_h2d, "h2d_bytes_last_step": st.step_bytes_h2d,
+            "d2h_bytes_total": st.bytes_d2h, "fetched": st.fetched, "streamed": st.streamed, "spilled": st.spilled,
+            "prefill_streamed": st.prefill_streamed, "prefill_bytes_h2d": st.prefill_bytes_h2d,
+            "h2d_copies": st.h2d_copies, "virtual_tokens": eng.cache.dense_alloc.num_pages * eng.cache.page_size}

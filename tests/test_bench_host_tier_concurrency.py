@@ -1,0 +1,96 @@
+"""The host tier's capacity arithmetic (llama3-8b sizes against the H200 run) and the concurrency
+mode on the CPU with the tiny preset: sequences held all-GPU and with the tier, decoding together."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lserve.bench.e2e import CONFIGS
+from lserve.bench.host_tier import main, parse_args
+from lserve.bench.host_tier_common import make_engine, setup
+from lserve.bench.host_tier_concurrency import admits, plan
+from lserve.bench.host_tier_sizes import kv_sizes, max_context, seqs_all_gpu, seqs_tier, tier_split
+from lserve.models.presets import preset_config
+
+GPU, HOST = 124586688512.0, 107220487372.8  # benchmarks/host_tier/host_tier_h200.json
+
+
+@pytest.fixture(scope="module")
+def llama_int4():
+    return kv_sizes("llama3-8b", preset_config("llama3-8b"), CONFIGS["lserve"], "int4", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def llama_bf16():
+    return kv_sizes("llama3-8b", preset_config("llama3-8b"), CONFIGS["lserve"], "none", torch.bfloat16)
+
+
+def test_llama3_8b_bytes_per_token(llama_int4, llama_bf16):
+    # the H200 JSON's kv_bytes_per_token; the host keeps K, V and scales, the device also 4 KiB of key stats
+    assert llama_int4.device_per_token == 22528 and llama_int4.host_per_token == 18432
+    assert llama_bf16.device_per_token == 69632 and llama_bf16.host_per_token == 65536
+    assert llama_int4.stats_per_token == llama_bf16.stats_per_token == 4096
+
+
+def test_longest_context_of_the_h200_with_its_host(llama_int4):
+    mx = max_context(llama_int4, GPU, HOST, 8192)
+    assert mx["gpu"] == pytest.approx(5530304, abs=1000)  # the JSON's max_context_gpu
+    assert 10_000_000 < mx["tier"] < 10_400_000  # the whole device and the host's 80%: just past 10M
+
+
+def test_sequences_at_128k_bf16_all_gpu_and_with_the_tier(llama_bf16):
+    tokens = 131072 + 600
+    assert seqs_all_gpu(llama_bf16, GPU, tokens) == 13
+    # the device's host RAM gives ~1.9x, not the 3x (39) that needs ~240 GB of host memory
+    assert seqs_tier(llama_bf16, GPU, 100 * 2**30, tokens, 8192) == 25
+    assert seqs_tier(llama_bf16, GPU, 230e9, tokens, 8192) == 38
+    assert seqs_tier(llama_bf16, GPU, 240e9, tokens, 8192) == 39
+
+
+ARGS = ["--concurrency", "--model", "tiny", "--device", "cpu", "--contexts", "768", "--kv-quant", "none",
+        "--gpu-kv-gib", "0.005", "--host-kv-gib", "0.01", "--max-batched-tokens", "256", "--decode-steps", "3"]
+
+
+def test_the_engines_admit_what_the_arithmetic_plans_and_no_more(tmp_path):
+    from lserve.engine import SamplingParams
+
+    s, _ = parse_args([str(tmp_path), *ARGS])
+    st = setup(s)
+    gpu, tier = plan(st, 768)
+    assert gpu["n_seqs"] >= 1 and tier["n_seqs"] > gpu["n_seqs"]
+    for r in (gpu, tier):
+        eng = make_engine(st, r["pool_tokens"], r["host_kv_gib"], r["n_seqs"], r["seq_tokens"] + 64)
+        assert admits(eng, r["seq_tokens"]) == r["n_seqs"]
+        assert (eng.cache.host_tier is not None) == (r["mode"] == "tier")
+    split = tier_split(st.sizes, st.gpu_bytes, st.host_bytes, tier["n_seqs"], 256)
+    assert eng.cache.dense_alloc.num_pages == split["virtual_pages"]  # the tier's engine, as the arithmetic says
+    assert eng.cache.nbytes()["dense"] + eng.cache.nbytes()["streaming"] <= st.gpu_bytes
+    # a sequence more than the all-GPU engine admits never gets its first token while the others hold theirs
+    eng = make_engine(st, gpu["pool_tokens"], 0.0, gpu["n_seqs"], gpu["seq_tokens"] + 64)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=gpu["seq_tokens"] - 768, temperature=0, ignore_eos=True)
+    rids = [eng.add_request(torch.randint(0, 500, (768,), generator=g).tolist(), params)
+            for _ in range(gpu["n_seqs"] + 1)]
+    first, done = set(), False
+    for _ in range(400):  # until one of the admitted ones finishes (and frees its pages)
+        outs = eng.step()
+        first |= {o.request_id for o in outs if o.token_ids}
+        if any(o.finished for o in outs):
+            done = True
+            break
+    assert done and first == set(rids[:-1])
+
+
+def test_concurrency_cli_holds_more_sequences_with_the_tier(tmp_path, capsys):
+    assert main([str(tmp_path), *ARGS]) == 0
+    report = json.loads((tmp_path / "host_tier_concurrency.json").read_text())
+    gpu, tier = report["rows"]
+    assert (gpu["mode"], tier["mode"]) == ("gpu", "tier") and report["kv_quant"] == "none"
+    for r in (gpu, tier):
+        assert r["held_all"] and r["freed"] and r["n_seqs"] == r["n_seqs_planned"] and r["output_tok_s"] > 0
+    assert tier["n_seqs"] > gpu["n_seqs"] and tier["h2d_bytes_per_decode_step"] > 0
+    assert report["ratios"]["768"]["seqs"] == tier["n_seqs"] / gpu["n_seqs"]
+    assert f"{tier['n_seqs']}/{tier['n_seqs']} decoding" in capsys.readouterr().out
