@@ -388,7 +388,7 @@ class CacheConfig:
     dense_pool_tokens: int = setting(65536, "dense-pool capacity in tokens", flag="max_cache_tokens")
     kv_quant: str = setting("none", "KV cache quantization", choices=KV_QUANT_CHOICES)
     host_kv_gib: float = setting(0.0, "host memory (GiB) for dense heads' KV pages past the --max-cache-tokens "
-                                      "resident on the device (torch backend; 0: off)")
+                                      "resident on the device (torch and cupy backends; 0: off)")
 
     def __post_init__(self) -> None:
         _check(self.page_size > 0 and self.logical_page_size > 0, "page sizes must be positive")
