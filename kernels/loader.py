@@ -42,15 +42,16 @@ FAMILIES = {
     "bsp_prefill_wg": ("bsp_prefill_wg.cu", ("ls_bsp_prefill_wg",)),  # the same on Hopper wgmma (sm_90a)
     "bsp_prefill_ws": ("bsp_prefill_ws.cu", ("ls_bsp_prefill_ws",)),  # warp-specialized wgmma (sm_90a, D 128)
     "bsp_prefill_ws4": ("bsp_prefill_ws4.cu", ("ls_bsp_prefill_ws4",)),  # v4: 128 keys a step, Q in smem
+    "bsp_prefill_v5": ("bsp_prefill_v5.cu", ("ls_bsp_prefill_v5",)),  # v5: v3 with pool K/V by TMA (tensor_map.py)
     "prefill_estimate": ("prefill_estimate.cu", ("ls_antidiag_mass",)),  # block masses of a prefill chunk
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }
-TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "bsp_prefill_wg", "bsp_prefill_ws", "bsp_prefill_ws4", "decode_tc",
-                        "selector_tc")
+TENSOR_CORE_FAMILIES = ("prefill", "bsp_prefill", "bsp_prefill_wg", "bsp_prefill_ws", "bsp_prefill_ws4",
+                        "bsp_prefill_v5", "decode_tc", "selector_tc")
 # Families built for sm_90a exactly (architecture-specific instructions: wgmma); NVRTC is asked for
 # that target directly, since CuPy's RawModule picks the plain compute capability.
-SM90A_FAMILIES = ("bsp_prefill_wg", "bsp_prefill_ws", "bsp_prefill_ws4")
+SM90A_FAMILIES = ("bsp_prefill_wg", "bsp_prefill_ws", "bsp_prefill_ws4", "bsp_prefill_v5")
 # Families that take a TierLayer pointer and have an LS_TIER build (kernels/tier.cuh).
 TIER_FAMILIES = ("kv_write", "decode", "decode_tc")
 DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -312,6 +313,8 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("bsp_prefill_ws", dt, d, tuning=(f"LS_BSP_SWIZZLE={sw}", f"LS_BSP_PINGPONG={pp}")))
                     for st in (2, 3):
                         out.append(Variant("bsp_prefill_ws4", dt, d, tuning=(f"LS_BSP_STAGES={st}",)))
+                    for st in (2, 3, 4):
+                        out.append(Variant("bsp_prefill_v5", dt, d, tuning=(f"LS_BSP_STAGES={st}",)))
             out.append(Variant("fused", dt, d))
     return out
 

@@ -1,6 +1,7 @@
-// Hopper (sm_90a) producer/consumer plumbing of the warp-specialized prefill kernel: shared-memory
+// Hopper (sm_90a) producer/consumer plumbing of the warp-specialized prefill kernels: shared-memory
 // mbarriers (init, arrive, parity wait), cp.async completion counted on an mbarrier, named barriers
-// for one warpgroup, and setmaxnreg (moving registers between warpgroups). PTX ISA 8.0+.
+// for one warpgroup, setmaxnreg (moving registers between warpgroups), and TMA tensor copies whose
+// bytes complete on an mbarrier (PTX ISA 8.0+; the tensormap proxy fence needs 8.3).
 #pragma once
 #include "common.cuh"
 
@@ -34,3 +35,25 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+
+// Arrive once and add ``bytes`` to the barrier's expected transaction count: its phase completes
+// when every arrival came and the TMA copies that name it delivered that many bytes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// A tensor map written to global memory by the host (cudaMemcpy) is not acquired by the tensormap
+// proxy at kernel start: each thread that issues copies through it fences it first (PTX ISA 8.3).
+__device__ __forceinline__ void tensormap_acquire(const void* map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;" ::"l"(map) : "memory");
+}
+__device__ __forceinline__ void tensormap_prefetch(const void* map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
+// TMA: the box of a 4-D tensor map at coordinates (c0 innermost .. c3) into shared memory at ``dst``,
+// its bytes counted on mbarrier ``bar`` (complete_tx). The box lands in the map's swizzle, computed
+// from the shared address, so ``dst`` is kept 1024-byte aligned for the 128-byte swizzle.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const void* map, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
+        ::"r"(dst), "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}

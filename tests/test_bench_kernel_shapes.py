@@ -101,11 +101,13 @@ def test_bsp_prefill_variants_flag_names_the_warp_specialized_shapes(monkeypatch
         return {"parity": [], "rows": []}
 
     monkeypatch.setattr(bsp_bench, "run", run)
-    bsp_bench.main(["out", "--variants", "ws_s3", "wsi_s3", "wsp_s4", "mma_mt2_w4", "v4_s2", "v4_s3"])
+    bsp_bench.main(["out", "--variants", "ws_s3", "wsi_s3", "wsp_s4", "mma_mt2_w4", "v4_s2", "v4_s3", "v5_s2", "v5_s3",
+                    "v5_s4"])
     assert [(v.impl, v.stages, v.rows, v.threads) for v in got["variants"]] == [
         ("ws", 3, 128, 384), ("wsi", 3, 128, 384), ("wsp", 4, 128, 384), ("mma", 3, 128, 128), ("v4", 2, 128, 384),
-        ("v4", 3, 128, 384)]
-    for bad in ("ws_s9", "v4_s4"):
+        ("v4", 3, 128, 384), ("v5", 2, 128, 384), ("v5", 3, 128, 384), ("v5", 4, 128, 384)]
+    assert "v5_s3" in [v.name for v in bsp_bench.VARIANTS]  # the GPU test's parity and the default run
+    for bad in ("ws_s9", "v4_s4", "v5_s5"):
         with pytest.raises(SystemExit) as e:
             bsp_bench.main(["out", "--variants", bad])
         assert e.value.code == 2 and f"unknown variant {bad}" in capsys.readouterr().err

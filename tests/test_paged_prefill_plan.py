@@ -134,3 +134,50 @@ def test_ablations_are_timing_studies_of_ws_only(capsys):
     with pytest.raises(SystemExit):
         bench.main(["out", "--variants", "ws_s3_noload", "ws_s3_nopv"])
     assert "not a timing study" in capsys.readouterr().err
+
+
+def test_v5_shapes_name_their_kernel_fit_shared_memory_and_are_not_the_default():
+    shapes = [bsp.TileShape("v5", 1, 8, stages=s) for s in (2, 3, 4)]
+    assert [(s.rows, s.threads, s.name) for s in shapes] == [(128, 384, f"v5_s{n}") for n in (2, 3, 4)]
+    assert all(s.warp_specialized for s in shapes)
+    for s in shapes:
+        var = s.variant("fp16", 128)
+        assert (var.family, var.dtype, var.tuning) == ("bsp_prefill_v5", "fp16", (f"LS_BSP_STAGES={s.stages}",))
+        # v3's layout: the ring, the Q staging and two mbarriers a stage, within the 227 KiB of a Hopper CTA
+        ws = bsp.TileShape("ws", 1, 8, stages=s.stages)
+        assert s.smem_bytes(128) == ws.smem_bytes(128) == 1024 + s.stages * 32768 + 128 * 136 * 2 + 16 * s.stages
+        assert s.smem_bytes(128) <= 227 * 1024
+    assert not shapes[0].supports(64)
+    with pytest.raises(ValueError, match="head_dim 128 only"):
+        shapes[0].variant("bf16", 64)
+    for bad in (dict(stages=1), dict(stages=5), dict(warps=4), dict(mt=2), dict(ablate=1)):
+        with pytest.raises(ValueError, match="bad tile shape"):
+            bsp.TileShape(**{"impl": "v5", "mt": 1, "warps": 8, **bad})
+    assert bsp.default_shape(128, (9, 0)) == bsp.WS  # v5 has not run on a GPU
+    p = bsp.plan([bsp.PrefillSeq(0, 0, 1000, 0, None)], 8, 1, "cpu", shapes[1])
+    assert max(t[2] - t[1] for t in p.tiles.tolist()) == 16 and p.shape is shapes[1]
+
+
+def test_v5_tensor_maps_only_for_contiguous_pools_whose_pages_tile_a_block(monkeypatch):
+    """``tma_maps``: None without a pool or for pages TMA boxes do not tile (the kernel then copies
+    with cp.async), a refusal for a strided pool, else the maps of both pools (encoding faked: no driver)."""
+    from lserve.kernels import tensor_map
+
+    seen = []
+
+    def fake(pk, pv, block):
+        seen.append((tuple(pk.shape), block))
+        return "maps"
+
+    monkeypatch.setattr(tensor_map, "pool_tensor_maps", fake)
+    assert bsp.tma_maps(None, None) is None
+    for page in (4, 24, 48, 96):
+        pk = torch.zeros(3, 2, page, 128, dtype=torch.bfloat16)
+        assert bsp.tma_maps(pk, pk.clone()) is None
+    for page in (8, 16, 32, 64, 128, 256):
+        pk = torch.zeros(3, 2, page, 128, dtype=torch.bfloat16)
+        assert bsp.tma_maps(pk, pk.clone()) == "maps"
+    assert seen == [((3, 2, p, 128), bsp.BN) for p in (8, 16, 32, 64, 128, 256)]
+    strided = torch.zeros(3, 2, 64, 256, dtype=torch.bfloat16)[..., :128]
+    with pytest.raises(ValueError, match="contiguous"):
+        bsp.tma_maps(strided, strided)

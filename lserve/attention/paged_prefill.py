@@ -27,6 +27,8 @@ WS_IMPLS = {"ws": (1, 0), "wsp": (1, 1), "wsi": (0, 0)}
 # v4 (``kernels/bsp_prefill_ws4.cu``): 128 keys (two list blocks) per pipeline step, Q in shared memory
 V4 = "v4"
 V4_STAGES = (2, 3)  # a stage holds 128 keys of K and of V (64 KiB): three fill the 227 KiB a CTA may use
+# v5 (``kernels/bsp_prefill_v5.cu``): v3 ("ws") with the pool's K/V blocks loaded by TMA
+V5 = "v5"
 # timing studies of "ws" (LS_BSP_ABLATE in kernels/bsp_prefill_ws.cu): the part each leaves out.
 # Their outputs are wrong by design: the bench times them beside the full kernel, nothing else runs them.
 ABLATIONS = {1: "noload", 2: "nosoftmax", 3: "nopv", 4: "noexp"}
@@ -49,7 +51,10 @@ class TileShape:
     head dim 128 on sm_90 (:func:`default_shape`). "v4": ``kernels/bsp_prefill_ws4.cu`` (sm_90a, head
     dim 128), the same producer and two consumer warpgroups over 128 keys (two list blocks) per step,
     Q in shared memory (S by SS-wgmma), K and V in separate ``stages``-deep rings (2 or 3):
-    13% slower than "ws" on the H200 (``bsp_prefill_v4_h200.json``), a sandbox variant.
+    13% slower than "ws" on the H200 (``bsp_prefill_v4_h200.json``), a sandbox variant. "v5":
+    ``kernels/bsp_prefill_v5.cu`` (sm_90a, head dim 128), "ws" with the producer's pool K/V loads
+    done by TMA (one thread, tensor maps from :mod:`lserve.kernels.tensor_map`; ``stages`` 2-4);
+    not yet run on a GPU, a sandbox variant.
     ``ablate`` (``ws`` only, :data:`ABLATIONS`): a timing study leaving one part of the kernel out.
     """
 
@@ -62,7 +67,8 @@ class TileShape:
     def __post_init__(self) -> None:
         ok = (self.impl == "mma" or (self.impl == "wg" and self.mt == 1 and self.warps % 4 == 0)
               or (self.impl in WS_IMPLS and self.mt == 1 and self.warps == 8 and 2 <= self.stages <= 4)
-              or (self.impl == V4 and self.mt == 1 and self.warps == 8 and self.stages in V4_STAGES))
+              or (self.impl == V4 and self.mt == 1 and self.warps == 8 and self.stages in V4_STAGES)
+              or (self.impl == V5 and self.mt == 1 and self.warps == 8 and 2 <= self.stages <= 4))
         if not ok or self.mt < 1 or self.warps < 1 or (self.ablate and (self.impl != "ws" or self.ablate not in ABLATIONS)):
             raise ValueError(f"bad tile shape {self}")
 
@@ -78,8 +84,8 @@ class TileShape:
 
     @property
     def warp_specialized(self) -> bool:
-        """A producer warpgroup feeds a ring of K/V stages ("ws", "wsp", "wsi", "v4")."""
-        return self.impl in WS_IMPLS or self.impl == V4
+        """A producer warpgroup feeds a ring of K/V stages ("ws", "wsp", "wsi", "v4", "v5")."""
+        return self.impl in WS_IMPLS or self.impl in (V4, V5)
 
     @property
     def name(self) -> str:
@@ -93,11 +99,11 @@ class TileShape:
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory of one CTA: the Q tile and the stages of K and V blocks (two for
-        "mma"/"wg"; "ws": ``stages``, 1024-byte aligned for the swizzle, plus two mbarriers per stage;
+        "mma"/"wg"; "ws" and "v5": ``stages``, 1024-byte aligned for the swizzle, plus two mbarriers per stage;
         "v4": ``stages`` K tiles and V tiles of 128 keys, the swizzled Q tile and four mbarriers per stage)."""
         if self.impl == V4:
             return 1024 + self.stages * 2 * 2 * BN * head_dim * 2 + self.rows * head_dim * 2 + 32 * self.stages
-        if self.impl in WS_IMPLS:
+        if self.impl in WS_IMPLS or self.impl == V5:
             return 1024 + self.stages * 2 * BN * head_dim * 2 + self.rows * (head_dim + 8) * 2 + 16 * self.stages
         if self.impl == "wg":
             return 4 * BN * head_dim * 2 + self.rows * (head_dim + 8) * 2
@@ -112,6 +118,8 @@ class TileShape:
             return Variant("bsp_prefill_wg", dtype, head_dim, tuning=(f"LS_BSP_WG={self.warps // 4}",))
         if self.impl == V4:
             return Variant("bsp_prefill_ws4", dtype, head_dim, tuning=(f"LS_BSP_STAGES={self.stages}",))
+        if self.impl == V5:
+            return Variant("bsp_prefill_v5", dtype, head_dim, tuning=(f"LS_BSP_STAGES={self.stages}",))
         if self.impl in WS_IMPLS:
             ablate = (f"LS_BSP_ABLATE={self.ablate}",) if self.ablate else ()
             return Variant("bsp_prefill_ws", dtype, head_dim,
@@ -247,8 +255,10 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
     n_dense : int
         KV heads ``< n_dense`` are dense (block lists, pool), the others streaming (sink + local).
     pool : tuple of torch.Tensor, optional
-        Dense K and V pools [P, n_dense, page_size, D]; ``pages`` int32 holds each sequence's pages
-        from its ``page_off``.
+        Dense K and V pools [P, n_dense, page_size, D], contiguous; ``pages`` int32 holds each
+        sequence's pages from its ``page_off``.
+
+    The "v5" shape also takes the pools' TMA tensor maps (:func:`tma_maps`).
     """
     from lserve.kernels.loader import FAMILIES, LOG2E, f32, get_kernel, i32, i64, launch, ptr
 
@@ -264,8 +274,29 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
            (ptr(q), i64(q.stride(0)), ptr(out), i64(out.stride(0)), ptr(k), ptr(v), i64(k.stride(0)),
             ptr(pk), ptr(pv), i32(pool_heads), i32(page_size), ptr(pages), ptr(p.tiles), ptr(p.seqs),
             ptr(p.rowptr), ptr(p.indices), i32(p.n_rows), i32(head0), i32(n_dense), i32(p.group),
-            i32(sink), i32(local), f32(scale * LOG2E)),
+            i32(sink), i32(local), f32(scale * LOG2E)) + ((ptr(tma_maps(pk, pv)),) if p.shape.impl == V5 else ()),
            shared_mem=p.shape.smem_bytes(d))
+
+
+def tma_maps(pool_k: torch.Tensor | None, pool_v: torch.Tensor | None) -> torch.Tensor | None:
+    """The "v5" kernel's tensor maps of the pools (:func:`lserve.kernels.tensor_map.pool_tensor_maps`),
+    or None where it copies every block with cp.async as "ws" does: no pool, or pages that TMA
+    boxes do not tile (:func:`lserve.kernels.tensor_map.box_rows`).
+
+    Raises
+    ------
+    ValueError
+        For a pool that is not contiguous (the kernel's cp.async path computes contiguous offsets).
+    """
+    from lserve.kernels.tensor_map import box_rows, pool_tensor_maps
+
+    if pool_k is None:
+        return None
+    if not (pool_k.is_contiguous() and pool_v.is_contiguous()):
+        raise ValueError("the v5 prefill kernel needs contiguous K/V pools")
+    if box_rows(pool_k.shape[2], BN) is None:
+        return None
+    return pool_tensor_maps(pool_k, pool_v, BN)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, n_dense: int, scale: float,

@@ -52,11 +52,12 @@ CONTEXTS = (32768, 131072, 262144)
 FRACTIONS = (0.1, 0.2, 0.3, 0.5)
 VARIANTS = (bsp.TileShape("mma", 2, 4), bsp.TileShape("mma", 1, 8), bsp.TileShape("wg", 1, 8),
             bsp.TileShape("wg", 1, 4), *(bsp.TileShape(i, 1, 8) for i in bsp.WS_IMPLS),
-            *(bsp.TileShape(bsp.V4, 1, 8, stages=s) for s in bsp.V4_STAGES))
+            *(bsp.TileShape(bsp.V4, 1, 8, stages=s) for s in bsp.V4_STAGES), bsp.TileShape(bsp.V5, 1, 8, stages=3))
 # every shape --variants may name: VARIANTS (the default run, and the GPU test's parity) plus the
-# warp-specialized kernel's other ring depths (parity-checked by the run that names them) and the
-# timing studies of "ws_s3" (bsp.ABLATIONS: speed only, no parity, never the rows' kernel)
-SHAPES = {v.name: v for v in VARIANTS + tuple(bsp.TileShape(i, 1, 8, stages=s) for i in bsp.WS_IMPLS for s in (2, 4))
+# warp-specialized kernels' other ring depths (v3 and v5; parity-checked by the run that names them) and
+# the timing studies of "ws_s3" (bsp.ABLATIONS: speed only, no parity, never the rows' kernel)
+SHAPES = {v.name: v for v in VARIANTS
+          + tuple(bsp.TileShape(i, 1, 8, stages=s) for i in (*bsp.WS_IMPLS, bsp.V5) for s in (2, 4))
           + tuple(bsp.TileShape("ws", 1, 8, stages=3, ablate=a) for a in bsp.ABLATIONS)}
 DEFAULT_MODEL = "llama3-8b"
 SINK, LOCAL = 128, 256
@@ -106,8 +107,11 @@ def shuffled_pages(k: torch.Tensor, v: torch.Tensor, n_dense: int, page: int, ge
     return (pk, pv), order.to(torch.int32)
 
 
-def _case(name: str, group: int, d: int, hkv: int, n_dense: int, start: int, n: int, page: int, frac: float | None,
-          variant, seed: int, q_block: int = 256) -> dict:
+def parity_case(name: str, group: int, d: int, hkv: int, n_dense: int, start: int, n: int, page: int,
+                frac: float | None, variant, seed: int, q_block: int = 256) -> dict:
+    """One launch of ``variant`` on fresh inputs against the oracle: ``hkv`` KV heads (the first
+    ``n_dense`` dense, read from a pool of ``page``-key shuffled pages; streaming ones when ``start``
+    is 0), ``n`` queries after ``start`` cached keys, a random list keeping ``frac`` (None: every block)."""
     gen = torch.Generator().manual_seed(seed)
     dev, dt = "cuda", torch.bfloat16
     hq, L = hkv * group, start + n
@@ -152,7 +156,7 @@ def parity(variants=VARIANTS, seed: int = 0) -> list[dict]:
             if not var.supports(d):
                 continue  # the wgmma kernels are head_dim 128 only (TileShape.supports)
             name = f"g{g}_d{d}_h{hkv}_nd{nd}_s{start}_n{n}_p{page}_f{frac}"
-            cases.append(_case(name, g, d, hkv, nd, start, n, page, frac, var, seed + 100 * vi + len(cases)))
+            cases.append(parity_case(name, g, d, hkv, nd, start, n, page, frac, var, seed + 100 * vi + len(cases)))
             print(f"parity {var} {cases[-1]['case']}: {cases[-1]['max_rel_err']}", file=sys.stderr, flush=True)
     return cases
 
@@ -299,7 +303,7 @@ def main(argv=None) -> None:
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS],
                    help="tile shapes by name (impl_mtM_wW; the warp-specialized kernels: ws_sS / wsp_sS / wsi_sS / "
-                        "v4_sS, S stages)")
+                        "v4_sS / v5_sS, S stages)")
     a = p.parse_args(argv)
     bad = [n for n in a.variants if n not in SHAPES]
     if bad:
