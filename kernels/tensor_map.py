@@ -148,7 +148,6 @@ def pool_tensor_maps(pool_k, pool_v, block: int):
     read it have run (the cache holds its last :data:`CACHE_SIZE` entries).
     """
     import torch
-
     from lserve.kernels.loader import dtype_name
 
     pools = (pool_k, pool_v)

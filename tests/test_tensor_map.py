@@ -6,7 +6,6 @@ import ctypes
 
 import pytest
 import torch
-
 from lserve.kernels import tensor_map as tm
 from lserve.kernels.loader import KernelError
 
