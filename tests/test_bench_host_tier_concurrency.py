@@ -94,3 +94,28 @@ def test_concurrency_cli_holds_more_sequences_with_the_tier(tmp_path, capsys):
     assert tier["n_seqs"] > gpu["n_seqs"] and tier["h2d_bytes_per_decode_step"] > 0
     assert report["ratios"]["768"]["seqs"] == tier["n_seqs"] / gpu["n_seqs"]
     assert f"{tier['n_seqs']}/{tier['n_seqs']} decoding" in capsys.readouterr().out
+
+
+def test_capacity_builds_each_engine_at_its_longest_context(tmp_path):
+    """--capacity: the tier's engine holds and admits a request longer than the all-GPU one can."""
+    args = ["--capacity", "--model", "tiny", "--device", "cpu", "--kv-quant", "none", "--gpu-kv-gib", "0.005",
+            "--host-kv-gib", "0.01", "--max-batched-tokens", "256"]
+    assert main([str(tmp_path), *args]) == 0
+    rep = json.loads((tmp_path / "host_tier_capacity.json").read_text())
+    rows = {r["mode"]: r for r in rep["rows"]}
+    assert rows["tier"]["tokens"] > 2 * rows["gpu"]["tokens"] > 0
+    for r in rows.values():
+        assert r["held_sequences"] == 1 and r["refused"] is None, r
+    assert rep["command"] and rep["date"] and rep["device"]
+    # the check is real: the all-GPU engine refuses the tier's length
+    from lserve.engine import SamplingParams
+    from lserve.engine.request_check import RequestError
+
+    s, _ = parse_args([str(tmp_path), *args])
+    st = setup(s)
+    g = rows["gpu"]
+    eng = make_engine(st, g["pool_tokens"], 0.0, 1, rows["tier"]["tokens"] + 64)
+    with pytest.raises(RequestError):
+        eng.check_request([1] * rows["tier"]["tokens"], SamplingParams(max_tokens=8))
+    with pytest.raises(SystemExit):
+        parse_args([str(tmp_path), *args, "--concurrency"])

@@ -13,7 +13,8 @@ context first (tier, then all-GPU), so a cut loses the longest; a run whose esti
 (:mod:`lserve.bench.host_tier_time`) would pass the deadline is listed as skipped, and one that
 passes it while prefilling is aborted and kept as a ``cut`` row (tokens prefilled, seconds).
 Progress lines (one per prefill chunk) go to stdout. ``--concurrency``: many 128k sequences at
-once instead (:mod:`lserve.bench.host_tier_concurrency`).
+once instead (:mod:`lserve.bench.host_tier_concurrency`); ``--capacity``: the longest context each
+mode's engine builds and admits, nothing prefilled (:mod:`lserve.bench.host_tier_capacity`).
 """
 
 from __future__ import annotations
@@ -186,6 +187,8 @@ def parse_args(argv=None) -> tuple[Settings, str]:
     p.add_argument("--kv-quant", default="int4", choices=KV_QUANT_CHOICES, help="KV storage (none: bf16 on a GPU)")
     p.add_argument("--concurrency", action="store_true",
                    help="N sequences per context decoding together: the all-GPU and the tier's most N, tok/s")
+    p.add_argument("--capacity", action="store_true",
+                   help="the longest context one sequence holds, all-GPU and with the tier: each engine built, nothing prefilled")
     p.add_argument("--gpu-kv-gib", type=float, default=0.0, help="device memory for KV (0: free memory less 8 GiB)")
     p.add_argument("--host-kv-gib", type=float, default=0.0,
                    help="host memory the tier may take (0: 80%% of what the host has available)")
@@ -197,7 +200,7 @@ def parse_args(argv=None) -> tuple[Settings, str]:
         contexts = tuple(int(c) for c in a.contexts.split(","))
         s = Settings(contexts, a.resident_tokens, a.deadline, parse_prefill_sparsity(a.prefill_sparsity),
                      a.max_batched_tokens, a.kv_quant, a.gpu_kv_gib, a.host_kv_gib, decode_steps=a.decode_steps,
-                     concurrency=a.concurrency, model=a.model, device=a.device)
+                     concurrency=a.concurrency, capacity=a.capacity, model=a.model, device=a.device)
     except ValueError as e:  # ConfigError too
         p.error(str(e) if isinstance(e, ConfigError) else f"--contexts must be integers, got {a.contexts!r}")
     return s, a.out
@@ -209,6 +212,10 @@ def main(argv=None) -> int:
         from lserve.bench.host_tier_concurrency import run as run_concurrency
 
         run_concurrency(s, out)
+    elif s.capacity:
+        from lserve.bench.host_tier_capacity import run as run_capacity
+
+        run_capacity(s, out)
     else:
         run(s, out)
     return 0

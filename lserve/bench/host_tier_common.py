@@ -36,6 +36,7 @@ class Settings:
     reserve_gib: float = 8.0
     decode_steps: int = DECODE_STEPS
     concurrency: bool = False
+    capacity: bool = False
     model: str = "llama3-8b"
     device: str = "cuda"
 
@@ -54,6 +55,7 @@ class Settings:
         check(self.gpu_kv_gib >= 0 and self.host_kv_gib >= 0 and self.reserve_gib >= 0,
               "--gpu-kv-gib, --host-kv-gib and the reserve must be >= 0")
         check(self.decode_steps >= 2, f"--decode-steps must be >= 2, got {self.decode_steps}")
+        check(not (self.concurrency and self.capacity), "--concurrency and --capacity are separate runs: give one")
         check(self.device.startswith("cuda") or self.gpu_kv_gib > 0,
               "--gpu-kv-gib is needed off a GPU (the KV memory of the device being modelled)")
 
