@@ -23,7 +23,7 @@ def test_engine_parts_add_up_to_the_host_time(smol):
     assert all(parts[p]["mean"] >= 0 for p in PARTS[:-1])
     # the parts (other included) are the host time of the timed pass, which excludes the forward
     total = sum(parts[p]["mean"] for p in PARTS)
-    assert total == pytest.approx(r["host_ms_timed_parts"]["mean"], rel=1e-6, abs=1e-6)
+    assert total == pytest.approx(r["host_ms_timed_parts"]["mean"], abs=1e-3)  # each rounded to 0.1 us
     assert r["forward_ms"]["median"] > r["host_ms"]["median"] > 0
     assert r["cupy_tables_ms"]["median"] > 0  # the GPU path's tables of the same plans ran
 
