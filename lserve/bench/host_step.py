@@ -29,7 +29,9 @@ import argparse
 import asyncio
 import os
 import pickle
+import shlex
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -291,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16, help="concurrent requests of the stream part (0: skip it)")
     ap.add_argument("--stream-tokens", type=int, default=24, help="output tokens of each stream-part request")
     a = ap.parse_args(argv)
+    os.environ.setdefault("LSERVE_BENCH_COMMAND", shlex.join(["python", "-m", "lserve.bench.host_step",
+                                                              *(sys.argv[1:] if argv is None else argv)]))
     if a.context <= DISTINCT or min(a.batches) < 1 or a.steps < 1:
         ap.error("--context must exceed 16 tokens, batches and --steps must be >= 1")
     run(a.out, a.name, a.batches, a.context, a.steps, a.streams, a.stream_tokens)
