@@ -1,4 +1,4 @@
-"""The host-step benchmark on the CPU: its command line, its parts, its stream measurement."""
+"""The host-step benchmark on the CPU: its command line, its parts, its stream and emulated-device measurements."""
 
 from __future__ import annotations
 
@@ -30,9 +30,14 @@ def test_engine_parts_add_up_to_the_host_time(smol):
 
 def test_cli_writes_json_with_command_date_device_and_the_stream_part(tmp_path):
     main(["--out", str(tmp_path), "--name", "hs", "--batches", "2", "--context", "48", "--steps", "2",
-          "--streams", "2", "--stream-tokens", "3"])
+          "--streams", "2", "--stream-tokens", "3", "--device-ms", "3", "--emulated-tokens", "6", "--no-ray"])
     rep = json.loads((tmp_path / "hs.json").read_text())
     assert {"command", "date", "device"} <= set(rep)
     assert [r["batch"] for r in rep["rows"]] == [2]
     s = rep["stream"]
     assert s["streams"] == 2 and s["tokens"] == 6 and s["loop_cpu_us_per_token"] > 0 and s["steps"] >= 3
+    # the emulated device: no step, and no token, comes faster than its 3 ms
+    em = rep["emulated"]
+    assert em["device_ms"] == 3 and em["engine_step_ms"]["2"] >= 3 * 0.98 and em["ray"] is None
+    assert [r["streams"] for r in em["in_process"]] == [1, 2]
+    assert all(r["tokens"] == r["streams"] * 6 and r["itl_p50_ms"] >= 3 * 0.9 for r in em["in_process"])
