@@ -16,6 +16,8 @@ def test_step_read_by_hand():
     assert step_read([2, 1], 2, 1000, 300, [None, None]) == (2000 + 1000 + 300, 4000)
     # layer 1 selects: its dense head reads 256 tokens
     assert step_read([2, 1], 2, 1000, 300, [None, 256]) == (2000 + 256 + 300, 4000)
+    # None: no layer selects, the same as None in every layer
+    assert step_read([2, 1], 2, 1000, 300, None) == step_read([2, 1], 2, 1000, 300, [None, None])
     # every head streaming, context shorter than the ring: all of it
     assert step_read([0, 0], 2, 100, 100, [None, None]) == (400, 400)
     # a selection larger than the context reads the context

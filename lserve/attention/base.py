@@ -120,8 +120,9 @@ class AttentionBackend(ABC):
         meter.begin_step()
         for s in decode:
             stream = ring_tokens(c.ring.page_in_slot(s.length), s.length, N) if c.has_streaming else 0
-            per_layer = [None] * len(self._selecting)
+            per_layer = None  # no layer reads a selection
             if s.dynamic:
+                per_layer = [None] * len(self._selecting)
                 for i in range(len(per_layer)):
                     k = self.layer_budget(i, s)
                     if k:

@@ -27,6 +27,11 @@ from lserve.models.loader import LoadedModel
 log = logging.getLogger("lserve")
 
 
+def _put_all(puts: list) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; the replica must be restarted."""
 
@@ -138,10 +143,19 @@ class AsyncEngine:
 
     # -- the loop -----------------------------------------------------------------------------
     def _deliver(self, rid: str, item) -> None:
-        target = self._streams.get(rid)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        self._deliver_all([(rid, item)])
+
+    def _deliver_all(self, items: list) -> None:
+        """Hand ``(request id, item)`` pairs to their consumers, in order: one wake-up per event
+        loop for all of them (a step's outputs), not one per request, which costs the engine
+        thread a self-pipe write and the loop a callback each."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, item in items:
+            target = self._streams.get(rid)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _apply_commands(self) -> None:
         while True:
@@ -169,8 +183,7 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                self._deliver_all([(out.request_id, out) for out in self.engine.step()])
         except BaseException as e:  # noqa: BLE001 - any crash must reach every waiting request
             log.error("engine loop crashed: %s", traceback.format_exc())
             self.error = e

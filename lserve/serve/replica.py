@@ -85,6 +85,7 @@ class EngineReplica:
         self.sparsity = facts["sparsity"]
         self.metrics: EngineMetrics = get_engine_metrics(self.model_name, self.replica_id)
         self.metrics.init_series(host_kv=self.engine.stats().host_kv is not None)
+        self._itl = self.metrics.of(self.metrics.itl)  # observed per token: its labelled series, looked up once
         self._queued: dict[str, int] = {}  # request id -> prompt tokens not yet prefilled
         self._ids = itertools.count()
         self.aborted = 0  # see _count_end
@@ -141,7 +142,6 @@ class EngineReplica:
             yield {"type": "error", "status": 400, "message": str(e), "param": None, "code": None}
             return
         self._queued[rid] = len(ids)
-        m = self.metrics
         finished, reason = False, "abort"
         stream = None
         try:
@@ -160,7 +160,7 @@ class EngineReplica:
                 if last is not None and n_new:
                     per = (now - last) / n_new
                     for _ in range(n_new):
-                        m.of(m.itl).observe(per)
+                        self._itl.observe(per)
                 if n_new:
                     last = now
                 if out.finished:

@@ -61,7 +61,7 @@ def selected_tokens(length: int, page_size: int, budget_pages: int, pages_at_sel
 
 
 def step_read(n_dense: Sequence[int], num_kv_heads: int, length: int, stream_tokens: int,
-              selected: Sequence[int | None]) -> tuple[int, int]:
+              selected: Sequence[int | None] | None) -> tuple[int, int]:
     """Head-tokens read by one sequence's decode step, and those dense attention reads.
 
     Parameters
@@ -73,19 +73,24 @@ def step_read(n_dense: Sequence[int], num_kv_heads: int, length: int, stream_tok
         Tokens in the cache.
     stream_tokens : int
         Tokens each streaming head reads (:func:`ring_tokens`).
-    selected : sequence of (int or None)
+    selected : sequence of (int or None), or None
         Per layer: tokens each dense head reads when the layer selects (:func:`selected_tokens`),
-        None when its dense heads read every token.
+        None when its dense heads read every token; None alone: no layer selects.
 
     Returns
     -------
     (int, int)
         ``(read, dense)`` head-tokens; ``read / dense`` is the fraction of dense KV bytes.
     """
-    read = 0
-    for nd, sel in zip(n_dense, selected, strict=True):
-        read += nd * (length if sel is None else min(sel, length)) + (num_kv_heads - nd) * min(stream_tokens, length)
-    return read, len(n_dense) * num_kv_heads * length
+    dense_heads, all_heads = sum(n_dense), len(n_dense) * num_kv_heads
+    # every dense head reads all tokens, every streaming head its ring; then the selecting layers'
+    # savings (one pass over the layers only where some select: it runs per sequence and step)
+    read = dense_heads * length + (all_heads - dense_heads) * min(stream_tokens, length)
+    if selected is not None:
+        for nd, sel in zip(n_dense, selected, strict=True):
+            if sel is not None and sel < length:
+                read -= nd * (length - sel)
+    return read, all_heads * length
 
 
 @dataclass

@@ -57,8 +57,7 @@ class SeqPlan:
     dynamic: bool  # decode with page selection active
     budget_pages: int  # K physical pages (when dynamic)
     select: bool  # run the selector now (else reuse the last selection)
-    ring_pages: torch.Tensor  # long [R]: streaming pages to read (slots holding data)
-    ring_first_pos: torch.Tensor  # long [R]: position of the first token of each read page
+    ring: list  # (streaming page, position of its first token) of each ring slot holding data
     pages_at_select: int = 0  # dense pages at the selection this step uses (when dynamic)
 
     @cached_property
@@ -66,6 +65,18 @@ class SeqPlan:
         """long [n]: dense pages, logical order (built on first use: O(context) host work that
         the CUDA kernels' backend, which reads ``step.dense_pages``, never asks for)."""
         return torch.tensor(self.step.dense_pages[: self.n_pages], dtype=torch.long, device=self.device)
+
+    # The ring as tensors, built on first use too: the torch backend reads them, the CUDA
+    # kernels' backend builds its own tables (two tensors per sequence and step saved there).
+    @cached_property
+    def ring_pages(self) -> torch.Tensor:
+        """long [R]: streaming pages to read (slots holding data)."""
+        return _long([p for p, _ in self.ring], self.device)
+
+    @cached_property
+    def ring_first_pos(self) -> torch.Tensor:
+        """long [R]: position of the first token of each page of :attr:`ring_pages`."""
+        return _long([pos for _, pos in self.ring], self.device)
 
 
 @dataclass
@@ -93,8 +104,7 @@ class StepPlan:
         def mv(t):
             return t.to(device)
 
-        seqs = [replace(s, device=torch.device(device), ring_pages=mv(s.ring_pages),
-                        ring_first_pos=mv(s.ring_first_pos)) for s in self.seqs]
+        seqs = [replace(s, device=torch.device(device)) for s in self.seqs]
         return StepPlan(seqs, self.num_tokens, *(tuple(mv(t) for t in w) for w in (
             self.dense_write_decode, self.dense_write_prefill, self.stream_write_decode, self.stream_write_prefill)))
 
@@ -268,12 +278,10 @@ class StepPlanner:
         # before it at prefill (the chunk's own tokens come fresh).
         seen = length if s.decode else s.start
         slots = self.cache.ring.page_in_slot(seen) if self.cache.has_streaming else []
-        live = [(r, i) for r, i in enumerate(slots) if i >= 0]
         return SeqPlan(
             step=s, t0=t0, t1=t0 + s.num_new, length=length,
             n_pages=n_pages, device=torch.device(dev),
             dynamic=dynamic, budget_pages=k, select=select,
-            ring_pages=_long([s.stream_pages[r] for r, _ in live], dev),
-            ring_first_pos=_long([i * N for _, i in live], dev),
+            ring=[(s.stream_pages[r], i * N) for r, i in enumerate(slots) if i >= 0],
             pages_at_select=self._select_pages.get(s.seq_id, n_pages) if dynamic else 0,
         )
