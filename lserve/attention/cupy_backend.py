@@ -67,7 +67,15 @@ from lserve.attention.chunked import (
     grid_segments,
     warm_chunk_plans,
 )
-from lserve.attention.cupy_plan import BudgetView, CupyPlanner, CupyStep, PlanGeometry, SplitK, device_units
+from lserve.attention.cupy_plan import (
+    BudgetView,
+    CupyPlanner,
+    CupyStep,
+    PlanGeometry,
+    SplitK,
+    decode_query_heads,
+    device_units,
+)
 from lserve.attention.cupy_tier import TierPicks
 from lserve.attention.cupy_tuning import CupyTuning
 from lserve.attention.prefill_estimate import antidiagonal_masses
@@ -79,10 +87,6 @@ from lserve.sparsity.plan import SeqStep, StepPlan
 
 TOPK_THREADS = 512
 SCORE_PAGES_MAX = 128  # PPB_MAX in kernels/selector.cu
-
-
-def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
 def _check_rows(t: torch.Tensor, dtype: torch.dtype, heads: int, d: int, name: str, device: torch.device) -> None:
@@ -159,7 +163,7 @@ class CupyBackend(AttentionBackend):
             raise KernelError(f"GQA groups above 32 query heads are not supported (got {self.group})")
         self.dt_name = dtype_name(self.dtype)
         self.kv_quant = self.cache.cfg.kv_quant
-        self.gq = _largest_divisor_at_most(self.group, 8)
+        self.gq = decode_query_heads(self.group)
         self.nqs = self.group // self.gq
         self.qmode = self.sp.select_mode == "query"
         self.hkv = self.model.num_kv_heads

@@ -32,6 +32,13 @@ if TYPE_CHECKING:
 
 MAX_CHUNK = 256  # entries per decode unit (shared-memory table in ls_decode)
 PREFILL_BM = 64  # query rows per ls_prefill tile
+MAX_DECODE_GQ = 8  # query heads of one KV head a decode CTA serves at most
+
+
+def decode_query_heads(group: int) -> int:
+    """Query heads of one KV head that one decode CTA serves: the largest divisor of the GQA
+    ``group`` up to :data:`MAX_DECODE_GQ` (the CTAs of a KV head split its group evenly)."""
+    return max(d for d in range(1, min(group, MAX_DECODE_GQ) + 1) if group % d == 0)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 import lserve.engine.llm_engine as llm_engine_module
-from lserve.attention.cupy_plan import CupyPlanner, PlanGeometry
+from lserve.attention.cupy_plan import CupyPlanner, PlanGeometry, decode_query_heads
 from lserve.bench.report import header, write_json
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 from lserve.engine.async_decode import HostTokens
@@ -157,7 +157,7 @@ def measure_engine(loaded: LoadedModel, context: int, batch: int, steps: int, wa
     with _patched(model, "forward", clock.wrap("forward", model.forward)), \
             _patched(model, "greedy", clock.wrap("forward", model.greedy)):
         plain = _decode_steps(engine, steps, batch, clock)
-        geometry = PlanGeometry.of(engine.backend, _gq(engine.model_config.group_size), True)
+        geometry = PlanGeometry.of(engine.backend, decode_query_heads(engine.model_config.group_size), True)
         tables = CupyPlanner(geometry)
         sched, backend = engine.scheduler, engine.backend
         plan_fn = clock.wrap("plan", backend.plan)
@@ -187,11 +187,6 @@ def measure_engine(loaded: LoadedModel, context: int, batch: int, steps: int, wa
             "forward_ms": _ms([r.get("forward", 0.0) for r in plain]),
             "host_ms_timed_parts": _ms(part_host), "parts_ms": by_part,
             "cupy_tables_ms": _ms([r.get("cupy_tables", 0.0) for r in parts])}
-
-
-def _gq(group: int) -> int:
-    """Query heads per decode CTA, as the cupy backend picks them (the largest divisor <= 8)."""
-    return max(d for d in range(1, min(group, 8) + 1) if group % d == 0)
 
 
 class _Device:
