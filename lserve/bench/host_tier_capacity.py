@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lserve.bench.host_tier_common import free_memory, make_engine, setup
 from lserve.bench.host_tier_concurrency import admits
-from lserve.bench.host_tier_sizes import max_context, tier_split
+from lserve.bench.host_tier_sizes import engine_pools, max_context
 from lserve.bench.report import header, write_json
 
 DECODE_ROOM = 64  # tokens past the prompt the request may generate
@@ -45,15 +45,10 @@ def run(settings, out_dir: str | Path) -> dict:
     path = Path(out_dir) / "host_tier_capacity.json"
     for mode in ("gpu", "tier"):
         tokens = mx[mode] - DECODE_ROOM - sz.page_size
-        if mode == "gpu":
-            pool, host_gib = int((st.gpu_bytes - sz.ring_per_seq) // sz.device_per_token), 0.0
-        else:
-            split = tier_split(sz, st.gpu_bytes, st.host_bytes, 1, mbt)
-            pool = split["resident_pages"] * sz.page_size
-            host_gib = (split["host_pages"] + 0.5) * sz.page_size * sz.host_per_token / 2**30
+        pool, host_gib = engine_pools(sz, st.gpu_bytes, st.host_bytes, 1, mbt, tier=mode == "tier")
         print(f"{mode}: building an engine for {tokens} tokens (pool {pool} tokens, host {host_gib:.2f} GiB)", flush=True)
         t0 = time.perf_counter()
-        eng = make_engine(st, pool, round(host_gib, 6), 1, tokens + DECODE_ROOM)
+        eng = make_engine(st, pool, host_gib, 1, tokens + DECODE_ROOM)
         row = {"mode": mode, "tokens": tokens, "pool_tokens": pool, "host_kv_gib": round(host_gib, 3),
                "build_s": round(time.perf_counter() - t0, 1), "held_sequences": admits(eng, tokens + DECODE_ROOM),
                "refused": _accepts(eng, tokens)}

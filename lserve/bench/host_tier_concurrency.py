@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lserve.bench.host_tier_common import Setup, free_memory, host_kv_row, make_engine, setup
-from lserve.bench.host_tier_sizes import seqs_all_gpu, seqs_tier, tier_split
+from lserve.bench.host_tier_sizes import engine_pools, seqs_all_gpu, seqs_tier
 from lserve.bench.host_tier_time import prefill_chunks
 from lserve.bench.report import header, write_json
 
@@ -49,14 +49,9 @@ def plan(st: Setup, context: int) -> list[dict]:
         if n < 1:
             runs.append({"mode": mode, "context": context, "n_seqs": 0, "seq_tokens": tokens})
             continue
-        if mode == "gpu":
-            pool, host_gib = int((st.gpu_bytes - n * sz.ring_per_seq) // sz.device_per_token), 0.0
-        else:
-            split = tier_split(sz, st.gpu_bytes, st.host_bytes, n, mbt)
-            pool = split["resident_pages"] * sz.page_size
-            host_gib = (split["host_pages"] + 0.5) * sz.page_size * sz.host_per_token / 2**30
+        pool, host_gib = engine_pools(sz, st.gpu_bytes, st.host_bytes, n, mbt, tier=mode == "tier")
         runs.append({"mode": mode, "context": context, "n_seqs": n, "seq_tokens": tokens, "pool_tokens": pool,
-                     "host_kv_gib": round(host_gib, 6)})
+                     "host_kv_gib": host_gib})
     return runs
 
 

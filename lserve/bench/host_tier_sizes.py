@@ -99,6 +99,18 @@ def seqs_tier(s: KVSizes, gpu_bytes: float, host_bytes: float, tokens_per_seq: i
         n += 1
 
 
+def engine_pools(s: KVSizes, gpu_bytes: float, host_bytes: float, n_seqs: int, max_batched_tokens: int,
+                 tier: bool) -> tuple[int, float]:
+    """``(dense pool tokens, host GiB)`` of an engine for ``n_seqs`` sequences: all-GPU, the pool
+    that ``gpu_bytes`` holds beside their rings; with the tier, :func:`tier_split`'s resident set
+    and host pages (half a page of slack, so the engine's own rounding keeps every page)."""
+    if not tier:
+        return int((gpu_bytes - n_seqs * s.ring_per_seq) // s.device_per_token), 0.0
+    split = tier_split(s, gpu_bytes, host_bytes, n_seqs, max_batched_tokens)
+    host_gib = (split["host_pages"] + 0.5) * s.page_size * s.host_per_token / 2**30
+    return split["resident_pages"] * s.page_size, round(host_gib, 6)
+
+
 def max_context(s: KVSizes, gpu_bytes: float, host_bytes: float, max_batched_tokens: int) -> dict:
     """Longest context one sequence can hold all on the device and with the tier (tokens)."""
     split = tier_split(s, gpu_bytes, host_bytes, 1, max_batched_tokens)
