@@ -165,15 +165,21 @@ def _flops_dense(n_qheads: int, L: int, d: int) -> float:
     return 4.0 * n_qheads * d * L * (L + 1) / 2
 
 
-def _row(shape: LayerShape, context: int, fractions, variants, iters: int) -> dict:
-    H, HKV, D, HD = shape.heads, shape.kv_heads, shape.head_dim, shape.dense_kv_heads
+def layer_inputs(shape: LayerShape, context: int):
+    """A row's inputs: random bf16 q [L, H, D], k and v [L, H_kv, D] on the GPU (seeded by the
+    context), the dense heads' pool with pages of 64 in shuffled order, and its page ids (CUDA)."""
     gen = torch.Generator().manual_seed(context)
+    q = torch.randn(context, shape.heads, shape.head_dim, generator=gen).to("cuda", torch.bfloat16)
+    k = torch.randn(context, shape.kv_heads, shape.head_dim, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(context, shape.kv_heads, shape.head_dim, generator=gen).to("cuda", torch.bfloat16)
+    pool, pages = shuffled_pages(k, v, shape.dense_kv_heads, 64, gen)
+    return q, k, v, pool, pages.cuda()
+
+
+def _row(shape: LayerShape, context: int, fractions, variants, iters: int) -> dict:
+    HKV, D, HD = shape.kv_heads, shape.head_dim, shape.dense_kv_heads
     G, scale = shape.group, D ** -0.5
-    q = torch.randn(context, H, D, generator=gen).to("cuda", torch.bfloat16)
-    k = torch.randn(context, HKV, D, generator=gen).to("cuda", torch.bfloat16)
-    v = torch.randn(context, HKV, D, generator=gen).to("cuda", torch.bfloat16)
-    pool, pages = shuffled_pages(k, v, HD, 64, gen)
-    pages = pages.cuda()
+    q, k, v, pool, pages = layer_inputs(shape, context)
     qt, kt, vt = (x.transpose(0, 1) for x in (q, k, v))
     qd, kd, vd = qt[: HD * G], kt[:HD], vt[:HD]
     row = {"context": context}

@@ -33,19 +33,15 @@ def launch(variant: str, context: int, warmup: int) -> None:
     import torch
 
     from lserve.attention import paged_prefill as bsp
-    from lserve.bench.bsp_prefill import SHAPES, layer_shape, shuffled_pages
+    from lserve.bench.bsp_prefill import SHAPES, layer_inputs, layer_shape
 
     shape = layer_shape()
-    hd, g, d = shape.dense_kv_heads, shape.group, shape.head_dim
-    gen = torch.Generator().manual_seed(context)
-    q = torch.randn(context, shape.heads, d, generator=gen).to("cuda", torch.bfloat16)
-    k = torch.randn(context, shape.kv_heads, d, generator=gen).to("cuda", torch.bfloat16)
-    v = torch.randn(context, shape.kv_heads, d, generator=gen).to("cuda", torch.bfloat16)
-    pool, pages = shuffled_pages(k, v, hd, 64, gen)
-    p = bsp.plan([bsp.PrefillSeq(0, 0, context, 0, None)], g, hd, "cuda", SHAPES[variant])
+    hd, d = shape.dense_kv_heads, shape.head_dim
+    q, k, v, pool, pages = layer_inputs(shape, context)
+    p = bsp.plan([bsp.PrefillSeq(0, 0, context, 0, None)], shape.group, hd, "cuda", SHAPES[variant])
     out = torch.empty_like(q)
     for _ in range(warmup + 1):
-        bsp.run(q, k, v, out, p, hd, 0, hd, d ** -0.5, pool=pool, pages=pages.cuda())
+        bsp.run(q, k, v, out, p, hd, 0, hd, d ** -0.5, pool=pool, pages=pages)
     torch.cuda.synchronize()
 
 
