@@ -32,7 +32,7 @@ import torch
 from lserve.cache.kv_cache import KVCache
 from lserve.config import CacheConfig
 from lserve.engine.sampling import SamplingParams
-from lserve.engine.scheduler import Scheduler
+from lserve.engine.scheduler import ChunkRule, Scheduler
 from lserve.engine.sequence import Sequence
 from lserve.engine.step_budget import StepBudget, attention_alpha
 from lserve.models.presets import preset_config
@@ -94,7 +94,7 @@ H200_LSERVE = _device(16, 7.15, 0.0049, 0.0004, 0.033)
 H200_DENSE = _device(32, 12.63, 0.0090, 0.0036, 0.045)
 
 
-class _NoText:
+class NoText:
     def decode(self, ids) -> str:
         return ""
 
@@ -113,21 +113,40 @@ class Outcome:
         return None if None in self.finish else max(self.finish)
 
 
+@dataclass(frozen=True)
+class SparsePrefill:
+    """Every prompt prefilled block-sparse: chunks on a ``row``-token grid that compute ``kept`` of
+    their causal tiles (and the estimate's ``estimate`` share of dense attention on top). The engine
+    reports ``kept`` to the budget after each such step (``observe``; False: the rule before, which
+    costed them as dense)."""
+
+    kept: float
+    estimate: float
+    row: int = 2048
+    observe: bool = True
+
+    def cost(self, alpha: float, chunks: list[tuple[int, int]]) -> float:
+        """What the chunks ((start, tokens)) cost the device, in token-equivalents."""
+        a = alpha * min(1.0, self.kept + self.estimate)
+        return sum(n * (1.0 + a * (s + n / 2)) for s, n in chunks)
+
+
 def run(device: SimDevice, budget: StepBudget, requests: list[tuple[float, int, int]], max_num_seqs: int = 4,
-        until_s: float = 600.0) -> Outcome:
+        until_s: float = 600.0, sparse: SparsePrefill | None = None) -> Outcome:
     """Play ``requests`` ((arrival s, prompt tokens, output tokens)) through a scheduler with
     ``budget`` on ``device``, until all finished or ``until_s`` simulated seconds passed."""
     need = sum(p + o + 64 for _, p, o in requests)
     cache = KVCache(preset_config("tiny"), CacheConfig(dense_pool_tokens=need), [1] * 4, 64, 256, max_num_seqs,
                     torch.float32, "meta")
-    sched = Scheduler(cache, max_num_seqs, budget, lambda seq_id: None)
+    rule = (lambda seq, decoding: ChunkRule(sparse.row, sparse=True)) if sparse else None
+    sched = Scheduler(cache, max_num_seqs, budget, lambda seq_id: None, rule)
     seqs = [Sequence(i, f"r{i}", [1 + (i + j) % 400 for j in range(p)],
                      SamplingParams(max_tokens=o, temperature=0, ignore_eos=True, prefix_cache=False), arrival=a)
             for i, (a, p, o) in enumerate(requests)]
     out = Outcome([None] * len(seqs), [None] * len(seqs), [0.0] * len(seqs))
     last_token = [0.0] * len(seqs)
     t, queued = 0.0, 0
-    tok = _NoText()
+    tok = NoText()
     while t < until_s:
         while queued < len(seqs) and seqs[queued].arrival <= t:
             sched.add(seqs[queued])
@@ -140,8 +159,11 @@ def run(device: SimDevice, budget: StepBudget, requests: list[tuple[float, int, 
         batch = sched.schedule()
         cost = sched.last_prefill_cost
         n_decode = sum(1 for b in batch if b.decode)
-        seconds, prefill_s = device.step(cost, n_decode)
+        chunks = [(b.seq.num_computed, b.num_tokens) for b in batch if not b.decode]
+        seconds, prefill_s = device.step(sparse.cost(device.alpha, chunks) if sparse else cost, n_decode)
         budget.observe(cost, n_decode, seconds, prefill_s)
+        if sparse and sparse.observe and chunks:
+            budget.observe_sparse(sparse.kept)
         t += seconds
         out.steps.append((seconds, n_decode, sum(b.num_tokens for b in batch if not b.decode)))
         for item in batch:

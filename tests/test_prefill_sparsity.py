@@ -274,3 +274,27 @@ def test_long_prompt_chunks_end_on_the_backend_grid_only_without_decodes():
     assert any(d > 0 and e % 128 for d, e in mixed[:-1]), mixed
     while llm.has_unfinished():
         llm.step()
+
+
+def test_engine_budget_learns_the_share_block_sparse_chunks_compute():
+    """The engine reports to its step budget, after each step with block-sparse chunks, the share
+    of the dense heads' causal tiles they computed: a chunk below the length runs dense and counts
+    whole; later ones keep less. The count of causal tiles the budget's share divides by is the one
+    the block lists count (every layer sparse here, at a fixed tau)."""
+    from lserve.engine import SamplingParams
+    eng = _prefill_engine("tiny", None, 0.5)
+    eng.add_request([10 + i % 300 for i in range(480)], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    budget = eng.scheduler.budget
+    seq = eng.sequence("req-0")
+    shares = []
+    while eng.has_unfinished():
+        start, tiles0 = seq.num_computed, list(eng.backend.prefill_tiles)
+        eng.step()
+        chunk = [(start, seq.num_computed)]
+        shares.append(eng.backend.prefill_computed_share(tiles0, chunk))
+        if start + 96 > 128:  # at or past the length: every layer ran block-sparse
+            kept, causal = (a - b for a, b in zip(eng.backend.prefill_tiles, tiles0))
+            assert shares[-1] == kept / causal
+    assert shares[0] == 1.0 and min(shares) < 0.9, shares
+    assert 0 < budget.sparse_kept < 1.0 and budget.sparse_share < 1.0
+    assert budget.cost(96, 400, sparse=True) < budget.cost(96, 400)

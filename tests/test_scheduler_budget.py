@@ -172,3 +172,65 @@ def test_short_request_ttft_during_long_prefill_cpu():
     assert short_steps <= 3, f"short request took {short_steps} steps during a long prefill"
     # FCFS would make it wait for the rest of the long prefill (long_s - 1 s)
     assert short_s < 0.5 * (long_s - 1.0), f"short TTFT {short_s:.3f} s vs long {long_s:.2f} s"
+
+
+def test_block_sparse_chunks_cost_what_they_compute():
+    """A block-sparse chunk's attention to its past costs the share of causal tiles such chunks
+    computed lately plus the estimate's share: dense until one is measured, then cheaper deep in a
+    prompt, so a time-targeted budget gives it more tokens there (and learns the device's true rate)."""
+    b = StepBudget(8192, alpha=1.87e-5, estimate_share=1 / 32)
+    assert b.cost(2048, 100000, sparse=True) == b.cost(2048, 100000)  # nothing measured: dense
+    b.observe_sparse(0.25)
+    assert b.sparse_share == pytest.approx(0.25 + 1 / 32)
+    assert b.cost(2048, 0, sparse=True) == pytest.approx(b.cost(2048, 0), rel=0.03)  # no past: the GEMMs
+    deep = b.cost(2048, 131072, sparse=True) - 2048
+    assert deep == pytest.approx(0.28125 * (b.cost(2048, 131072) - 2048))
+    assert b.tokens_within(8192, 131072, 10**6, sparse=True) > 2 * b.tokens_within(8192, 131072, 10**6)
+    b.observe_sparse(1.5)  # a share is clamped to [0, 1]
+    assert b.sparse_kept <= 1.0
+
+
+def _rows_scheduler(budget: StepBudget, row: int = 256):
+    """A scheduler whose prompts are all prefilled block-sparse on a ``row``-token grid."""
+    import torch
+
+    from lserve.cache.kv_cache import KVCache
+    from lserve.config import CacheConfig
+    from lserve.engine.scheduler import ChunkRule, Scheduler
+    from lserve.models.presets import preset_config
+
+    cache = KVCache(preset_config("tiny"), CacheConfig(dense_pool_tokens=16384), [1] * 4, 64, 256, 4,
+                    torch.float32, "meta")
+    return Scheduler(cache, 4, budget, lambda seq_id: None, lambda seq, decoding: ChunkRule(row, sparse=True))
+
+
+def test_a_step_with_decodes_rounds_block_sparse_chunks_down():
+    """Next to decodes the step budget bounds the step's time: a block-sparse chunk ends on the
+    row grid below its budget, not the nearer one above it; the first chunk still takes one whole
+    row when its budget is smaller, and no later chunk of the step goes past the budget."""
+    from sim_device import NoText
+
+    from lserve.engine.sequence import Sequence
+
+    budget = StepBudget(4096, alpha=0.0, itl_slo_s=0.1)
+    budget.rate = budget.mixed_rate = 10000.0  # token-equivalents per second
+    budget.mixed_rest = 0.0
+    sched = _rows_scheduler(budget)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, prefix_cache=False)
+
+    def step() -> list[tuple[str, int]]:
+        out = sched.schedule()
+        for item in out:  # what the engine's forward does to the sequences
+            item.seq.num_computed += item.num_tokens
+            if item.seq.num_computed == item.seq.num_tokens:
+                item.seq.in_decode = True
+                item.seq.append_token(7, NoText(), (), 10**9)
+        return [(item.seq.request_id, item.num_tokens) for item in out]
+
+    sched.add(Sequence(0, "d", list(range(10, 42)), params, arrival=0.0))
+    assert step() == [("d", 32)]
+    for i in (1, 2):
+        sched.add(Sequence(i, f"p{i}", [5 + j % 90 for j in range(2000)], params, arrival=float(i)))
+    assert step() == [("d", 1), ("p1", 768)]  # 0.09 s of prefill at 10000/s: 900 tokens (the nearer end: 1024)
+    budget.mixed_rate = 1000.0  # 90 tokens: below one row
+    assert step() == [("d", 1), ("p1", 256)]  # one whole row; p2 does not go past the budget

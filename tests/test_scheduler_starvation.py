@@ -98,3 +98,31 @@ def test_the_itl_slo_bounds_lserve_steps_at_128k():
     assert worst[100.0] <= 0.1 and worst[200.0] <= 0.2
     assert worst[50.0] < worst[100.0] < worst[200.0]
     assert ttft[50.0] > ttft[100.0] > ttft[200.0]
+
+
+def test_block_sparse_chunks_next_to_decodes_at_128k():
+    """LServe with block-sparse prefill keeping ~24% (tau 0.2 on the H200) at 128k, concurrency 4,
+    256 output tokens, the serve defaults. Costed as dense (the rule before), its chunks deep in a
+    prompt looked ~2x as costly as they were, so the budget learnt a rate ~1.7x the device's and
+    gave steps with decodes 4096-token chunks (0.15 s). Costed at what they compute, the rate is
+    the device's, and each step with decodes carries one 2048-token row: one row at 128k costs about
+    the SLO (launch 33 ms + ~70 ms), the least a block-sparse chunk can be."""
+    import dataclasses
+
+    from sim_device import SparsePrefill
+
+    device = dataclasses.replace(H200_LSERVE, mixed_slowdown=1.0)  # the same kernel next to decodes
+    learnt, worst = {}, {}
+    for observe in (False, True):
+        sparse = SparsePrefill(kept=0.237, estimate=1 / 32, observe=observe)
+        budget = served_budget(device)
+        run(device, budget, [(0.0, CONTEXT, 256)], sparse=sparse)
+        out = run(device, budget, [(0.0, CONTEXT, 256)] * 4, until_s=400, sparse=sparse)
+        assert None not in out.finish
+        mixed = [(s, n) for s, n_decode, n in out.steps if n_decode and n]
+        assert all(n % 2048 == 0 or n == CONTEXT % 2048 for _, n in mixed)
+        learnt[observe], worst[observe] = budget.rate / device.rate, max(s for s, _ in mixed)
+        if observe:
+            assert {n for _, n in mixed} == {2048} and budget.sparse_share == pytest.approx(0.237 + 1 / 32)
+    assert learnt[False] > 1.5 and 0.9 < learnt[True] < 1.05
+    assert worst[True] < 0.135 < worst[False]

@@ -21,7 +21,7 @@ from lserve.sparsity.adaptive_budget import layer_pages, resolve_ratios
 from lserve.sparsity.kv_read import KVReadMeter, ring_tokens, selected_tokens, step_read
 from lserve.sparsity.layer_select import resolve_select_layers
 from lserve.sparsity.plan import SeqPlan, SeqStep, StepPlan, StepPlanner, layer_budget
-from lserve.sparsity.prefill_blocks import PrefillBlocks, estimate_masses, prefill_blocks
+from lserve.sparsity.prefill_blocks import PrefillBlocks, causal_tile_count, estimate_masses, prefill_blocks
 from lserve.sparsity.prefill_taus import resolve_layer_taus
 
 
@@ -84,7 +84,7 @@ class AttentionBackend(ABC):
 
     def chunk_align(self, prompt_tokens: int) -> int:
         """A grid on which the chunks of a prompt this long run faster (0: none), so that the
-        engine ends its prefill-only chunks there (``LLMEngine._row_align``)."""
+        engine ends its prefill-only chunks there (``LLMEngine._chunk_rule``)."""
         return 0
 
     def warm_up(self, max_len: int, max_chunk: int) -> int:
@@ -183,6 +183,16 @@ class AttentionBackend(ABC):
         None when no block-sparse prefill ran in between."""
         kept, causal = (a - b for a, b in zip(self.prefill_tiles, before))
         return round(kept / causal, 4) if causal else None
+
+    def prefill_computed_share(self, before: list[int], chunks: list[tuple[int, int]]) -> float:
+        """Share of the dense heads' causal tiles that block-sparse ``chunks`` ((start, end) of each
+        chunk of a block-sparse prefill, every layer) computed since ``before`` (a copy of
+        :attr:`prefill_tiles`); layers that ran them dense (calibrated so, or below the length)
+        count whole."""
+        kept, causal = (a - b for a, b in zip(self.prefill_tiles, before))
+        per_head = sum(causal_tile_count(s, e, self.sp.prefill_block, self.sp.prefill_q_block) for s, e in chunks)
+        total = per_head * sum(self.cache.n_dense)
+        return (kept + total - causal) / total if total else 1.0
 
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state (selection reuse) of a finished/aborted/preempted sequence."""

@@ -10,6 +10,7 @@ import torch
 from lserve.bench.host_tier_sizes import KVSizes, kv_sizes
 from lserve.bench.host_tier_time import TimeModel
 from lserve.config import KV_QUANT_CHOICES, CacheConfig, ConfigError, EngineConfig, available_host_bytes
+from lserve.sparsity.prefill_blocks import estimate_share
 
 CONTEXTS = (131072, 524288, 1048576)
 DECODE_STEPS = 32
@@ -109,7 +110,8 @@ def setup(s: Settings) -> Setup:
         gpu = torch.cuda.mem_get_info()[0] - s.reserve_gib * 2**30
     host = s.host_kv_gib * 2**30 if s.host_kv_gib else available_host_bytes() * HOST_SHARE
     layout = build_layout(EngineConfig(model=s.model, sparsity=sp), mc)
-    tm = TimeModel(step_alpha(mc, layout), sizes.host_per_token, s.max_batched_tokens, sp.prefill_stride)
+    tm = TimeModel(step_alpha(mc, layout), sizes.host_per_token, s.max_batched_tokens,
+                   estimate_share(sp.prefill_estimator, sp.prefill_stride))
     return Setup(s, loaded, sp, resolved.prefill_sparsity, resolved.prefill_sparsity_min_len, sizes, gpu, host, tm)
 
 

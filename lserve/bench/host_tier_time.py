@@ -8,7 +8,9 @@ GPU, chunks that shrink with depth under the attention-aware cost of
 * the weight GEMMs, ``GEMM_S_PER_TOKEN * n``;
 * the dense heads' attention, ``ATTN_OVER_GEMM * alpha * kept * n * (s + n / 2)`` times the same
   rate (``alpha``: :func:`~lserve.engine.step_budget.attention_alpha`; ``kept``: the share of causal
-  tiles block-sparse prefill keeps, plus its estimate's ~1/(2 * stride) of the score products);
+  tiles block-sparse prefill keeps, plus its estimate's share,
+  :func:`~lserve.sparsity.prefill_blocks.estimate_share`); all-GPU chunks of a block-sparse prefill
+  are cut at that share, as the engine's step budget costs them once it has measured it;
 * a fixed cost per chunk (planning, launches, the kernels a chunk does not fill), per mode;
 * with the tier, its past beyond the resident set read from the host, at ``H2D_BYTES_PER_S``.
 
@@ -75,22 +77,22 @@ class TimeModel:
     alpha: float
     host_bytes_per_token: float
     max_batched_tokens: int = 8192
-    stride: int = 16
+    estimate: float = 1 / 32  # the block-sparse estimate's share (estimate_share)
     chunk_s: dict = field(default_factory=lambda: dict(CHUNK_S))
 
     def kept(self, tau: float) -> float:
         """Share of the dense attention's cost block-sparse prefill at ``tau`` leaves (before any is measured)."""
-        return 1.0 if tau <= 0 else min(1.0, KEPT_PER_TAU * tau + 1 / (2 * self.stride))
+        return 1.0 if tau <= 0 else min(1.0, KEPT_PER_TAU * tau + self.estimate)
 
     def row_kept(self, row: dict) -> float:
         """:meth:`kept` of a measured row: its kept fraction where the engine reported one."""
         tau, measured = row.get("prefill_sparsity", 0.0), row.get("prefill_kept_fraction")
-        return self.kept(tau) if tau <= 0 or measured is None else min(1.0, measured + 1 / (2 * self.stride))
+        return self.kept(tau) if tau <= 0 or measured is None else min(1.0, measured + self.estimate)
 
     def prefill_s(self, run: dict, kept: float = 1.0, n_decode: int = 0) -> float:
         """Modelled seconds of the run's prefill (``run``: mode, context, resident_tokens)."""
         tier = run["mode"] == "tier"
-        chunks = prefill_chunks(run["context"], self.max_batched_tokens, 0.0 if tier else self.alpha,
+        chunks = prefill_chunks(run["context"], self.max_batched_tokens, 0.0 if tier else self.alpha * kept,
                                 n_decode=n_decode)
         pairs = sum(n * (s + n / 2) for s, n in chunks)
         t = GEMM_S_PER_TOKEN * (run["context"] + ATTN_OVER_GEMM * self.alpha * kept * pairs)

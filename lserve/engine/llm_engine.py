@@ -33,7 +33,7 @@ from lserve.engine.sampling import (
     prompt_logprob_chunk,
     sample,
 )
-from lserve.engine.scheduler import Scheduled, Scheduler
+from lserve.engine.scheduler import ChunkRule, Scheduled, Scheduler
 from lserve.engine.sequence import RequestOutput, Sequence
 from lserve.engine.step_budget import StepBudget, attention_alpha
 from lserve.models.llama import LlamaModel
@@ -195,7 +195,7 @@ class LLMEngine:
         if config.cuda_graphs and self.backend.name == "cupy" and DecodeGraphs.supported(self.model, self.max_model_len):
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
         budget = StepBudget.for_engine(config, step_alpha(mc, self.layout))
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, budget, self.backend.release, self._row_align)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, budget, self.backend.release, self._chunk_rule)
         self.eos_ids = tuple(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.request_check = RequestCheck(mc.vocab_size, self.max_model_len, self.cache.page_size,
                                           self.cache.dense_alloc.num_pages, self.backend.name,
@@ -228,22 +228,27 @@ class LLMEngine:
         """Raise :class:`RequestError` if the request can never be served (:meth:`RequestCheck.request`)."""
         self.request_check.request(prompt_ids, params)
 
-    def _row_align(self, seq: Sequence, decoding: bool) -> int:
-        """Where a chunk of ``seq`` should end (0: anywhere). cuDNN builds a plan per new shape
-        (0.07-0.9 s on the H200, ``benchmarks/probes/probe_cudnn_causal_h200.json``), so chunks that run it end on a
-        grid where plans repeat:
+    def _sparse_prefill(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt is prefilled block-sparse (its chunks from the length on)."""
+        sparsity = self.sparsity
+        return (sparsity.request_prefill_sparsity(seq.params.prefill_sparsity) != 0
+                and len(seq.prompt_ids) >= sparsity.prefill_sparsity_min_len)
+
+    def _chunk_rule(self, seq: Sequence, decoding: bool) -> ChunkRule:
+        """How chunks of ``seq`` are cut. cuDNN builds a plan per new shape (0.07-0.9 s on the H200,
+        ``benchmarks/probes/probe_cudnn_causal_h200.json``), so chunks that run it end on a grid
+        where plans repeat:
 
         * a block-sparse prefill's chunks on its row grid (``prefill_q_block``), in every step: a
-          chunk edge inside a row gives that row's calls shapes no other chunk has;
+          chunk edge inside a row gives that row's calls shapes no other chunk has; the step budget
+          costs them at the share of attention they compute;
         * a long prompt's chunks on the backend's grid (:meth:`AttentionBackend.chunk_align`) in
           steps without decodes, whose chunks are large; a chunk next to decodes stays as small as
           the step budget says (the backend runs an off-grid chunk through flash).
         """
-        sparsity = self.sparsity
-        if (sparsity.request_prefill_sparsity(seq.params.prefill_sparsity) != 0
-                and len(seq.prompt_ids) >= sparsity.prefill_sparsity_min_len):
-            return sparsity.prefill_q_block
-        return 0 if decoding else self.backend.chunk_align(len(seq.prompt_ids))
+        if self._sparse_prefill(seq):
+            return ChunkRule(self.sparsity.prefill_q_block, sparse=True)
+        return ChunkRule(0 if decoding else self.backend.chunk_align(len(seq.prompt_ids)))
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None, chat: bool = False, arrival: float | None = None) -> str:
@@ -338,7 +343,12 @@ class LLMEngine:
             if not batch:
                 return []
             prefill_cost = self.scheduler.last_prefill_cost
+            sparse = [(b.seq.num_computed, b.seq.num_computed + b.num_tokens) for b in batch
+                      if not b.decode and self._sparse_prefill(b.seq)]
+            tiles0 = list(self.backend.prefill_tiles)
             launched = self._launch(batch)
+            if sparse:  # the step budget costs block-sparse chunks at what they computed
+                self.scheduler.budget.observe_sparse(self.backend.prefill_computed_share(tiles0, sparse))
         self._pending = self._chain(launched)
         outputs = self._finish(launched)
         n_decode = sum(1 for b in launched.batch if b.decode)

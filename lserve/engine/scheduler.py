@@ -37,12 +37,27 @@ class Scheduled:
     decode: bool
 
 
-def aligned_chunk(start: int, n: int, remaining: int, limit: int, align: int) -> int:
+@dataclass(frozen=True)
+class ChunkRule:
+    """How a sequence's prefill chunks are cut in a step.
+
+    ``align``: chunks end on multiples of it (0: anywhere, see :func:`aligned_chunk`); ``sparse``:
+    its prefill is block-sparse, so a chunk costs the step budget's block-sparse attention
+    (:meth:`~lserve.engine.step_budget.StepBudget.cost`)."""
+
+    align: int = 0
+    sparse: bool = False
+
+
+def aligned_chunk(start: int, n: int, remaining: int, limit: int, align: int, nearest: bool = True) -> int:
     """``n`` (< ``remaining``) adjusted so that the chunk ends on a multiple of ``align``: on the
     nearer one, up only where ``limit`` allows it (or at the prompt's end), down only where that
-    leaves tokens; ``n`` itself where neither works."""
+    leaves tokens; ``n`` itself where neither works. ``nearest`` False (a step that carries decodes,
+    whose time its budget bounds): down wherever that leaves tokens."""
     down = (start + n) // align * align
     up = min(remaining, down + align - start)
+    if down > start and not nearest:
+        return down - start
     if up <= limit and (down <= start or start + n - down >= align / 2):
         return up
     return down - start if down > start else n
@@ -51,14 +66,14 @@ def aligned_chunk(start: int, n: int, remaining: int, limit: int, align: int) ->
 class Scheduler:
     """Owns the waiting queue, the running set and all page allocation.
 
-    ``row_align(seq, decoding)``: where a chunk of the sequence should end (0: anywhere) in a step
-    that does (``decoding``) or does not carry decodes, see :func:`aligned_chunk`.
+    ``chunk_rule(seq, decoding)``: the :class:`ChunkRule` of the sequence's chunks in a step that
+    does (``decoding``) or does not carry decodes (None: anywhere, dense).
     """
 
     def __init__(self, cache: KVCache, max_num_seqs: int, budget: StepBudget, on_release,
-                 row_align: Callable[[Sequence, bool], int] | None = None) -> None:
+                 chunk_rule: Callable[[Sequence, bool], ChunkRule] | None = None) -> None:
         self.cache = cache
-        self.row_align = row_align
+        self.chunk_rule = chunk_rule
         self.max_num_seqs = max_num_seqs
         self.budget = budget  # its max_batched_tokens caps a step (decodes included)
         self.last_prefill_cost = 0.0  # token-equivalents of prefill the last schedule() picked
@@ -231,12 +246,16 @@ class Scheduler:
                 break
             start = start_of(seq)
             remaining = seq.num_tokens - start
-            n = min(b.tokens_within(room - cost, start, remaining), tokens_left)
-            if not out or all(item.decode for item in out):  # the first prefill always progresses
+            rule = self.chunk_rule(seq, n_decode > 0) if self.chunk_rule else ChunkRule()
+            n = min(b.tokens_within(room - cost, start, remaining, rule.sparse), tokens_left)
+            first = not out or all(item.decode for item in out)
+            if first:  # the first prefill always progresses
                 n = max(n, min(b.min_chunk, remaining, tokens_left))
-            align = self.row_align(seq, n_decode > 0) if self.row_align else 0
-            if align and 0 < n < remaining:
-                n = aligned_chunk(start, n, remaining, tokens_left, align)
+            if rule.align and 0 < n < remaining:
+                fits = n
+                n = aligned_chunk(start, n, remaining, tokens_left, rule.align, nearest=not n_decode)
+                if n_decode and n > fits and not first:
+                    break  # a step with decodes goes past its budget for its first chunk only
             if n <= 0:
                 break
             admit = seq.status is Status.WAITING
@@ -254,7 +273,7 @@ class Scheduler:
             elif not self._grow(seq, start + n):
                 continue
             out.append(Scheduled(seq, n, False))
-            cost += b.cost(n, start)
+            cost += b.cost(n, start, rule.sparse)
             tokens_left -= n
         self.last_prefill_cost = cost
         return out

@@ -10,6 +10,13 @@ long prompt is prefilled in chunks whose *cost* is bounded, not only their token
   (query, key) pair to matmul FLOPs per token (:func:`attention_alpha`; streaming heads read a
   constant window and are left out). A chunk near the end of a 128k prompt of Llama-3-8B with
   half the heads streaming costs ~3.4x one at its start.
+* A chunk of a sequence whose prefill is block-sparse (issue 35) attends to a share of its past:
+  its attention term is scaled by :attr:`StepBudget.sparse_share`, the share of the dense heads'
+  causal tiles such chunks computed lately (learnt from every step that ran them, layers that ran
+  dense counted whole), plus the estimate's own score products (``estimate_share``). Counted as
+  dense, the chunks of a 128k prompt keeping ~24% looked ~2.3x as costly as they were at its end,
+  so the time model learnt a rate that sized every other chunk ~2x too large: steps with decodes
+  at 222 ms against the 100 ms SLO on the H200 (``benchmarks/serve/serve_h200_itl_sweep.json``).
 * Without a time target (``step_time_target = 0``, the engine's default) a step carries at most
   ``max_batched_tokens`` tokens and at most the cost of prefilling that many from an empty cache
   (decodes included, deterministically): a prompt of ``max_batched_tokens`` tokens is one step,
@@ -58,6 +65,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lserve.sparsity.prefill_blocks import estimate_share
+
 EMA = 0.3  # weight of the newest measurement
 # steps that carry decodes aim at this fraction of their limit: the budget predicts them from
 # averages, and the limit is an SLO on the tail
@@ -102,6 +111,9 @@ class StepBudget:
         counted at the prefill-only rate, in (0, 1).
     min_chunk : int
         Prefill tokens every step may carry, whatever the measurements say.
+    estimate_share : float
+        A block-sparse prefill's estimate, as a share of dense attention's cost
+        (:func:`~lserve.sparsity.prefill_blocks.estimate_share`).
     """
 
     max_batched_tokens: int
@@ -110,6 +122,8 @@ class StepBudget:
     itl_slo_s: float = 0.0
     min_prefill_share: float = 0.3
     min_chunk: int = 32
+    estimate_share: float = 0.0
+    sparse_kept: float | None = None  # share of causal tiles block-sparse chunks computed (observe_sparse)
     rate: float | None = None  # token-equivalents per second (prefill-only steps)
     decode_s: float | None = None  # seconds of a decode-only step
     mixed_rate: float | None = None  # token-equivalents per second of prefill next to decodes
@@ -134,8 +148,9 @@ class StepBudget:
         (3.4x at 128k on Llama-3-8B, ~10x at 512k)."""
         if config.cache.host_kv_gib and not (config.step_time_target or config.itl_slo_ms):
             alpha = 0.0
+        sp = config.sparsity
         return cls(config.max_batched_tokens, alpha, config.step_time_target, config.itl_slo_ms / 1000.0,
-                   config.min_prefill_share)
+                   config.min_prefill_share, estimate_share=estimate_share(sp.prefill_estimator, sp.prefill_stride))
 
     @property
     def timed(self) -> bool:
@@ -147,21 +162,37 @@ class StepBudget:
         """Token-equivalents a step may carry: a fresh prompt of ``max_batched_tokens`` tokens."""
         return self.cost(self.max_batched_tokens, 0)
 
-    def cost(self, n: int, start: int) -> float:
-        """Token-equivalents of prefilling ``n`` tokens after ``start`` cached ones."""
-        return n * (1.0 + self.alpha * (start + n / 2))
+    @property
+    def sparse_share(self) -> float:
+        """A block-sparse chunk's attention as a share of a dense one's: what it computes and its estimate."""
+        if self.sparse_kept is None:  # nothing measured yet: counted as dense
+            return 1.0
+        return min(1.0, self.sparse_kept + self.estimate_share)
 
-    def tokens_within(self, budget: float, start: int, remaining: int) -> int:
+    def cost(self, n: int, start: int, sparse: bool = False) -> float:
+        """Token-equivalents of prefilling ``n`` tokens after ``start`` cached ones (``sparse``: by
+        block-sparse prefill)."""
+        return n * (1.0 + self._alpha(sparse) * (start + n / 2))
+
+    def tokens_within(self, budget: float, start: int, remaining: int, sparse: bool = False) -> int:
         """Most tokens (<= ``remaining``) of a prompt at ``start`` whose cost fits ``budget``."""
         if budget <= 0:
             return 0
-        if self.alpha <= 0:
+        a = self._alpha(sparse)
+        if a <= 0:
             return min(remaining, int(budget))
         # n (1 + a s) + a n^2 / 2 = budget  ->  the positive root
-        b = 1.0 + self.alpha * start
-        n = min(remaining, int((-b + (b * b + 2 * self.alpha * budget) ** 0.5) / self.alpha))
+        b = 1.0 + a * start
+        n = min(remaining, int((-b + (b * b + 2 * a * budget) ** 0.5) / a))
         # the root in floats can land just below an exact fit (a prompt of max_batched_tokens tokens)
-        return n + 1 if n < remaining and self.cost(n + 1, start) <= budget else n
+        return n + 1 if n < remaining and self.cost(n + 1, start, sparse) <= budget else n
+
+    def _alpha(self, sparse: bool) -> float:
+        return self.alpha * self.sparse_share if sparse else self.alpha
+
+    def observe_sparse(self, kept: float) -> None:
+        """Learn from a step's block-sparse chunks: the share of their causal tiles they computed."""
+        self.sparse_kept = _ema(self.sparse_kept, min(max(kept, 0.0), 1.0))
 
     def mixed_prefill_s(self) -> float:
         """Seconds of prefill the ITL SLO (else the step target), aimed at with a margin, leaves a

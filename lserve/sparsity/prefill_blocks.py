@@ -86,7 +86,7 @@ class PrefillBlocks:
 
     def causal_tiles(self) -> int:
         """Causal (query row, KV block) tiles of one head: the denominator of :meth:`kept_fraction`."""
-        return sum((self.row_span(r)[1] - 1) // self.block + 1 for r in range(self.n_rows))
+        return causal_tile_count(self.start, self.length, self.block, self.q_block)
 
     def attention_flops(self, group: int, head_dim: int) -> float:
         """Matmul FLOPs (QK^T and PV) of the kept tiles over every head: the row's own span
@@ -131,6 +131,20 @@ def pad_positions(x: torch.Tensor, lo: int, hi: int, first: int) -> torch.Tensor
     out = x.new_zeros(h, hi - lo, d)
     out[:, first - lo: first - lo + n] = x
     return out
+
+
+def causal_tile_count(start: int, length: int, block: int, q_block: int) -> int:
+    """Causal (query row, KV block) tiles of one head of a chunk of positions ``start .. length - 1``
+    (rows of ``q_block`` positions, KV blocks of ``block`` keys)."""
+    b0, R = _rows(start, length, q_block)
+    return sum((min(length, (b0 + r + 1) * q_block) - 1) // block + 1 for r in range(R))
+
+
+def estimate_share(estimator: str, stride: int) -> float:
+    """The estimate's score products as a share of dense attention's (QK^T and PV): the antidiagonal
+    one computes one product in ``stride`` of QK^T's, ~1 / (2 stride) of both; the bound's cost
+    does not grow with the queries (~0); the oracle's is all of QK^T (1/2)."""
+    return {"antidiagonal": 1 / (2 * stride), "bound": 0.0, "oracle": 0.5}[estimator]
 
 
 def _rows(start: int, length: int, q_block: int) -> tuple[int, int]:
