@@ -234,3 +234,15 @@ def test_a_step_with_decodes_rounds_block_sparse_chunks_down():
     assert step() == [("d", 1), ("p1", 768)]  # 0.09 s of prefill at 10000/s: 900 tokens (the nearer end: 1024)
     budget.mixed_rate = 1000.0  # 90 tokens: below one row
     assert step() == [("d", 1), ("p1", 256)]  # one whole row; p2 does not go past the budget
+
+
+def test_engine_reports_where_step_time_went():
+    """Per step kind the engine sums wall seconds (and the prefill part's, where a step's prefill is
+    timed apart: CUDA only), and its stats carry what the step budget has learnt."""
+    llm = LLM("tiny", max_batched_tokens=256, step_time_target=0.05)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([[10 + i % 200 for i in range(600)]], params)
+    st = llm.stats()
+    assert set(st.step_seconds) == set(st.step_kinds) >= {"prefill", "decode_eager"}
+    assert all(wall > 0 and part == 0.0 for wall, part in st.step_seconds.values())  # one forward per step here
+    assert st.budget["rate"] > 0 and st.budget["decode_s"] > 0 and st.budget["sparse_share"] == 1.0

@@ -74,6 +74,8 @@ class EngineStats:
     prefix_recent_evicted: list = field(default_factory=list)  # (wall time, hash) of the latest evictions
     kv_read: KVReadTotals | None = None  # decode KV head-tokens read vs dense (lserve.sparsity.kv_read)
     host_kv: HostKVStats | None = None  # the host KV tier's counters (None: tier off)
+    step_seconds: dict = field(default_factory=dict)  # per step kind: [wall s, prefill part s] summed
+    budget: dict = field(default_factory=dict)  # what the step budget has learnt (StepBudget.learnt)
 
 
 @dataclass
@@ -204,6 +206,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.steps = 0
         self.step_kinds: Counter = Counter()
+        # per kind: [wall seconds, seconds of the prefill part timed apart] (where a step's time goes)
+        self.step_seconds: dict[str, list[float]] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_step_info: dict = {}
@@ -316,7 +320,9 @@ class LLMEngine:
                            prefix_cache_queries=c.prefix.stats.queries, prefix_cache_hits=c.prefix.stats.hits,
                            prefix_cached_pages=c.prefix.num_cached, prefix_evictions=c.prefix.stats.evictions,
                            prefix_recent_evicted=list(c.prefix.stats.recent_evicted),
-                           host_kv=c.host_tier.stats() if c.host_tier is not None else None)
+                           host_kv=c.host_tier.stats() if c.host_tier is not None else None,
+                           step_seconds={k: list(v) for k, v in self.step_seconds.items()},
+                           budget=self.scheduler.budget.learnt())
 
     def describe(self) -> dict:
         """Facts that do not change while the engine runs (for the serving layer's gauges and views)."""
@@ -363,8 +369,12 @@ class LLMEngine:
             budget.observe(prefill_cost, n_decode, seconds, prefill_s)
         self.steps += 1
         n_prefill = len(launched.batch) - n_decode
-        self.step_kinds[("mixed_graph" if n_prefill else "graph") if launched.graph else
-                        "mixed" if n_decode and n_prefill else "prefill" if n_prefill else "decode_eager"] += 1
+        kind = (("mixed_graph" if n_prefill else "graph") if launched.graph else
+                "mixed" if n_decode and n_prefill else "prefill" if n_prefill else "decode_eager")
+        self.step_kinds[kind] += 1
+        spent = self.step_seconds.setdefault(kind, [0.0, 0.0])
+        spent[0] += seconds
+        spent[1] += prefill_s or 0.0
         self.last_step_info = {"seconds": seconds, "tokens": launched.num_tokens, "decode": n_decode,
                                "prefill_tokens": sum(b.num_tokens for b in launched.batch if not b.decode),
                                "chained": launched.chained, "graph": launched.graph, "prefill_seconds": prefill_s}

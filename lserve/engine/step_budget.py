@@ -190,6 +190,11 @@ class StepBudget:
     def _alpha(self, sparse: bool) -> float:
         return self.alpha * self.sparse_share if sparse else self.alpha
 
+    def learnt(self) -> dict:
+        """What the measurements have taught the budget so far (None: not measured yet)."""
+        return {"rate": self.rate, "decode_s": self.decode_s, "mixed_rate": self.mixed_rate,
+                "mixed_rest_s": self.mixed_rest, "floor_cost": self.floor_cost, "sparse_share": self.sparse_share}
+
     def observe_sparse(self, kept: float) -> None:
         """Learn from a step's block-sparse chunks: the share of their causal tiles they computed."""
         self.sparse_kept = _ema(self.sparse_kept, min(max(kept, 0.0), 1.0))

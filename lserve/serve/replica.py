@@ -238,7 +238,8 @@ class EngineReplica:
                 "stream_pages_used": st.stream_pages_used, "all_pages_free": st.all_pages_free,
                 "queued_prompt_tokens": sum(self._queued.values()), "num_preemptions": st.num_preemptions,
                 "aborted": self.aborted, "steps": st.steps, "step_kinds": st.step_kinds,
-                "host_kv": asdict(st.host_kv) if st.host_kv is not None else None}
+                "host_kv": asdict(st.host_kv) if st.host_kv is not None else None,
+                "step_seconds": st.step_seconds, "budget": st.budget}
 
     def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
         """``{"prompt": text, "add_special_tokens": bool}`` or ``{"messages": chat}`` -> ``{"tokens": ids}``

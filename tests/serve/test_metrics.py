@@ -71,6 +71,11 @@ def test_metrics_after_traffic(app):
     engines = app.engines()
     replicas = {r["replica"] for r in engines}  # the failover test (which replaces one) runs later
     assert all("prefix_evicted" not in r and r["aborted"] >= 0 for r in engines)  # no hash lists in the admin view
+    # where a replica's step time went, by kind, and what its step budget learnt (the serve default is timed)
+    worked = [r for r in engines if r["steps"]]
+    assert worked and all(sum(s for s, _ in r["step_seconds"].values()) > 0 for r in worked)
+    assert all(set(r["step_seconds"]) == set(r["step_kinds"]) for r in worked)
+    assert all(r["budget"]["rate"] > 0 and r["budget"]["sparse_share"] == 1.0 for r in worked)
     for h in HISTOGRAMS:
         fam = fams[f"lserve:{h}"]
         assert fam.type == "histogram"
