@@ -26,6 +26,10 @@ Also, per run:
   the ``rows`` of ``<prefix_name>.json``);
 * ``steps``: per configuration, how the engine ran its steps (CUDA-graph replays, eager decode
   steps, steps with prefill), read from ``/admin/engines`` after the load;
+* ``stream_interval`` of each row: the servers' ``--stream-interval`` (``--stream-intervals 1,4``
+  serves every configuration once per value); a row's ITL is then the gap between streamed chunks,
+  as ``vllm bench serve`` counts it, its TPOT and throughput per token (usage), and
+  ``tokens_per_chunk`` says how many tokens a chunk carried;
 * ``itl_sweep`` (``--itl-slo-sweep``): rows of one (workload, context, concurrency) point served
   with each ``--itl-slo-ms`` value, per configuration, plotted as TTFT p50 against ITL p99
   (``<name>_itl_slo.png``): the trade-off the SLO sets.
@@ -46,7 +50,7 @@ from pathlib import Path
 
 from lserve.bench.report import header, write_json
 from lserve.plotting import pyplot
-from lserve.serve.settings import API_KEY_ENV
+from lserve.serve.settings import API_KEY_ENV, DEFAULT_STREAM_INTERVAL
 
 # On random weights tau sets how much of the causal prefill the dense heads keep (0.237 at 128k
 # and 0.209 at 256k for 0.2, benchmarks/e2e/e2e_ttft_h200.json), not an accuracy-checked setting.
@@ -256,12 +260,29 @@ def _tokenizer(vocab: int):
     return load_tokenizer(f"preset:{vocab}")
 
 
+def _last_flag(flags: list[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``flags`` (None: not given)."""
+    value = None
+    for i, f in enumerate(flags):
+        if f == flag and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif f.startswith(flag + "="):
+            value = f.split("=", 1)[1]
+    return value
+
+
 def served_itl_slo_ms(flags: list[str]) -> float:
     """The ``--itl-slo-ms`` a server started with ``flags`` runs with (the last one given, else the default)."""
     from lserve.config import engine_flag_defaults
 
-    at = [i for i, f in enumerate(flags) if f == "--itl-slo-ms"]
-    return float(flags[at[-1] + 1]) if at else float(engine_flag_defaults()["itl_slo_ms"])
+    value = _last_flag(flags, "--itl-slo-ms")
+    return float(value) if value is not None else float(engine_flag_defaults()["itl_slo_ms"])
+
+
+def served_stream_interval(flags: list[str]) -> int:
+    """The ``--stream-interval`` a server started with ``flags`` runs with (the last one given, else the default)."""
+    value = _last_flag(flags, "--stream-interval")
+    return int(value) if value is not None else DEFAULT_STREAM_INTERVAL
 
 
 def workload_specs(tok, workload: str, context: int, num: int, output_len: int, seed: int):
@@ -299,7 +320,7 @@ def run_point(base_url: str, tok, context: int, concurrency: int, output_len: in
 
 
 def _row(config: str, context: int, concurrency: int, s: dict, output_len: int, workload: str = "random",
-         itl_slo_ms: float | None = None) -> dict:
+         itl_slo_ms: float | None = None, stream_interval: int = 1) -> dict:
     def q(key, stat, scale):
         v = s[key].get(stat)
         return None if v is None else round(v * scale, 4)
@@ -308,7 +329,8 @@ def _row(config: str, context: int, concurrency: int, s: dict, output_len: int, 
     cut = sum(e["count"] for e in s["errors"] if e["error"] == "cancelled at the time limit")
     g = s["goodput"]
     return {"config": config, "workload": workload, "context": context, "concurrency": concurrency,
-            "output_len": output_len, "itl_slo_ms": itl_slo_ms,
+            "output_len": output_len, "itl_slo_ms": itl_slo_ms, "stream_interval": stream_interval,
+            "tokens_per_chunk": s.get("tokens_per_chunk"),
             "output_tok_s": s["output_token_throughput"], "bound_tok_s": None, "ttft_p50_s": q("ttft_ms", "p50", 1e-3),
             "ttft_p99_s": q("ttft_ms", "p99", 1e-3), "itl_p50_ms": q("itl_ms", "p50", 1),
             "itl_p99_ms": q("itl_ms", "p99", 1), "tpot_p50_ms": q("tpot_ms", "p50", 1),
@@ -461,7 +483,8 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     workload: str = "random", plan: tuple[str, ...] = (), requests_per_c: int = 8,
                     point_limit_s: float = 600.0, slo_ttft_ms: float = 30000.0, slo_itl_ms: float = 200.0,
                     itl_slo_sweep: tuple[float, ...] = (), sweep_point: str | None = None,
-                    decode_step_min_c: int | None = 1, sweep_configs: tuple[str, ...] | None = None) -> dict:
+                    decode_step_min_c: int | None = 1, sweep_configs: tuple[str, ...] | None = None,
+                    stream_intervals: tuple[int, ...] = ()) -> dict:
     """Run the served benchmark and write ``<out_dir>/<name>.json`` + ``.png``; returns the report.
 
     Load points come from ``plan`` (``WORKLOAD:CONTEXT:C1,C2[:OUTPUT]``, :func:`parse_plan`), else
@@ -473,6 +496,9 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
     need not be swept again: every server start costs ~45 s on the H200). ``decode_step_min_c``: time the
     pure decode step (``decode_step_ms``, the bound's ``d``) of every point with at least that
     concurrency, per configuration, before the servers start (None: none, and no bound).
+    ``stream_intervals``: serve each configuration's plan once per ``--stream-interval`` value
+    (server logs and start-up times tagged ``<config>@si<N>``, rows with their ``stream_interval``;
+    the probes run with the first); empty: once, at the interval of ``extra_flags`` or the default.
     """
     t_start = time.monotonic()
     out_dir = Path(out_dir)
@@ -536,6 +562,7 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
     def serve(config: str, flags: list[str], tag: str, pts, rows: list, probes: bool) -> None:
         srv = Server(common + CONFIG_FLAGS[config] + flags, port, out_dir / f"{name}_{tag}_server.log")
         slo_flag = served_itl_slo_ms(common + CONFIG_FLAGS[config] + flags)
+        interval = served_stream_interval(common + CONFIG_FLAGS[config] + flags)
         try:
             report["startup_s"][tag] = round(srv.wait_healthy(300), 1)
             _log(f"{tag}: healthy after {report['startup_s'][tag]} s")
@@ -567,11 +594,12 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     m0 = srv.histogram_totals()
                     s = run_point(srv.base_url, tok, ctx, c, out, limit, seed=ctx + c, workload=wl,
                                   min_time_s=point_time_s, requests_per_c=requests_per_c, slos_ms=slos)
-                    row = {**_row(config, ctx, c, s, out, wl, slo_flag),
+                    row = {**_row(config, ctx, c, s, out, wl, slo_flag, interval),
                            "replica": replica_means(m0, srv.histogram_totals())}
                     rows.append(row)
                     _log(f"{tag} {wl} ctx {ctx} C={c} out {out}: {row['completed']} ok / {row['failed']} failed, "
-                         f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL p50/p99 "
+                         f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL (per chunk of "
+                         f"{row['tokens_per_chunk']} tokens) p50/p99 "
                          f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms, good {row['good_requests']}; "
                          f"replica {row['replica']}")
                     save()
@@ -581,10 +609,13 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
         save()
 
     for config in configs:
-        if time_left() < 60:
-            _log(f"skipping {config}: out of time")
-            continue
-        serve(config, [], config, points, report["rows"], probes=True)
+        for i, si in enumerate(stream_intervals or (None,)):
+            tag = config if si is None else f"{config}@si{si}"
+            if time_left() < 60:
+                _log(f"skipping {tag}: out of time")
+                continue
+            serve(config, [] if si is None else ["--stream-interval", str(si)], tag, points, report["rows"],
+                  probes=i == 0)
     for ms in itl_slo_sweep:
         for config in sweep_configs or configs:
             if time_left() < 60:

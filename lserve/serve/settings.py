@@ -31,6 +31,9 @@ DEFAULT_SHUTDOWN_GRACE_S = 30.0
 #: Seconds of silence after which a stream sends an SSE comment line (well under the 60 s idle
 #: timeout common in proxies and load balancers). The one default of ``--sse-keepalive-s``.
 DEFAULT_SSE_KEEPALIVE_S = 10.0
+#: Generated tokens per streamed event: every token as it comes (vLLM's default). The one default
+#: of ``--stream-interval``.
+DEFAULT_STREAM_INTERVAL = 1
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -164,8 +167,9 @@ class _Serving:
         DEFAULT_SSE_KEEPALIVE_S, "a stream silent this long (queued, prefilling) sends an SSE comment line "
                                  "': keep-alive' (0: never)")
     stream_interval: int = setting(
-        1, "generated tokens per streamed chunk: 1 streams every token; N > 1 sends the first token at once, then "
-           "chunks of N tokens (fewer, larger chunks: less host CPU per token, burstier streams)")
+        DEFAULT_STREAM_INTERVAL, "generated tokens per streamed chunk: 1 streams every token; N > 1 sends the "
+                                 "first token at once, then chunks of N tokens (fewer, larger chunks: less host CPU "
+                                 "per token, burstier streams)")
     metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
