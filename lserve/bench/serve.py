@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import os
 import subprocess
 import sys
@@ -117,10 +118,12 @@ def bound_tok_s(rows: list[dict], engine_ttft: dict | None = None, decode_step_m
     output) and the engine's own one-step TTFT at that context. Hence
     ``bound = C * n / (C * P + (n - 1) * d)``; None where ``P`` or ``d`` is missing.
     """
-    alone = {(r["config"], r.get("workload"), r["context"], r["output_len"]): r["ttft_p50_s"]
-             for r in rows if r["concurrency"] == 1 and r.get("ttft_p50_s")}
+    def key(r: dict) -> tuple:
+        return r["config"], r.get("workload"), r["context"], r["output_len"], r.get("stream_interval", 1)
+
+    alone = {key(r): r["ttft_p50_s"] for r in rows if r["concurrency"] == 1 and r.get("ttft_p50_s")}
     for r in rows:
-        ps = [alone.get((r["config"], r.get("workload"), r["context"], r["output_len"])),
+        ps = [alone.get(key(r)),
               (engine_ttft or {}).get(r["config"], {}).get(str(r["context"]))]
         p = min((x for x in ps if x), default=None)
         d = (decode_step_ms or {}).get(r["config"], {}).get(str(r["context"]), {}).get(str(r["concurrency"]))
@@ -669,7 +672,9 @@ def _vocab(model: str) -> int:
 def summary(report: dict) -> str:
     """A short text table of the rows (and of the ITL SLO sweep)."""
     def line(r: dict) -> str:
-        return (f"{r['config']:13s} {r.get('workload', 'random'):9s} {r['context']:7d} {r['output_len']:5d} "
+        si = r.get("stream_interval", 1)
+        config = r["config"] if si == 1 else f"{r['config']}@si{si}"
+        return (f"{config:13s} {r.get('workload', 'random'):9s} {r['context']:7d} {r['output_len']:5d} "
                 f"{r['concurrency']:3d} {r['output_tok_s']:8.1f} {r.get('bound_tok_s')!s:>8s} {r.get('decode_step_ms')!s:>7s}  "
                 f"{r['ttft_p50_s']}/{r['ttft_p99_s']}  {r['itl_p50_ms']}/{r['itl_p99_ms']}  "
                 f"{r['completed']}/{r['failed']}  {r.get('good_requests')}  {r.get('itl_slo_ms')}")
@@ -737,13 +742,17 @@ def plot_serve(report: dict, path: Path) -> None:
         return r.get("workload", "random"), r["context"], r["output_len"]
 
     panels = sorted({key(r) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
+    intervals = sorted({r.get("stream_interval", 1) for r in rows})
     fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7), squeeze=False)
     for j, panel in enumerate(panels):
-        for config, style in (("lserve", "o-"), ("lserve-sparse", "^-"), ("dense", "s--")):
-            rs = sorted((r for r in rows if key(r) == panel and r["config"] == config),
-                        key=lambda r: r["concurrency"])
+        for (config, style), si in itertools.product((("lserve", "o-"), ("lserve-sparse", "^-"), ("dense", "s--")),
+                                                     intervals):
+            rs = sorted((r for r in rows if key(r) == panel and r["config"] == config
+                         and r.get("stream_interval", 1) == si), key=lambda r: r["concurrency"])
             if not rs:
                 continue
+            if len(intervals) > 1:  # one line per --stream-interval, told apart by its label and line
+                config, style = f"{config} si={si}", style if si == intervals[0] else style[0] + "-."
             cs = [r["concurrency"] for r in rs]
             axes[0][j].plot(cs, [r["output_tok_s"] for r in rs], style, label=config)
             bound = [(r["concurrency"], r["bound_tok_s"]) for r in rs if r.get("bound_tok_s")]
