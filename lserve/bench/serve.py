@@ -26,7 +26,7 @@ Also, per run:
   the ``rows`` of ``<prefix_name>.json``);
 * ``steps``: per configuration, how the engine ran its steps (CUDA-graph replays, eager decode
   steps, steps with prefill), read from ``/admin/engines`` after the load;
-* ``stream_interval`` of each row: the servers' ``--stream-interval`` (``--stream-intervals 1,4``
+* ``stream_interval`` of each row: the servers' ``--stream-interval`` (``--stream-intervals 1 4``
   serves every configuration once per value); a row's ITL is then the gap between streamed chunks,
   as ``vllm bench serve`` counts it, its TPOT and throughput per token (usage), and
   ``tokens_per_chunk`` says how many tokens a chunk carried;
@@ -323,7 +323,7 @@ def run_point(base_url: str, tok, context: int, concurrency: int, output_len: in
 
 
 def _row(config: str, context: int, concurrency: int, s: dict, output_len: int, workload: str = "random",
-         itl_slo_ms: float | None = None, stream_interval: int = 1) -> dict:
+         itl_slo_ms: float | None = None, stream_interval: int = DEFAULT_STREAM_INTERVAL) -> dict:
     def q(key, stat, scale):
         v = s[key].get(stat)
         return None if v is None else round(v * scale, 4)
@@ -690,12 +690,16 @@ def summary(report: dict) -> str:
 
 def sweep_curve(report: dict) -> list[dict]:
     """The rows of the ITL SLO trade-off: the sweep's, and the plan's rows of the same (workload,
-    context, concurrency, output) at an SLO the sweep did not serve for their configuration;
-    rows without a TTFT or ITL p99 left out."""
+    context, concurrency, output, stream interval) at an SLO the sweep did not serve for their
+    configuration; rows without a TTFT or ITL p99 left out."""
     sweep = report.get("itl_sweep") or []
-    points = {(r.get("workload"), r["context"], r["concurrency"], r["output_len"]) for r in sweep}
+
+    def point(r: dict) -> tuple:
+        return r.get("workload"), r["context"], r["concurrency"], r["output_len"], r.get("stream_interval", 1)
+
+    points = {point(r) for r in sweep}
     served = {(r["config"], r["itl_slo_ms"]) for r in sweep}
-    plan = [r for r in report["rows"] if (r.get("workload"), r["context"], r["concurrency"], r["output_len"]) in points
+    plan = [r for r in report["rows"] if point(r) in points
             and (r["config"], r.get("itl_slo_ms")) not in served and r.get("itl_slo_ms") is not None]
     return [r for r in sweep + plan if r["ttft_p50_s"] is not None and r["itl_p99_ms"] is not None]
 
