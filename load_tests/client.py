@@ -4,6 +4,8 @@ Times are taken with :func:`time.perf_counter` on arrival of each server-sent ev
 text: the first one gives the time to first token (TTFT), the gaps between later ones the
 inter-token latencies (ITL). Output tokens are the server's ``usage.completion_tokens`` (asked for
 with ``stream_options.include_usage``), or the number of text events when it sends no usage.
+An event that carries several tokens (a server's ``--stream-interval``) is one arrival, as
+``vllm bench serve`` counts it: its ITL is the gap between events, while TPOT stays per token.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class RequestResult:
         Gaps between consecutive text events.
     input_len, output_tokens : int
         Prompt tokens (server's count when reported) and generated tokens.
+    chunks : int
+        Text events received (fewer than ``output_tokens`` when events carry several tokens).
     text : str
         Generated text.
     answer_ok : bool or None
@@ -50,6 +54,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     input_len: int = 0
     output_tokens: int = 0
+    chunks: int = 0
     text: str = ""
     answer_ok: bool | None = None
 
@@ -189,6 +194,7 @@ async def send_request(session, opts: RequestOptions, spec: RequestSpec, index: 
         res.e2e = time.perf_counter() - sent
         res.text = "".join(chunks)
         res.output_tokens = usage_tokens if usage_tokens is not None else text_events
+        res.chunks = text_events
         if res.output_tokens == 0 or last is None:
             res.error = "the stream ended without any token"
             return res

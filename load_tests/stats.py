@@ -129,6 +129,7 @@ def summarize(results: list[RequestResult], duration_s: float, slos_ms: dict[str
     failed = [r for r in results if not r.success]
     in_tok = sum(r.input_len for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
+    chunks = sum(r.chunks for r in ok)
     good = [r for r in ok if meets_slos(r, slos_ms)]
     errors = Counter(r.error for r in failed)
     out = {
@@ -142,6 +143,8 @@ def summarize(results: list[RequestResult], duration_s: float, slos_ms: dict[str
         "ttft_ms": describe_ms([r.ttft for r in ok]),
         "tpot_ms": describe_ms([t for t in (r.tpot for r in ok) if t is not None]),
         "itl_ms": describe_ms([x for r in ok for x in r.itl]),
+        # > 1 when the server streams several tokens per event: ITL is then per event
+        "tokens_per_chunk": round(out_tok / chunks, 3) if chunks else None,
         "e2e_ms": describe_ms([r.e2e for r in ok]),
         "goodput": {"slos_ms": dict(slos_ms), "good_requests": len(good),
                     "goodput_rps": round(len(good) / duration_s, 4),

@@ -187,6 +187,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
             raise ConfigError("--point-time must be >= 0, --requests-per-c >= 1, --slo-ttft-ms and --slo-itl-ms > 0")
         if a.decode_step_min_c < 1:
             raise ConfigError(f"--decode-step-min-c must be >= 1 (--no-decode-step: none), got {a.decode_step_min_c}")
+        if any(v < 1 for v in a.stream_intervals or ()):
+            raise ConfigError(f"--stream-intervals values must be >= 1, got {a.stream_intervals}")
         if any(v < 0 for v in a.itl_slo_sweep or ()):
             raise ConfigError("--itl-slo-sweep values must be >= 0 ms (0: no ITL SLO)")
         if a.sweep_point is not None and not (len(a.sweep_point.split(":")) == 2
@@ -202,7 +204,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                         workload=a.workload, plan=tuple(a.plan or ()), requests_per_c=a.requests_per_c,
                         point_limit_s=a.point_limit, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
                         itl_slo_sweep=tuple(a.itl_slo_sweep or ()), sweep_point=a.sweep_point, port=a.port,
-                        decode_step_min_c=a.decode_step_min_c if a.decode_step else None, sweep_configs=sweep_configs)
+                        decode_step_min_c=a.decode_step_min_c if a.decode_step else None, sweep_configs=sweep_configs,
+                        stream_intervals=tuple(a.stream_intervals or ()))
     return 0
 
 
@@ -302,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "entry at the sweep point is already its point at the default SLO")
     b.add_argument("--sweep-point", default=None, metavar="CONTEXT:C",
                    help="serve: the sweep's load point (default: the longest context at concurrency 4)")
+    b.add_argument("--stream-intervals", type=int, nargs="+", default=None, metavar="N",
+                   help="serve: serve each configuration's plan once per `lserve serve --stream-interval` value "
+                        "(e.g. 1 4: tokens per streamed chunk); rows record theirs")
     b.add_argument("--port", type=int, default=8321, help="serve: the port of the servers it starts")
     b.add_argument("--prefix-contexts", type=int, nargs="+", default=None,
                    help="serve: also time a first and a second question on one document of each length (LServe)")

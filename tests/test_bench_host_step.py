@@ -15,6 +15,15 @@ def test_cli_refuses_a_context_without_room_for_the_distinct_tail(capsys):
     assert e.value.code == 2 and "--context" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, flag", [(["--stream-interval", "1", "0"], "--stream-interval"),
+                                        (["--ray-streams", "0"], "--ray-streams"),
+                                        (["--ray-only", "--no-ray"], "--ray-only")])
+def test_cli_refuses_bad_stream_interval_points(args, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
 def test_engine_parts_add_up_to_the_host_time(smol):
     r = measure_engine(smol, context=64, batch=3, steps=2, warmup=1)
     assert r["batch"] == 3 and r["steps"] == 2

@@ -9,7 +9,7 @@ import json
 import pytest
 from ports import free_port
 
-from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms, sweep_curve
+from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms, served_stream_interval, sweep_curve
 from lserve.cli import main
 
 
@@ -30,9 +30,11 @@ def test_bad_bench_flags_are_one_line_errors(capsys):
     assert main(["bench", "serve", "--sweep-point", "4"]) == 2
     assert main(["bench", "serve", "--itl-slo-sweep", "-5"]) == 2
     assert main(["bench", "serve", "--decode-step-min-c", "0"]) == 2
+    assert main(["bench", "serve", "--stream-intervals", "1", "0"]) == 2
     assert main(["bench", "serve", "--sweep-configs", "lserve,fast"]) == 2
     err = capsys.readouterr().err
-    assert err.count("lserve: error: ") == 5 and "--sweep-configs: unknown configuration 'fast'" in err
+    assert err.count("lserve: error: ") == 6 and "--stream-intervals values must be >= 1" in err
+    assert "--sweep-configs: unknown configuration 'fast'" in err
 
 
 def test_the_bound_is_a_round_of_prefills_and_pure_decode_steps():
@@ -74,24 +76,32 @@ def test_the_trade_off_curve_takes_the_plan_row_at_the_sweep_point():
 def test_served_itl_slo_is_the_last_flag_or_the_default():
     assert served_itl_slo_ms(["--model", "tiny"]) == 100.0
     assert served_itl_slo_ms(["--itl-slo-ms", "50", "--itl-slo-ms", "0"]) == 0.0
+    assert served_stream_interval(["--model", "tiny"]) == 1
+    assert served_stream_interval(["--stream-interval", "4", "--stream-interval=2"]) == 2
 
 
 
 def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
-    """Two load points of the reasoning workload (16 output tokens here) and an ITL SLO sweep of
-    two values at concurrency 2, through real ``lserve serve`` processes, which inherit an API key
-    from the environment (the bench's clients send it)."""
+    """Two load points of the reasoning workload (16 output tokens here) served at stream
+    intervals 1 and 4, and an ITL SLO sweep of two values at concurrency 2, through real ``lserve
+    serve`` processes, which inherit an API key from the environment (the bench's clients send it)."""
     monkeypatch.setenv("LSERVE_API_KEY", "bench-key")
     argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--backend", "torch", "--configs", "lserve",
-            "--plan", "reasoning:96:1,2:16", "--point-time", "2", "--requests-per-c", "3", "--no-engine-ttft",
+            "--plan", "reasoning:96:1,2:16", "--stream-intervals", "1", "4",
+            "--point-time", "2", "--requests-per-c", "3", "--no-engine-ttft",
             "--itl-slo-sweep", "0", "40", "--sweep-configs", "lserve", "--sweep-point", "96:2",
             "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
             "--out", str(tmp_path), "--name", "cpu", "--port", str(free_port()), "--deadline", "600"]
     assert main(argv) == 0
     rep = json.loads((tmp_path / "cpu.json").read_text())
     rows = rep["rows"]
-    assert [(r["workload"], r["context"], r["concurrency"], r["output_len"]) for r in rows] == [
-        ("reasoning", 96, 1, 16), ("reasoning", 96, 2, 16)]
+    assert [(r["workload"], r["context"], r["concurrency"], r["output_len"], r["stream_interval"]) for r in rows] == [
+        ("reasoning", 96, 1, 16, 1), ("reasoning", 96, 2, 16, 1), ("reasoning", 96, 1, 16, 4),
+        ("reasoning", 96, 2, 16, 4)]
+    # 16 tokens at interval 4: the first alone, then chunks of 4 (more where outputs queued up);
+    # throughput and TPOT count tokens (usage), not chunks
+    assert all(r["tokens_per_chunk"] >= 16 / 5 for r in rows[2:]) and all(r["tokens_per_chunk"] < 16 / 5
+                                                                         for r in rows[:2])
     for r in rows:
         assert r["failed"] == 0 and r["cancelled_at_limit"] == 0
         assert r["completed"] >= 3 * r["concurrency"] and r["duration_s"] >= 2.0  # both minimums held
@@ -106,5 +116,5 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
     assert [(r["itl_slo_ms"], r["concurrency"], r["context"]) for r in sweep] == [(0.0, 2, 96), (40.0, 2, 96)]
     assert all(r["completed"] >= 6 and r["ttft_p50_s"] and r["itl_p99_ms"] for r in sweep)
     assert all(r["bound_tok_s"] >= 0.9 * r["output_tok_s"] for r in sweep)
-    assert set(rep["startup_s"]) == {"lserve", "lserve@itl0", "lserve@itl40"}
+    assert set(rep["startup_s"]) == {"lserve@si1", "lserve@si4", "lserve@itl0", "lserve@itl40"}
     assert (tmp_path / "cpu.png").stat().st_size > 0 and (tmp_path / "cpu_itl_slo.png").stat().st_size > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -147,6 +148,30 @@ def test_async_engine_coalesces_what_a_slow_consumer_missed(smol):
         assert [lp for o in outs for lp in o.delta_logprobs] == final.logprobs
     finally:
         engine.shutdown()
+
+
+def test_async_engine_delivers_queued_snapshots_before_a_death(smol):
+    """Tokens that queued up for a busy consumer when the engine died still reach it, merged,
+    before the error (nothing is dropped for the error queued behind them)."""
+    engine = AsyncEngine(EngineConfig(model="default", cache=SMALL_PAGES), loaded=smol)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def main():
+        agen = engine.generate("Tell me a long story:", params)
+        first = await agen.__anext__()
+        steps0 = engine.stats().steps
+        while engine.stats().steps < steps0 + 3:  # blocks the event loop, as a busy consumer does
+            time.sleep(0.01)
+        engine.kill()
+        engine.shutdown()  # the loop has stopped: its last outputs and the error are on their way
+        backlog = await agen.__anext__()
+        with pytest.raises(Exception, match="dead"):
+            await agen.__anext__()
+        return first, backlog
+
+    first, backlog = asyncio.run(main())
+    assert len(first.delta_token_ids) == 1 and len(backlog.delta_token_ids) >= 3 and not backlog.finished
+    assert first.token_ids + backlog.delta_token_ids == backlog.token_ids
 
 
 def test_async_engine_streams_and_abort_on_close(smol):

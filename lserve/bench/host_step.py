@@ -25,7 +25,9 @@ the default model, the ``lserve serve`` sparsity defaults), ``python -m lserve.b
   host) as on a GPU: the engine alone per batch, the in-process replica stream, and (unless
   ``--no-ray``) the same replica as a Ray Serve deployment streamed through a deployment handle,
   with the replica process's CPU per step. The ITL then says what the host side adds to the
-  device step.
+  device step. ``--stream-interval 1 2 4`` runs the Ray part at each ``lserve serve
+  --stream-interval`` (tokens per streamed event; ``--ray-streams``, ``--repeats``, ``--ray-only``
+  pick its points).
 
 Writes ``<name>.json`` and ``<name>.png`` into ``--out``.
 """
@@ -234,16 +236,17 @@ def _emulate_forward(engine: LLMEngine, token: int) -> None:
     engine.model.greedy = lambda logits: torch.full((logits.shape[0],), token, dtype=torch.long)
 
 
-def make_replica(max_num_seqs: int, device_ms: float = 0.0):
+def make_replica(max_num_seqs: int, device_ms: float = 0.0, stream_interval: int = 1):
     """An :class:`~lserve.serve.replica.EngineReplica` of the default model on the CPU (requests
-    of up to 2048 tokens); with
+    of up to 2048 tokens, ``stream_interval`` tokens per streamed event); with
     ``device_ms`` > 0 its device work is emulated (:class:`_Device`, constant tokens)."""
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="lserve-host-step-"))
     from lserve.serve.replica import EngineReplica
 
     # a KV pool for short requests (the serve default's takes most of a minute to zero on a small machine)
     settings = {"model": "default", "max_num_seqs": max_num_seqs, "torch_threads": torch.get_num_threads(),
-                "max_model_len": 2048, "max_cache_tokens": max(16384, 1024 * max_num_seqs)}
+                "max_model_len": 2048, "max_cache_tokens": max(16384, 1024 * max_num_seqs),
+                "stream_interval": stream_interval}
     if device_ms <= 0:
         return EngineReplica(settings)
     with _patched(llm_engine_module, "HostTokens", _emulated_tokens(_Device(device_ms / 1e3))):
@@ -262,10 +265,18 @@ def _request(i: int, prompt: str, max_tokens: int) -> dict:
 
 
 class _ItlClock:
-    """Per-token gaps between the events of one stream that carry tokens."""
+    """Per-token gaps between the events of one stream that carry tokens (an event's gap shared
+    out over its tokens), and the gaps between those events themselves."""
 
     def __init__(self) -> None:
         self.gaps: list[float] = []
+        self.event_gaps: list[float] = []
+        self.events = 0
+
+    def clear(self) -> None:
+        self.gaps.clear()
+        self.event_gaps.clear()
+        self.events = 0
 
     def stream(self):
         last = None
@@ -275,21 +286,27 @@ class _ItlClock:
             now, k = time.perf_counter(), ev.get("num_tokens", 0)
             if k and last is not None:
                 self.gaps.extend([(now - last) / k] * k)
+                self.event_gaps.append(now - last)
             if k:
                 last = now
+                self.events += 1
             return k
         return see
 
     def summary(self) -> dict:
         q = statistics.quantiles(self.gaps, n=100)
-        return {"itl_p50_ms": round(q[49] * 1e3, 3), "itl_p90_ms": round(q[89] * 1e3, 3)}
+        e = statistics.quantiles(self.event_gaps, n=100) if len(self.event_gaps) > 1 else None
+        return {"itl_p50_ms": round(q[49] * 1e3, 3), "itl_p90_ms": round(q[89] * 1e3, 3),
+                "event_gap_p50_ms": None if e is None else round(e[49] * 1e3, 3),
+                "token_events": self.events}
 
 
 def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: float,
-                switch_s: float | None = None) -> dict:
+                switch_s: float | None = None, stream_interval: int = 1) -> dict:
     """ITL of ``streams`` requests streamed from an emulated-device replica through Ray Serve
     (a deployment handle in this driver, as the ingress calls the replica), against the emulated
-    device step: what Ray's per-item streaming adds in the replica's process."""
+    device step: what Ray's per-item streaming adds in the replica's process, with the replica
+    sending events of ``stream_interval`` tokens (``lserve serve --stream-interval``)."""
     import ray
     from ray import serve
 
@@ -301,7 +318,8 @@ def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: fl
         serve.start(http_options={"location": "NoServer"}, logging_config={"log_level": "WARNING"})
         dep = serve.deployment(EmulatedReplica, name="replica", max_ongoing_requests=4 * streams,
                                ray_actor_options={"num_cpus": 1})
-        handle = serve.run(dep.bind(streams, device_ms, switch_s), name="host-step", route_prefix=None)
+        handle = serve.run(dep.bind(streams, device_ms, switch_s, stream_interval), name="host-step",
+                           route_prefix=None)
         from lserve.models.loader import load_model as _load
 
         prompts = _prompts(_load("default").tokenizer, streams, prompt_tokens)
@@ -320,7 +338,7 @@ def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: fl
             return sum(counts), time.perf_counter() - w0
 
         asyncio.run(run())  # warm-up: the handle's router, the replica's first steps
-        itl.gaps.clear()
+        itl.clear()
         cpu0 = handle.options(method_name="cpu").remote().result()
         steps0 = handle.options(method_name="engine_stats").remote().result()["steps"]
         tokens, wall = asyncio.run(run())
@@ -329,8 +347,9 @@ def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: fl
     finally:
         serve.shutdown()
         ray.shutdown()
-    return {"streams": streams, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "device_ms": device_ms,
-            "replica_switch_interval_s": switch_s, "tokens": tokens, "wall_s": round(wall, 3), "steps": steps,
+    return {"streams": streams, "stream_interval": stream_interval, "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens, "device_ms": device_ms, "replica_switch_interval_s": switch_s, "tokens": tokens,
+            "wall_s": round(wall, 3), "steps": steps,
             "step_ms": round(wall / steps * 1e3, 3),
             "replica_cpu_ms_per_step": round((cpu1[0] - cpu0[0]) / steps * 1e3, 3),
             "engine_thread_cpu_ms_per_step": None if cpu0[1] is None else round((cpu1[1] - cpu0[1]) / steps * 1e3, 3),
@@ -340,10 +359,11 @@ def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: fl
 class EmulatedReplica:
     """A Ray Serve deployment around :func:`make_replica` with the device emulated."""
 
-    def __init__(self, max_num_seqs: int, device_ms: float, switch_s: float | None = None) -> None:
+    def __init__(self, max_num_seqs: int, device_ms: float, switch_s: float | None = None,
+                 stream_interval: int = 1) -> None:
         if switch_s is not None:
             sys.setswitchinterval(switch_s)
-        self.replica = make_replica(max_num_seqs, device_ms)
+        self.replica = make_replica(max_num_seqs, device_ms, stream_interval)
 
     async def generate(self, request: dict):
         async for ev in self.replica.generate(request):
@@ -437,34 +457,48 @@ def _thread_cpu(thread: threading.Thread) -> float | None:
 
 
 def run(out: str, name: str, batches: list[int], context: int, steps: int, streams: int,
-        stream_tokens: int, device_ms: float = 0.0, ray: bool = False, emulated_tokens: int = 128) -> dict:
+        stream_tokens: int, device_ms: float = 0.0, ray: bool = False, emulated_tokens: int = 128,
+        stream_intervals: tuple[int, ...] = (1,), repeats: int = 1, ray_only: bool = False,
+        ray_streams: tuple[int, ...] = ()) -> dict:
+    """Measure the parts the flags ask for (see the module docstring) and write ``<out>/<name>.json``.
+
+    ``stream_intervals``: the Ray part runs once per value (the replica's ``--stream-interval``) and
+    stream count of ``ray_streams`` (default: 1 and ``streams``);
+    ``repeats``: each Ray point runs that many times (rows in turn, so drift of a shared machine
+    spreads over all); ``ray_only``: only the emulated Ray part (no engine rows, no in-process parts).
+    """
     loaded = load_model("default")
     rows = []
-    for b in batches:
+    for b in [] if ray_only else batches:
         r = measure_engine(loaded, context, b, steps)
         rows.append(r)
         p = r["parts_ms"]
         print(f"batch {b:3d}: host {r['host_ms']['median']:.3f} ms/step (forward {r['forward_ms']['median']:.1f}); "
               + ", ".join(f"{k} {p[k]['median']:.3f}" for k in PARTS)
               + f"; cupy tables {r['cupy_tables_ms']['median']:.3f}", flush=True)
-    stream = measure_stream(streams, 32, stream_tokens) if streams else None
+    stream = measure_stream(streams, 32, stream_tokens) if streams and not ray_only else None
     if stream:
         print(f"stream, {streams} requests: {stream['loop_cpu_us_per_token']} us of asyncio thread per token "
               f"({stream['loop_cpu_ms_per_step']} ms per step, pickle {stream['pickle_us_per_token']} us/token); "
               f"engine thread {stream['engine_thread_cpu_ms_per_step']} ms CPU per step", flush=True)
     emulated = None
     if device_ms > 0:
+        counts = sorted({1, streams or 1})
         emulated = {"device_ms": device_ms,
-                    "engine_step_ms": {str(b): emulated_engine_step_ms(loaded, b, device_ms) for b in batches},
-                    "in_process": [measure_stream(n, 32, emulated_tokens, device_ms) for n in sorted({1, streams or 1})],
-                    "ray": ([measure_ray(n, 32, emulated_tokens, device_ms) for n in sorted({1, streams or 1})]
+                    "engine_step_ms": {} if ray_only else {str(b): emulated_engine_step_ms(loaded, b, device_ms)
+                                                           for b in batches},
+                    "in_process": [] if ray_only else [measure_stream(n, 32, emulated_tokens, device_ms)
+                                                       for n in counts],
+                    "ray": ([{**measure_ray(n, 32, emulated_tokens, device_ms, stream_interval=si), "repeat": i}
+                             for i in range(repeats) for n in (ray_streams or counts) for si in stream_intervals]
                             if ray else None)}
         print(f"emulated device {device_ms} ms: engine step ms by batch {emulated['engine_step_ms']}", flush=True)
         for kind in ("in_process", "ray"):
             for r in emulated[kind] or []:
                 print(f"  {kind}, {r['streams']} streams: ITL p50 {r['itl_p50_ms']} / p90 {r['itl_p90_ms']} ms"
-                      + (f", step {r['step_ms']} ms, replica CPU {r['replica_cpu_ms_per_step']} ms/step "
-                         f"(engine thread {r['engine_thread_cpu_ms_per_step']})" if kind == "ray" else ""), flush=True)
+                      + (f", stream interval {r['stream_interval']}: step {r['step_ms']} ms, replica CPU "
+                         f"{r['replica_cpu_ms_per_step']} ms/step (engine thread {r['engine_thread_cpu_ms_per_step']}), "
+                         f"{r['token_events']} events" if kind == "ray" else ""), flush=True)
     report = {**header(), "model": loaded.source, "backend": "torch", "torch_threads": torch.get_num_threads(),
               "engine": "lserve serve sparsity defaults (learned pattern, budget 4096), async decode, fp32",
               "rows": rows, "stream": stream, "emulated": emulated}
@@ -476,7 +510,7 @@ def run(out: str, name: str, batches: list[int], context: int, steps: int, strea
 
 def _plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
-    if plt is None:
+    if plt is None or not rows:
         return
     fig, ax = plt.subplots(figsize=(6, 3.8))
     x = [str(r["batch"]) for r in rows]
@@ -509,6 +543,13 @@ def main(argv: list[str] | None = None) -> int:
                          "of Llama-3-8B on the H200, profile_lserve_2048_b1-16.json)")
     ap.add_argument("--emulated-tokens", type=int, default=128, help="output tokens of each emulated-part request")
     ap.add_argument("--no-ray", action="store_true", help="skip the emulated part through Ray Serve")
+    ap.add_argument("--stream-interval", type=int, nargs="+", default=[1],
+                    help="the Ray part once per value: tokens per streamed event (lserve serve --stream-interval)")
+    ap.add_argument("--ray-streams", type=int, nargs="+", default=[],
+                    help="stream counts of the Ray part (default: 1 and --streams)")
+    ap.add_argument("--repeats", type=int, default=1, help="times each Ray point is measured")
+    ap.add_argument("--ray-only", action="store_true",
+                    help="only the emulated part through Ray Serve (no engine rows, no in-process parts)")
     a = ap.parse_args(argv)
     os.environ.setdefault("LSERVE_BENCH_COMMAND", shlex.join(["python", "-m", "lserve.bench.host_step",
                                                               *(sys.argv[1:] if argv is None else argv)]))
@@ -516,8 +557,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--context must exceed 16 tokens, batches and --steps must be >= 1")
     if a.device_ms < 0 or a.emulated_tokens < 2:
         ap.error("--device-ms must be >= 0 and --emulated-tokens >= 2")
+    if min(a.stream_interval) < 1 or a.repeats < 1 or min(a.ray_streams, default=1) < 1:
+        ap.error("--stream-interval values, --ray-streams values and --repeats must be >= 1")
+    if a.ray_only and (a.no_ray or a.device_ms <= 0):
+        ap.error("--ray-only needs the Ray part: a --device-ms > 0 and no --no-ray")
     run(a.out, a.name, a.batches, a.context, a.steps, a.streams, a.stream_tokens, a.device_ms, not a.no_ray,
-        a.emulated_tokens)
+        a.emulated_tokens, tuple(a.stream_interval), a.repeats, a.ray_only, tuple(a.ray_streams))
     return 0
 
 

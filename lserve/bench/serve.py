@@ -26,6 +26,10 @@ Also, per run:
   the ``rows`` of ``<prefix_name>.json``);
 * ``steps``: per configuration, how the engine ran its steps (CUDA-graph replays, eager decode
   steps, steps with prefill), read from ``/admin/engines`` after the load;
+* ``stream_interval`` of each row: the servers' ``--stream-interval`` (``--stream-intervals 1 4``
+  serves every configuration once per value); a row's ITL is then the gap between streamed chunks,
+  as ``vllm bench serve`` counts it, its TPOT and throughput per token (usage), and
+  ``tokens_per_chunk`` says how many tokens a chunk carried;
 * ``itl_sweep`` (``--itl-slo-sweep``): rows of one (workload, context, concurrency) point served
   with each ``--itl-slo-ms`` value, per configuration, plotted as TTFT p50 against ITL p99
   (``<name>_itl_slo.png``): the trade-off the SLO sets.
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import os
 import subprocess
 import sys
@@ -46,7 +51,7 @@ from pathlib import Path
 
 from lserve.bench.report import header, write_json
 from lserve.plotting import pyplot
-from lserve.serve.settings import API_KEY_ENV
+from lserve.serve.settings import API_KEY_ENV, DEFAULT_STREAM_INTERVAL
 
 # On random weights tau sets how much of the causal prefill the dense heads keep (0.237 at 128k
 # and 0.209 at 256k for 0.2, benchmarks/e2e/e2e_ttft_h200.json), not an accuracy-checked setting.
@@ -113,10 +118,12 @@ def bound_tok_s(rows: list[dict], engine_ttft: dict | None = None, decode_step_m
     output) and the engine's own one-step TTFT at that context. Hence
     ``bound = C * n / (C * P + (n - 1) * d)``; None where ``P`` or ``d`` is missing.
     """
-    alone = {(r["config"], r.get("workload"), r["context"], r["output_len"]): r["ttft_p50_s"]
-             for r in rows if r["concurrency"] == 1 and r.get("ttft_p50_s")}
+    def key(r: dict) -> tuple:
+        return r["config"], r.get("workload"), r["context"], r["output_len"], r.get("stream_interval", 1)
+
+    alone = {key(r): r["ttft_p50_s"] for r in rows if r["concurrency"] == 1 and r.get("ttft_p50_s")}
     for r in rows:
-        ps = [alone.get((r["config"], r.get("workload"), r["context"], r["output_len"])),
+        ps = [alone.get(key(r)),
               (engine_ttft or {}).get(r["config"], {}).get(str(r["context"]))]
         p = min((x for x in ps if x), default=None)
         d = (decode_step_ms or {}).get(r["config"], {}).get(str(r["context"]), {}).get(str(r["concurrency"]))
@@ -256,12 +263,29 @@ def _tokenizer(vocab: int):
     return load_tokenizer(f"preset:{vocab}")
 
 
+def _last_flag(flags: list[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``flags`` (None: not given)."""
+    value = None
+    for i, f in enumerate(flags):
+        if f == flag and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif f.startswith(flag + "="):
+            value = f.split("=", 1)[1]
+    return value
+
+
 def served_itl_slo_ms(flags: list[str]) -> float:
     """The ``--itl-slo-ms`` a server started with ``flags`` runs with (the last one given, else the default)."""
     from lserve.config import engine_flag_defaults
 
-    at = [i for i, f in enumerate(flags) if f == "--itl-slo-ms"]
-    return float(flags[at[-1] + 1]) if at else float(engine_flag_defaults()["itl_slo_ms"])
+    value = _last_flag(flags, "--itl-slo-ms")
+    return float(value) if value is not None else float(engine_flag_defaults()["itl_slo_ms"])
+
+
+def served_stream_interval(flags: list[str]) -> int:
+    """The ``--stream-interval`` a server started with ``flags`` runs with (the last one given, else the default)."""
+    value = _last_flag(flags, "--stream-interval")
+    return int(value) if value is not None else DEFAULT_STREAM_INTERVAL
 
 
 def workload_specs(tok, workload: str, context: int, num: int, output_len: int, seed: int):
@@ -299,7 +323,7 @@ def run_point(base_url: str, tok, context: int, concurrency: int, output_len: in
 
 
 def _row(config: str, context: int, concurrency: int, s: dict, output_len: int, workload: str = "random",
-         itl_slo_ms: float | None = None) -> dict:
+         itl_slo_ms: float | None = None, stream_interval: int = DEFAULT_STREAM_INTERVAL) -> dict:
     def q(key, stat, scale):
         v = s[key].get(stat)
         return None if v is None else round(v * scale, 4)
@@ -308,7 +332,8 @@ def _row(config: str, context: int, concurrency: int, s: dict, output_len: int, 
     cut = sum(e["count"] for e in s["errors"] if e["error"] == "cancelled at the time limit")
     g = s["goodput"]
     return {"config": config, "workload": workload, "context": context, "concurrency": concurrency,
-            "output_len": output_len, "itl_slo_ms": itl_slo_ms,
+            "output_len": output_len, "itl_slo_ms": itl_slo_ms, "stream_interval": stream_interval,
+            "tokens_per_chunk": s.get("tokens_per_chunk"),
             "output_tok_s": s["output_token_throughput"], "bound_tok_s": None, "ttft_p50_s": q("ttft_ms", "p50", 1e-3),
             "ttft_p99_s": q("ttft_ms", "p99", 1e-3), "itl_p50_ms": q("itl_ms", "p50", 1),
             "itl_p99_ms": q("itl_ms", "p99", 1), "tpot_p50_ms": q("tpot_ms", "p50", 1),
@@ -461,7 +486,8 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     workload: str = "random", plan: tuple[str, ...] = (), requests_per_c: int = 8,
                     point_limit_s: float = 600.0, slo_ttft_ms: float = 30000.0, slo_itl_ms: float = 200.0,
                     itl_slo_sweep: tuple[float, ...] = (), sweep_point: str | None = None,
-                    decode_step_min_c: int | None = 1, sweep_configs: tuple[str, ...] | None = None) -> dict:
+                    decode_step_min_c: int | None = 1, sweep_configs: tuple[str, ...] | None = None,
+                    stream_intervals: tuple[int, ...] = ()) -> dict:
     """Run the served benchmark and write ``<out_dir>/<name>.json`` + ``.png``; returns the report.
 
     Load points come from ``plan`` (``WORKLOAD:CONTEXT:C1,C2[:OUTPUT]``, :func:`parse_plan`), else
@@ -473,6 +499,9 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
     need not be swept again: every server start costs ~45 s on the H200). ``decode_step_min_c``: time the
     pure decode step (``decode_step_ms``, the bound's ``d``) of every point with at least that
     concurrency, per configuration, before the servers start (None: none, and no bound).
+    ``stream_intervals``: serve each configuration's plan once per ``--stream-interval`` value
+    (server logs and start-up times tagged ``<config>@si<N>``, rows with their ``stream_interval``;
+    the probes run with the first); empty: once, at the interval of ``extra_flags`` or the default.
     """
     t_start = time.monotonic()
     out_dir = Path(out_dir)
@@ -536,6 +565,7 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
     def serve(config: str, flags: list[str], tag: str, pts, rows: list, probes: bool) -> None:
         srv = Server(common + CONFIG_FLAGS[config] + flags, port, out_dir / f"{name}_{tag}_server.log")
         slo_flag = served_itl_slo_ms(common + CONFIG_FLAGS[config] + flags)
+        interval = served_stream_interval(common + CONFIG_FLAGS[config] + flags)
         try:
             report["startup_s"][tag] = round(srv.wait_healthy(300), 1)
             _log(f"{tag}: healthy after {report['startup_s'][tag]} s")
@@ -567,11 +597,12 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     m0 = srv.histogram_totals()
                     s = run_point(srv.base_url, tok, ctx, c, out, limit, seed=ctx + c, workload=wl,
                                   min_time_s=point_time_s, requests_per_c=requests_per_c, slos_ms=slos)
-                    row = {**_row(config, ctx, c, s, out, wl, slo_flag),
+                    row = {**_row(config, ctx, c, s, out, wl, slo_flag, interval),
                            "replica": replica_means(m0, srv.histogram_totals())}
                     rows.append(row)
                     _log(f"{tag} {wl} ctx {ctx} C={c} out {out}: {row['completed']} ok / {row['failed']} failed, "
-                         f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL p50/p99 "
+                         f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL (per chunk of "
+                         f"{row['tokens_per_chunk']} tokens) p50/p99 "
                          f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms, good {row['good_requests']}; "
                          f"replica {row['replica']}")
                     save()
@@ -581,10 +612,13 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
         save()
 
     for config in configs:
-        if time_left() < 60:
-            _log(f"skipping {config}: out of time")
-            continue
-        serve(config, [], config, points, report["rows"], probes=True)
+        for i, si in enumerate(stream_intervals or (None,)):
+            tag = config if si is None else f"{config}@si{si}"
+            if time_left() < 60:
+                _log(f"skipping {tag}: out of time")
+                continue
+            serve(config, [] if si is None else ["--stream-interval", str(si)], tag, points, report["rows"],
+                  probes=i == 0)
     for ms in itl_slo_sweep:
         for config in sweep_configs or configs:
             if time_left() < 60:
@@ -638,7 +672,9 @@ def _vocab(model: str) -> int:
 def summary(report: dict) -> str:
     """A short text table of the rows (and of the ITL SLO sweep)."""
     def line(r: dict) -> str:
-        return (f"{r['config']:13s} {r.get('workload', 'random'):9s} {r['context']:7d} {r['output_len']:5d} "
+        si = r.get("stream_interval", 1)
+        config = r["config"] if si == 1 else f"{r['config']}@si{si}"
+        return (f"{config:13s} {r.get('workload', 'random'):9s} {r['context']:7d} {r['output_len']:5d} "
                 f"{r['concurrency']:3d} {r['output_tok_s']:8.1f} {r.get('bound_tok_s')!s:>8s} {r.get('decode_step_ms')!s:>7s}  "
                 f"{r['ttft_p50_s']}/{r['ttft_p99_s']}  {r['itl_p50_ms']}/{r['itl_p99_ms']}  "
                 f"{r['completed']}/{r['failed']}  {r.get('good_requests')}  {r.get('itl_slo_ms')}")
@@ -654,12 +690,16 @@ def summary(report: dict) -> str:
 
 def sweep_curve(report: dict) -> list[dict]:
     """The rows of the ITL SLO trade-off: the sweep's, and the plan's rows of the same (workload,
-    context, concurrency, output) at an SLO the sweep did not serve for their configuration;
-    rows without a TTFT or ITL p99 left out."""
+    context, concurrency, output, stream interval) at an SLO the sweep did not serve for their
+    configuration; rows without a TTFT or ITL p99 left out."""
     sweep = report.get("itl_sweep") or []
-    points = {(r.get("workload"), r["context"], r["concurrency"], r["output_len"]) for r in sweep}
+
+    def point(r: dict) -> tuple:
+        return r.get("workload"), r["context"], r["concurrency"], r["output_len"], r.get("stream_interval", 1)
+
+    points = {point(r) for r in sweep}
     served = {(r["config"], r["itl_slo_ms"]) for r in sweep}
-    plan = [r for r in report["rows"] if (r.get("workload"), r["context"], r["concurrency"], r["output_len"]) in points
+    plan = [r for r in report["rows"] if point(r) in points
             and (r["config"], r.get("itl_slo_ms")) not in served and r.get("itl_slo_ms") is not None]
     return [r for r in sweep + plan if r["ttft_p50_s"] is not None and r["itl_p99_ms"] is not None]
 
@@ -706,13 +746,17 @@ def plot_serve(report: dict, path: Path) -> None:
         return r.get("workload", "random"), r["context"], r["output_len"]
 
     panels = sorted({key(r) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
+    intervals = sorted({r.get("stream_interval", 1) for r in rows})
     fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7), squeeze=False)
     for j, panel in enumerate(panels):
-        for config, style in (("lserve", "o-"), ("lserve-sparse", "^-"), ("dense", "s--")):
-            rs = sorted((r for r in rows if key(r) == panel and r["config"] == config),
-                        key=lambda r: r["concurrency"])
+        for (config, style), si in itertools.product((("lserve", "o-"), ("lserve-sparse", "^-"), ("dense", "s--")),
+                                                     intervals):
+            rs = sorted((r for r in rows if key(r) == panel and r["config"] == config
+                         and r.get("stream_interval", 1) == si), key=lambda r: r["concurrency"])
             if not rs:
                 continue
+            if len(intervals) > 1:  # one line per --stream-interval, told apart by its label and line
+                config, style = f"{config} si={si}", style if si == intervals[0] else style[0] + "-."
             cs = [r["concurrency"] for r in rs]
             axes[0][j].plot(cs, [r["output_tok_s"] for r in rs], style, label=config)
             bound = [(r["concurrency"], r["bound_tok_s"]) for r in rs if r.get("bound_tok_s")]

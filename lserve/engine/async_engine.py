@@ -118,13 +118,17 @@ class AsyncEngine:
         self._wake.set()
         finished = False
         try:
+            failure = None  # an error that queued behind snapshots: raised after they went out
             while True:
-                item = await q.get()
+                item, failure = (failure, None) if failure is not None else (await q.get(), None)
                 # Snapshots that queued up while the consumer was busy go out as one: under many
                 # streams a per-token hop through Ray and HTTP costs more than the decode step.
                 while not isinstance(item, BaseException) and not item.finished and not q.empty():
                     nxt = q.get_nowait()
-                    item = nxt if isinstance(nxt, BaseException) else item.then(nxt)
+                    if isinstance(nxt, BaseException):
+                        failure = nxt
+                        break
+                    item = item.then(nxt)
                 if isinstance(item, BaseException):
                     raise item
                 yield item

@@ -7,9 +7,11 @@ crosses process boundaries:
 * ``{"type": "accepted", "replica", "prompt_tokens"}`` once the request is tokenized and checked;
   (plus ``"prompt_text"`` when the params ask for ``echo``);
 * ``{"type": "delta", "text", "num_tokens", "finished", "finish_reason", "prompt_tokens",
-  "completion_tokens", "cached_tokens"}`` per engine step that touched the request, with ``"logprobs"`` (the new
-  tokens') when asked for, and ``"prompt_logprobs"`` once, in the first delta after prefill, when
-  asked for (entries as :mod:`lserve.serve.logprobs` describes);
+  "completion_tokens", "cached_tokens"}`` per engine step that touched the request (with
+  ``stream_interval`` N > 1: the first tokens at once, then outputs merged into events of at least N
+  tokens, :mod:`lserve.serve.stream_interval`), with ``"logprobs"`` (the new tokens') when asked
+  for, and ``"prompt_logprobs"`` once, in the first delta after prefill, when asked for (entries
+  as :mod:`lserve.serve.logprobs` describes);
 * ``{"type": "error", "status", "message", "param", "code"}`` instead, for a request the engine
   cannot serve (400) or a dead engine (503).
 
@@ -35,9 +37,11 @@ from lserve.config import ConfigError
 from lserve.engine.async_engine import AsyncEngine, EngineDeadError
 from lserve.engine.request_check import CONTEXT_LENGTH_EXCEEDED, RequestError
 from lserve.engine.sampling import SamplingParams
+from lserve.engine.sequence import RequestOutput
 from lserve.serve.logprobs import TokenTexts
 from lserve.serve.metrics import EngineMetrics, get_engine_metrics
 from lserve.serve.settings import ServeSettings
+from lserve.serve.stream_interval import ChunkBuffer
 
 #: Seconds of prefix-cache evictions each routing report repeats (reports are polled about every second).
 EVICTION_WINDOW_S = 60.0
@@ -144,13 +148,16 @@ class EngineReplica:
         self._queued[rid] = len(ids)
         finished, reason = False, "abort"
         stream = None
+        # the engine's outputs merged into events of --stream-interval tokens (the ITL metric
+        # below still sees each output as the engine made it)
+        chunks = ChunkBuffer(self.settings.stream_interval)
+        prompt_lps_sent = False
         try:
             accepted = {"type": "accepted", "replica": self.replica_id, "prompt_tokens": len(ids)}
             if echo:
                 prompt = request["prompt"]
                 accepted["prompt_text"] = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
             yield accepted
-            prompt_lps_sent = False
             stream = self.engine.generate(ids, params, request_id=rid)
             last = None
             async for out in stream:
@@ -166,18 +173,19 @@ class EngineReplica:
                 if out.finished:
                     finished, reason = True, out.finish_reason or "stop"
                     self._observe_finished(out.metrics, t_recv, now, len(out.token_ids))
-                ev = {"type": "delta", "text": out.delta_text, "num_tokens": n_new, "finished": out.finished,
-                      "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
-                      "completion_tokens": len(out.token_ids), "cached_tokens": out.metrics.get("cached_tokens", 0)}
-                if out.delta_logprobs is not None:
-                    ev["logprobs"] = self._token_texts().entries(out.delta_logprobs)
-                if out.prompt_logprobs is not None and not prompt_lps_sent:
-                    prompt_lps_sent = True
-                    first = (out.prompt_token_ids[0], None, None)  # the first prompt token has no logprob
-                    ev["prompt_logprobs"] = self._token_texts().entries([first, *out.prompt_logprobs[1:]])
-                yield ev
+                due = chunks.add(out)
+                if due is not None:
+                    ev = self._delta_event(due, prompt_logprobs=not prompt_lps_sent)
+                    prompt_lps_sent = prompt_lps_sent or "prompt_logprobs" in ev
+                    yield ev
+            held = chunks.flush()  # only when the stream ended unfinished (a finish is always due)
+            if held is not None:
+                yield self._delta_event(held, prompt_logprobs=not prompt_lps_sent)
         except EngineDeadError as e:
             reason = "error"
+            held = chunks.flush()  # what was held goes out before the error event
+            if held is not None:
+                yield self._delta_event(held, prompt_logprobs=not prompt_lps_sent)
             yield {"type": "error", "status": 503, "message": f"the engine stopped while generating ({e}); retry",
                    "code": "engine_dead"}
         finally:
@@ -185,6 +193,20 @@ class EngineReplica:
             if stream is not None and not finished:
                 await stream.aclose()  # aborts the request: its pages are freed before the next step
             self._count_end(reason)
+
+    def _delta_event(self, out: RequestOutput, prompt_logprobs: bool) -> dict[str, Any]:
+        """The ``delta`` event of an output (merged or not); its prompt logprobs only when
+        ``prompt_logprobs`` (they go out once, with the first event that has them)."""
+        ev = {"type": "delta", "text": out.delta_text, "num_tokens": len(out.delta_token_ids),
+              "finished": out.finished, "finish_reason": out.finish_reason,
+              "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+              "cached_tokens": out.metrics.get("cached_tokens", 0)}
+        if out.delta_logprobs is not None:
+            ev["logprobs"] = self._token_texts().entries(out.delta_logprobs)
+        if out.prompt_logprobs is not None and prompt_logprobs:
+            first = (out.prompt_token_ids[0], None, None)  # the first prompt token has no logprob
+            ev["prompt_logprobs"] = self._token_texts().entries([first, *out.prompt_logprobs[1:]])
+        return ev
 
     def _count_end(self, reason: str) -> None:
         """Count an accepted request's end, by finish reason (stop, length, abort, error).

@@ -31,6 +31,9 @@ DEFAULT_SHUTDOWN_GRACE_S = 30.0
 #: Seconds of silence after which a stream sends an SSE comment line (well under the 60 s idle
 #: timeout common in proxies and load balancers). The one default of ``--sse-keepalive-s``.
 DEFAULT_SSE_KEEPALIVE_S = 10.0
+#: Generated tokens per streamed event: every token as it comes (vLLM's default). The one default
+#: of ``--stream-interval``.
+DEFAULT_STREAM_INTERVAL = 1
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -116,6 +119,11 @@ class _Serving:
     sse_keepalive_s : float
         A stream silent for this long (waiting in the engine's queue, a long prefill) sends an SSE
         comment line ``: keep-alive``, so idle timeouts of proxies keep the connection (0: never).
+    stream_interval : int
+        Generated tokens an engine replica gathers per streamed event (vLLM's ``--stream-interval``):
+        1 sends every token as it comes; N > 1 sends the first token at once, then events of at least
+        N tokens (the last one, an error or a finish whatever is pending), so each stream costs the
+        replica's host CPU (Ray's per-item streaming) about 1/N as often.
     metrics_dir : str or None
         ``PROMETHEUS_MULTIPROC_DIR`` shared by the ingress and engine replicas on one host (None: a
         fresh temporary folder per deployment).
@@ -158,6 +166,10 @@ class _Serving:
     sse_keepalive_s: float = setting(
         DEFAULT_SSE_KEEPALIVE_S, "a stream silent this long (queued, prefilling) sends an SSE comment line "
                                  "': keep-alive' (0: never)")
+    stream_interval: int = setting(
+        DEFAULT_STREAM_INTERVAL, "generated tokens per streamed chunk: 1 streams every token; N > 1 sends the "
+                                 "first token at once, then chunks of N tokens (fewer, larger chunks: less host CPU "
+                                 "per token, burstier streams)")
     metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -195,6 +207,9 @@ class _Serving:
         _check(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         _check(self.sse_keepalive_s >= 0, f"sse_keepalive_s must be >= 0 (0: off), got {self.sse_keepalive_s}")
+        _check(isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
+               and self.stream_interval >= 1,
+               f"stream_interval must be an integer >= 1 (1: stream every token), got {self.stream_interval!r}")
         self.engine_config()  # validates the engine fields with the engine's own messages
 
     # -- construction -------------------------------------------------------------------------

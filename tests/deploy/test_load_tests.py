@@ -191,8 +191,9 @@ def test_load_shape_flags():
 class ScriptedServer:
     """aiohttp server on 127.0.0.1: ``first_s`` before the first token, then a token every ``gap_s``."""
 
-    def __init__(self, tokens=5, first_s=0.2, gap_s=0.05, status=200, error_after=None):
+    def __init__(self, tokens=5, first_s=0.2, gap_s=0.05, status=200, error_after=None, per_event=1):
         self.tokens, self.first_s, self.gap_s, self.status, self.error_after = tokens, first_s, gap_s, status, error_after
+        self.per_event = per_event  # tokens per text event after the first (a server's --stream-interval)
         self.bodies: list[dict] = []
 
     async def handle(self, request):
@@ -206,13 +207,15 @@ class ScriptedServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await asyncio.sleep(self.first_s)
-        for i in range(self.tokens):
+        starts = [0, *range(1, self.tokens, self.per_event)]
+        for i, (a, b) in enumerate(zip(starts, [*starts[1:], self.tokens])):
             if i:
                 await asyncio.sleep(self.gap_s)
             if self.error_after is not None and i == self.error_after:
                 await resp.write(b'data: {"error": {"message": "engine died"}}\n\n')
                 return resp
-            chunk = {"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
+            text = "".join(f"t{t} " for t in range(a, b))
+            chunk = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": self.tokens}}
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -257,6 +260,24 @@ def test_client_measures_ttft_and_itl():
     assert r.tpot == pytest.approx((r.e2e - r.ttft) / 4)
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 5 and body["ignore_eos"] is True
+
+
+def test_multi_token_events_are_one_arrival_each_and_tokens_come_from_usage():
+    # a server streaming 4 tokens per event after the first (--stream-interval 4): 9 tokens, 3 events
+    async def go():
+        import aiohttp
+
+        async with ScriptedServer(tokens=9, first_s=0.2, gap_s=0.1, per_event=4) as srv, \
+                aiohttp.ClientSession() as session:
+            return await send_request(session, RequestOptions(url=srv.url, model="m"), _spec(), 0, t0=0.0)
+
+    r = asyncio.run(go())
+    assert r.success and r.output_tokens == 9 and r.chunks == 3
+    assert r.text == "".join(f"t{i} " for i in range(9))
+    assert len(r.itl) == 2 and all(0.09 <= g < 0.6 for g in r.itl)  # gaps between events, as vLLM's bench
+    assert r.tpot == pytest.approx((r.e2e - r.ttft) / 8)  # per token, from usage
+    s = summarize([r], 1.0)
+    assert s["output_tokens"] == 9 and s["tokens_per_chunk"] == 3.0
 
 
 def test_client_records_http_and_stream_errors_and_answers():
