@@ -98,10 +98,10 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
     assert [(r["workload"], r["context"], r["concurrency"], r["output_len"], r["stream_interval"]) for r in rows] == [
         ("reasoning", 96, 1, 16, 1), ("reasoning", 96, 2, 16, 1), ("reasoning", 96, 1, 16, 4),
         ("reasoning", 96, 2, 16, 4)]
-    # 16 tokens at interval 4: the first alone, then chunks of 4 (more where outputs queued up);
-    # throughput and TPOT count tokens (usage), not chunks
-    assert all(r["tokens_per_chunk"] >= 16 / 5 for r in rows[2:]) and all(r["tokens_per_chunk"] < 16 / 5
-                                                                         for r in rows[:2])
+    # 16 tokens at interval 4: the first alone, then chunks of 4 (more where outputs queued up; at
+    # interval 1 too on a loaded machine, so only interval 4's lower bound is checked); throughput
+    # and TPOT count tokens (usage), not chunks
+    assert all(r["tokens_per_chunk"] >= 16 / 5 for r in rows[2:]) and all(r["tokens_per_chunk"] >= 1 for r in rows)
     for r in rows:
         assert r["failed"] == 0 and r["cancelled_at_limit"] == 0
         assert r["completed"] >= 3 * r["concurrency"] and r["duration_s"] >= 2.0  # both minimums held
