@@ -103,6 +103,10 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
     # and TPOT count tokens (usage), not chunks
     assert all(r["tokens_per_chunk"] >= 16 / 5 for r in rows[2:]) and all(r["tokens_per_chunk"] >= 1 for r in rows)
     for r in rows:
+        # where the replica's steps went (from /admin/engines, read before and after the point)
+        kinds = r["step_time"]["kinds"]
+        assert sum(k["steps"] for k in kinds.values()) > 0 and all(k["mean_ms"] > 0 for k in kinds.values()), r
+        assert r["step_time"]["budget"]["rate"] > 0
         assert r["failed"] == 0 and r["cancelled_at_limit"] == 0
         assert r["completed"] >= 3 * r["concurrency"] and r["duration_s"] >= 2.0  # both minimums held
         assert r["itl_slo_ms"] == 100.0
@@ -118,3 +122,22 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
     assert all(r["bound_tok_s"] >= 0.9 * r["output_tok_s"] for r in sweep)
     assert set(rep["startup_s"]) == {"lserve@si1", "lserve@si4", "lserve@itl0", "lserve@itl40"}
     assert (tmp_path / "cpu.png").stat().st_size > 0 and (tmp_path / "cpu_itl_slo.png").stat().st_size > 0
+
+
+def test_step_time_splits_a_points_steps_by_kind():
+    """The per-point step breakdown: counters of two replicas read before and after, the prefill part
+    of mixed steps split from the rest where it was timed apart, kinds without new steps left out."""
+    from lserve.bench.serve import step_line, step_time
+
+    before = [{"replica": "a", "step_kinds": {"graph": 10, "prefill": 2}, "step_seconds": {"graph": [0.05, 0.0],
+                                                                                          "prefill": [1.0, 0.0]}}]
+    after = [{"replica": "a", "step_kinds": {"graph": 20, "prefill": 2, "mixed_graph": 4},
+              "step_seconds": {"graph": [0.1, 0.0], "prefill": [1.0, 0.0], "mixed_graph": [0.4, 0.3]},
+              "budget": {"rate": 5.0}},
+             {"replica": "b", "step_kinds": {"graph": 2}, "step_seconds": {"graph": [0.02, 0.0]}, "budget": {}}]
+    st = step_time(before, after)
+    assert st["kinds"] == {"graph": {"steps": 12, "mean_ms": 5.83},
+                           "mixed_graph": {"steps": 4, "mean_ms": 100.0, "prefill_ms": 75.0, "rest_ms": 25.0}}
+    assert st["budget"] == {"rate": 5.0}
+    assert step_line(st) == "graph 12 x 5.83 ms, mixed_graph 4 x 100.0 ms (75.0 + 25.0)"
+    assert step_time([], after) is None and step_line(None) == "n/a"

@@ -194,6 +194,16 @@ class Server:
         except OSError:
             return {}
 
+    def engine_steps(self) -> list[dict]:
+        """Each replica's step counters (``/admin/engines``; [] if the request failed: the load point
+        is still measured)."""
+        try:
+            return [{"replica": r["replica"], "step_kinds": r.get("step_kinds", {}),
+                     "step_seconds": r.get("step_seconds", {}), "budget": r.get("budget", {})}
+                    for r in self.get_json("/admin/engines")["replicas"]]
+        except (OSError, KeyError, ValueError):
+            return []
+
     def stop(self) -> None:
         """SIGINT (the server drains and shuts Ray down), then kill after a grace period."""
         import signal
@@ -224,6 +234,46 @@ def histogram_totals(text: str, names) -> dict[str, tuple[float, float]]:
             if base in (n + "_sum", n + "_count"):
                 out[n][base.endswith("_count")] += float(value.split()[0])
     return {n: (v[0], v[1]) for n, v in out.items()}
+
+
+def step_time(before: list[dict], after: list[dict]) -> dict | None:
+    """Where the replicas' step time went between two :meth:`Server.engine_steps` readings: per
+    step kind (``graph``: decode-only replays; ``mixed_graph``: decodes replayed beside an eager
+    prefill chunk; ``prefill``; ...) the steps and their mean ms, and for steps whose prefill part
+    was timed apart (CUDA events) its mean ms and the rest's (decodes, host); plus the step
+    budget's learnt state at the end (of the first replica). None where a reading failed."""
+    if not before or not after:
+        return None
+    old = {r["replica"]: r for r in before}
+    kinds: dict[str, list[float]] = {}
+    for r in after:
+        b = old.get(r["replica"], {"step_kinds": {}, "step_seconds": {}})
+        for kind, n in r["step_kinds"].items():
+            wall, part = r["step_seconds"].get(kind, [0.0, 0.0])
+            wall0, part0 = b["step_seconds"].get(kind, [0.0, 0.0])
+            acc = kinds.setdefault(kind, [0, 0.0, 0.0])
+            acc[0] += n - b["step_kinds"].get(kind, 0)
+            acc[1] += wall - wall0
+            acc[2] += part - part0
+    out: dict = {}
+    for kind, (n, wall, part) in sorted(kinds.items()):
+        if n <= 0:
+            continue
+        out[kind] = {"steps": n, "mean_ms": round(wall / n * 1e3, 2)}
+        if part > 0:
+            out[kind] |= {"prefill_ms": round(part / n * 1e3, 2), "rest_ms": round((wall - part) / n * 1e3, 2)}
+    return {"kinds": out, "budget": after[0].get("budget", {})}
+
+
+def step_line(st: dict | None) -> str:
+    """:func:`step_time` in one line: ``kind n x mean ms (prefill ms + rest ms)``."""
+    if not st:
+        return "n/a"
+    parts = []
+    for kind, k in st["kinds"].items():
+        split = f" ({k['prefill_ms']} + {k['rest_ms']})" if "prefill_ms" in k else ""
+        parts.append(f"{kind} {k['steps']} x {k['mean_ms']} ms{split}")
+    return ", ".join(parts)
 
 
 def replica_means(before: dict, after: dict) -> dict:
@@ -594,17 +644,18 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     if limit < 5:
                         _log(f"skipping {tag} {wl} ctx {ctx} C={c}: out of time")
                         continue
-                    m0 = srv.histogram_totals()
+                    m0, steps0 = srv.histogram_totals(), srv.engine_steps()
                     s = run_point(srv.base_url, tok, ctx, c, out, limit, seed=ctx + c, workload=wl,
                                   min_time_s=point_time_s, requests_per_c=requests_per_c, slos_ms=slos)
                     row = {**_row(config, ctx, c, s, out, wl, slo_flag, interval),
-                           "replica": replica_means(m0, srv.histogram_totals())}
+                           "replica": replica_means(m0, srv.histogram_totals()),
+                           "step_time": step_time(steps0, srv.engine_steps())}
                     rows.append(row)
                     _log(f"{tag} {wl} ctx {ctx} C={c} out {out}: {row['completed']} ok / {row['failed']} failed, "
                          f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL (per chunk of "
                          f"{row['tokens_per_chunk']} tokens) p50/p99 "
                          f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms, good {row['good_requests']}; "
-                         f"replica {row['replica']}")
+                         f"replica {row['replica']}; steps {step_line(row['step_time'])}")
                     save()
             report["steps"][tag] = srv.get_json("/admin/engines")
         finally:
