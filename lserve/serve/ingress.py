@@ -161,7 +161,8 @@ class OpenAIServer:
         return subs
 
     # -- endpoints ----------------------------------------------------------------------------
-    def _payloads(self, prompts: list, chat: bool, params: dict[str, Any], n: int, rid: str) -> list[dict[str, Any]]:
+    def _payloads(self, prompts: list, chat: bool, params: dict[str, Any], n: int, rid: str,
+                  stream: bool) -> list[dict[str, Any]]:
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request(f"n times the number of prompts must be at most {MAX_CHOICES}, got {len(prompts) * n}", "n")
         out = []
@@ -170,7 +171,8 @@ class OpenAIServer:
                 p = dict(params)
                 if p["seed"] is not None and j:
                     p["seed"] = (p["seed"] + j) % (2**63)
-                out.append({"request_id": f"{rid}-{len(out)}", "prompt": prompt, "chat": chat, "params": p})
+                out.append({"request_id": f"{rid}-{len(out)}", "prompt": prompt, "chat": chat, "params": p,
+                            "stream": stream})
         return out
 
     def _events(self, subs: list[SubRequest]):
@@ -191,7 +193,7 @@ class OpenAIServer:
         check_unicode([p for p in prompts if isinstance(p, str)], "prompt")
         params = engine_fields(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        subs = await self.open_all(self._payloads(prompts, False, params, req.n, rid), req)
+        subs = await self.open_all(self._payloads(prompts, False, params, req.n, rid, bool(req.stream)), req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(subs, self._events(subs), rid, "text_completion", self.model_name, include_usage,
@@ -206,7 +208,7 @@ class OpenAIServer:
         messages = message_dicts(req.messages)
         params = engine_fields(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        subs = await self.open_all(self._payloads([messages], True, params, req.n, rid), req)
+        subs = await self.open_all(self._payloads([messages], True, params, req.n, rid, bool(req.stream)), req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(subs, self._events(subs), rid, "chat.completion.chunk", self.model_name,

@@ -118,7 +118,8 @@ class EngineReplica:
         Parameters
         ----------
         request : dict
-            ``{"request_id", "prompt" (text, token ids or chat messages), "chat", "params"}`` where
+            ``{"request_id", "prompt" (text, token ids or chat messages), "chat", "params", "stream"
+            (False: the client waits for the whole answer; default True)}`` where
             ``params`` are :class:`SamplingParams` fields (``max_tokens`` None: as much as fits,
             capped at ``default_max_tokens``).
         lserve_route : dict, optional
@@ -148,9 +149,10 @@ class EngineReplica:
         self._queued[rid] = len(ids)
         finished, reason = False, "abort"
         stream = None
-        # the engine's outputs merged into events of --stream-interval tokens (the ITL metric
-        # below still sees each output as the engine made it)
-        chunks = ChunkBuffer(self.settings.stream_interval)
+        # the engine's outputs merged into events of --stream-interval tokens, or, for a client that
+        # does not stream, into its first tokens and its finish (the ITL metric below still sees
+        # each output as the engine made it)
+        chunks = ChunkBuffer(self.settings.stream_interval if request.get("stream", True) else None)
         prompt_lps_sent = False
         try:
             accepted = {"type": "accepted", "replica": self.replica_id, "prompt_tokens": len(ids)}

@@ -24,12 +24,13 @@ class ChunkBuffer:
 
     Parameters
     ----------
-    interval : int
-        Generated tokens per event (>= 1; 1: every output goes out as it comes).
+    interval : int or None
+        Generated tokens per event (>= 1; 1: every output goes out as it comes); None: a request
+        nobody streams (its first tokens and its finish only, as vLLM sends a non-streaming one).
     """
 
-    def __init__(self, interval: int) -> None:
-        if interval < 1:
+    def __init__(self, interval: int | None) -> None:
+        if interval is not None and interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         self.interval = interval
         self._held: RequestOutput | None = None
@@ -50,7 +51,7 @@ class ChunkBuffer:
         """
         merged = out if self._held is None else self._held.then(out)
         pending = len(merged.delta_token_ids)
-        due = (self.interval == 1 or merged.finished or pending >= self.interval
+        due = (self.interval == 1 or merged.finished or (self.interval is not None and pending >= self.interval)
                or (pending > 0 and not self._sent_tokens))
         if not due:
             self._held = merged

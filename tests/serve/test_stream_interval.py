@@ -85,6 +85,13 @@ def test_held_outputs_are_flushed_and_a_finish_goes_at_once():
     assert buf.add(outs[3]).finished  # a finishing output is due whatever is pending
 
 
+def test_a_request_nobody_streams_gets_its_first_tokens_and_its_finish():
+    outs = _outputs([[10 + i] for i in range(9)])
+    sent = _buffered(outs, None)
+    assert [s.delta_token_ids for s in sent] == [[10], list(range(11, 19))] and sent[-1].finished
+    assert "".join(s.delta_text for s in sent) == outs[-1].text
+
+
 def test_interval_below_one_is_refused():
     with pytest.raises(ValueError, match="interval must be >= 1"):
         ChunkBuffer(0)
@@ -134,6 +141,20 @@ def test_replica_events_are_the_engines_outputs_merged(replica_of):
     assert len(deltas) <= 1 + math.ceil(10 / 3)
     assert [len(d["logprobs"]) for d in deltas] == sizes
     assert deltas[-1]["finished"] and deltas[-1]["completion_tokens"] == 11 and deltas[-1]["finish_reason"] == "length"
+
+
+def test_a_request_the_client_does_not_stream_is_two_events(replica_of):
+    """``"stream": False`` (the ingress's non-streaming completions): the replica sends the first
+    tokens and the finish, whatever the interval, with every token and logprob in them."""
+    replica = replica_of(1)
+    params = {"max_tokens": 9, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    run = {}
+    for stream in (True, False):
+        req = {"request_id": "a", "prompt": PROMPT, "params": params, "stream": stream}
+        run[stream] = [e for e in asyncio.run(_events(replica.generate(req))) if e["type"] == "delta"]
+    assert len(run[True]) > 2 and [d["num_tokens"] for d in run[False]] == [1, 8]
+    for key in ("text", "logprobs"):
+        assert [x for d in run[False] for x in d[key]] == [x for d in run[True] for x in d[key]]
 
 
 def test_an_engine_death_sends_the_held_tokens_then_the_error(replica_of):
