@@ -13,9 +13,9 @@ def chunks_end_at(engine, ends: list[int]) -> None:
     budget = engine.scheduler.budget
     plain = budget.tokens_within
 
-    def capped(room: float, start: int, remaining: int) -> int:
+    def capped(room: float, start: int, remaining: int, sparse: bool = False) -> int:
         nxt = [e for e in ends if e > start]
-        n = plain(room, start, remaining)
+        n = plain(room, start, remaining, sparse)
         return min(n, min(nxt) - start) if nxt else n
 
     budget.tokens_within = capped
