@@ -50,3 +50,27 @@ def test_replica_means_from_prometheus_text():
     assert after[REPLICA_SIDE["ttft"]] == (7.0, 3.0)
     assert replica_means(before, after) == {"ttft_mean_s": 3.0, "queue_mean_s": 0.5, "prefill_mean_s": None}
     assert replica_means({}, after) == {"ttft_mean_s": None, "queue_mean_s": None, "prefill_mean_s": None}
+
+
+def test_replica_itl_share_above_the_slo_from_bucket_deltas():
+    """The share of a point's replica-side ITL samples above the SLO: bucket deltas of every
+    replica's label set, at the smallest bucket bound that is at least the SLO."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from lserve.bench.serve import REPLICA_ITL, bucket_counts, share_above
+    from lserve.serve.metrics import TOKEN_BUCKETS
+
+    reg = CollectorRegistry()
+    h = Histogram(REPLICA_ITL.removesuffix("_seconds"), "itl", ("replica",), registry=reg, buckets=TOKEN_BUCKETS,
+                  unit="seconds")
+    h.labels(replica="a").observe(0.5)  # before the point: not counted
+    before = generate_latest(reg).decode()
+    for x in (0.006, 0.09, 0.099, 0.12):
+        h.labels(replica="a").observe(x)
+    for x in (0.007, 0.3, 0.004, 0.05):
+        h.labels(replica="b").observe(x)
+    after = generate_latest(reg).decode()
+    assert bucket_counts(after, REPLICA_ITL)[float("inf")] == 9
+    assert share_above(before, after, REPLICA_ITL, 0.1) == 0.25  # 0.12 and 0.3 of 8
+    assert share_above(before, after, REPLICA_ITL, 0.09) == 0.25  # the 0.1 bucket: the SLO's bound rounds up
+    assert share_above("", after, REPLICA_ITL, 0.1) is None and share_above(after, after, REPLICA_ITL, 0.1) is None

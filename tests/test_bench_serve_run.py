@@ -107,6 +107,7 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
         kinds = r["step_time"]["kinds"]
         assert sum(k["steps"] for k in kinds.values()) > 0 and all(k["mean_ms"] > 0 for k in kinds.values()), r
         assert r["step_time"]["budget"]["rate"] > 0
+        assert 0 <= r["replica"]["itl_above_slo"] <= 1  # the replica's own ITL samples past the 100 ms SLO
         assert r["failed"] == 0 and r["cancelled_at_limit"] == 0
         assert r["completed"] >= 3 * r["concurrency"] and r["duration_s"] >= 2.0  # both minimums held
         assert r["itl_slo_ms"] == 100.0

@@ -185,14 +185,13 @@ class Server:
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.load(r)
 
-    def histogram_totals(self) -> dict[str, tuple[float, float]]:
-        """(sum, count) of each :data:`REPLICA_SIDE` histogram in ``/metrics``, over all replicas
-        ({} if the scrape failed: the load point is still measured)."""
+    def scrape(self) -> str:
+        """The server's ``/metrics`` text ("" if the scrape failed: the load point is still measured)."""
         try:
             with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
-                return histogram_totals(r.read().decode(), REPLICA_SIDE.values())
+                return r.read().decode()
         except OSError:
-            return {}
+            return ""
 
     def engine_steps(self) -> list[dict]:
         """Each replica's step counters (``/admin/engines``; [] if the request failed: the load point
@@ -276,9 +275,41 @@ def step_line(st: dict | None) -> str:
     return ", ".join(parts)
 
 
+#: The replicas' own inter-token latency (engine outputs as they leave the engine, before Ray and HTTP).
+REPLICA_ITL = "lserve:inter_token_latency_seconds"
+
+
+def bucket_counts(text: str, name: str) -> dict[float, float]:
+    """Cumulative sample counts per bucket bound (``le``) of the Prometheus histogram ``name`` in
+    exposition ``text``, every other label set added up."""
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name + "_bucket{"):
+            continue
+        labels, _, value = line.rpartition("} ")
+        le = labels.split('le="', 1)[1].split('"', 1)[0]
+        bound = float("inf") if le == "+Inf" else float(le)
+        out[bound] = out.get(bound, 0.0) + float(value.split()[0])
+    return out
+
+
+def share_above(before: str, after: str, name: str, seconds: float) -> float | None:
+    """Share of the samples of histogram ``name`` added between two ``/metrics`` texts that lie
+    above the smallest bucket bound >= ``seconds`` (None: none added, or a scrape failed)."""
+    b, a = bucket_counts(before, name), bucket_counts(after, name)
+    bounds = [x for x in a if x >= seconds]
+    if not before or not a or not bounds:
+        return None
+    total = a[float("inf")] - b.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    bound = min(bounds)
+    return round(1.0 - (a[bound] - b.get(bound, 0.0)) / total, 4)
+
+
 def replica_means(before: dict, after: dict) -> dict:
     """Mean seconds per request of each :data:`REPLICA_SIDE` histogram between two
-    :meth:`Server.histogram_totals` readings (None where no request finished or a scrape failed)."""
+    :func:`histogram_totals` readings (None where no request finished or a scrape failed)."""
     out = {}
     if not before or not after:
         return {f"{key}_mean_s": None for key in REPLICA_SIDE}
@@ -644,12 +675,16 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                     if limit < 5:
                         _log(f"skipping {tag} {wl} ctx {ctx} C={c}: out of time")
                         continue
-                    m0, steps0 = srv.histogram_totals(), srv.engine_steps()
+                    m0, steps0 = srv.scrape(), srv.engine_steps()
                     s = run_point(srv.base_url, tok, ctx, c, out, limit, seed=ctx + c, workload=wl,
                                   min_time_s=point_time_s, requests_per_c=requests_per_c, slos_ms=slos)
+                    m1 = srv.scrape()
                     row = {**_row(config, ctx, c, s, out, wl, slo_flag, interval),
-                           "replica": replica_means(m0, srv.histogram_totals()),
+                           "replica": replica_means(*(histogram_totals(m, REPLICA_SIDE.values()) if m else {}
+                                                      for m in (m0, m1))),
                            "step_time": step_time(steps0, srv.engine_steps())}
+                    if slo_flag:  # is an ITL tail past the SLO the engine's steps, or Ray and HTTP?
+                        row["replica"]["itl_above_slo"] = share_above(m0, m1, REPLICA_ITL, slo_flag / 1e3)
                     rows.append(row)
                     _log(f"{tag} {wl} ctx {ctx} C={c} out {out}: {row['completed']} ok / {row['failed']} failed, "
                          f"{row['output_tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s, ITL (per chunk of "
