@@ -37,7 +37,7 @@ def test_replica_means_from_prometheus_text():
     """The per-point replica-side means come from /metrics histogram deltas, every replica's label set added."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from lserve.bench.serve import REPLICA_SIDE, histogram_totals, replica_means
+    from lserve.bench.serve_readings import REPLICA_SIDE, histogram_totals, replica_means
 
     reg = CollectorRegistry()
     hs = {k: Histogram(n, k, ("replica",), registry=reg) for k, n in REPLICA_SIDE.items()}
@@ -57,7 +57,7 @@ def test_replica_itl_share_above_the_slo_from_bucket_deltas():
     replica's label set, at the smallest bucket bound that is at least the SLO."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from lserve.bench.serve import REPLICA_ITL, bucket_counts, share_above
+    from lserve.bench.serve_readings import REPLICA_ITL, bucket_counts, share_above
     from lserve.serve.metrics import TOKEN_BUCKETS
 
     reg = CollectorRegistry()

@@ -9,7 +9,8 @@ import json
 import pytest
 from ports import free_port
 
-from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms, served_stream_interval, sweep_curve
+from lserve.bench.serve import bound_tok_s, parse_plan, served_itl_slo_ms, served_stream_interval
+from lserve.bench.serve_plots import sweep_curve
 from lserve.cli import main
 
 
@@ -128,7 +129,7 @@ def test_bench_serve_on_the_cpu(tmp_path, monkeypatch):
 def test_step_time_splits_a_points_steps_by_kind():
     """The per-point step breakdown: counters of two replicas read before and after, the prefill part
     of mixed steps split from the rest where it was timed apart, kinds without new steps left out."""
-    from lserve.bench.serve import step_line, step_time
+    from lserve.bench.serve_readings import step_line, step_time
 
     before = [{"replica": "a", "step_kinds": {"graph": 10, "prefill": 2}, "step_seconds": {"graph": [0.05, 0.0],
                                                                                           "prefill": [1.0, 0.0]}}]

@@ -41,16 +41,23 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import os
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 from lserve.bench.report import header, write_json
-from lserve.plotting import pyplot
+from lserve.bench.serve_plots import plot_itl_sweep, plot_serve
+from lserve.bench.serve_readings import (
+    REPLICA_ITL,
+    REPLICA_SIDE,
+    histogram_totals,
+    replica_means,
+    share_above,
+    step_line,
+    step_time,
+)
+from lserve.bench.serve_server import Server, auth_headers, dump_stacks
 from lserve.serve.settings import API_KEY_ENV, DEFAULT_STREAM_INTERVAL
 
 # On random weights tau sets how much of the causal prefill the dense heads keep (0.237 at 128k
@@ -134,208 +141,6 @@ def bound_tok_s(rows: list[dict], engine_ttft: dict | None = None, decode_step_m
 
 def _log(msg: str) -> None:
     print(f"[bench serve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def auth_headers() -> dict[str, str]:
-    """The bearer token of ``$LSERVE_API_KEY``: the servers this bench starts inherit its
-    environment and then ask every API request for it."""
-    key = os.environ.get(API_KEY_ENV)
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-class Server:
-    """An ``lserve serve`` subprocess (its output goes to ``log_path``).
-
-    Parameters
-    ----------
-    flags : list of str
-        Flags after ``lserve serve``.
-    port : int
-    log_path : Path
-    """
-
-    def __init__(self, flags: list[str], port: int, log_path: Path) -> None:
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "lserve", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
-        self._log.write("$ " + " ".join(cmd) + "\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_healthy(self, timeout_s: float) -> float:
-        """Seconds until ``/health`` answered 200; raises if the process died or time ran out."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lserve serve exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"lserve serve not healthy after {timeout_s:.0f} s; see {self.log_path}")
-
-    def get_json(self, path: str) -> dict:
-        import json
-
-        req = urllib.request.Request(self.base_url + path, headers=auth_headers())
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.load(r)
-
-    def scrape(self) -> str:
-        """The server's ``/metrics`` text ("" if the scrape failed: the load point is still measured)."""
-        try:
-            with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
-                return r.read().decode()
-        except OSError:
-            return ""
-
-    def engine_steps(self) -> list[dict]:
-        """Each replica's step counters (``/admin/engines``; [] if the request failed: the load point
-        is still measured)."""
-        try:
-            return [{"replica": r["replica"], "step_kinds": r.get("step_kinds", {}),
-                     "step_seconds": r.get("step_seconds", {}), "budget": r.get("budget", {})}
-                    for r in self.get_json("/admin/engines")["replicas"]]
-        except (OSError, KeyError, ValueError):
-            return []
-
-    def stop(self) -> None:
-        """SIGINT (the server drains and shuts Ray down), then kill after a grace period."""
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
-
-# What a replica measured of a request (means per load point), beside what the client saw:
-# client TTFT - replica TTFT is what the ingress, Ray and HTTP added; queue + prefill is the engine's part.
-REPLICA_SIDE = {"ttft": "lserve:time_to_first_token_seconds", "queue": "lserve:request_queue_time_seconds",
-                "prefill": "lserve:request_prefill_time_seconds"}
-
-
-def histogram_totals(text: str, names) -> dict[str, tuple[float, float]]:
-    """(sum, count) of Prometheus histograms ``names`` in exposition ``text``, every label set added up."""
-    out = {n: [0.0, 0.0] for n in names}
-    for line in text.splitlines():
-        metric, _, value = line.partition(" ")
-        base, _, _ = metric.partition("{")
-        for n in out:
-            if base in (n + "_sum", n + "_count"):
-                out[n][base.endswith("_count")] += float(value.split()[0])
-    return {n: (v[0], v[1]) for n, v in out.items()}
-
-
-def step_time(before: list[dict], after: list[dict]) -> dict | None:
-    """Where the replicas' step time went between two :meth:`Server.engine_steps` readings: per
-    step kind (``graph``: decode-only replays; ``mixed_graph``: decodes replayed beside an eager
-    prefill chunk; ``prefill``; ...) the steps and their mean ms, and for steps whose prefill part
-    was timed apart (CUDA events) its mean ms and the rest's (decodes, host); plus the step
-    budget's learnt state at the end (of the first replica). None where a reading failed."""
-    if not before or not after:
-        return None
-    old = {r["replica"]: r for r in before}
-    kinds: dict[str, list[float]] = {}
-    for r in after:
-        b = old.get(r["replica"], {"step_kinds": {}, "step_seconds": {}})
-        for kind, n in r["step_kinds"].items():
-            wall, part = r["step_seconds"].get(kind, [0.0, 0.0])
-            wall0, part0 = b["step_seconds"].get(kind, [0.0, 0.0])
-            acc = kinds.setdefault(kind, [0, 0.0, 0.0])
-            acc[0] += n - b["step_kinds"].get(kind, 0)
-            acc[1] += wall - wall0
-            acc[2] += part - part0
-    out: dict = {}
-    for kind, (n, wall, part) in sorted(kinds.items()):
-        if n <= 0:
-            continue
-        out[kind] = {"steps": n, "mean_ms": round(wall / n * 1e3, 2)}
-        if part > 0:
-            out[kind] |= {"prefill_ms": round(part / n * 1e3, 2), "rest_ms": round((wall - part) / n * 1e3, 2)}
-    return {"kinds": out, "budget": after[0].get("budget", {})}
-
-
-def step_line(st: dict | None) -> str:
-    """:func:`step_time` in one line: ``kind n x mean ms (prefill ms + rest ms)``."""
-    if not st:
-        return "n/a"
-    parts = []
-    for kind, k in st["kinds"].items():
-        split = f" ({k['prefill_ms']} + {k['rest_ms']})" if "prefill_ms" in k else ""
-        parts.append(f"{kind} {k['steps']} x {k['mean_ms']} ms{split}")
-    return ", ".join(parts)
-
-
-#: The replicas' own inter-token latency (engine outputs as they leave the engine, before Ray and HTTP).
-REPLICA_ITL = "lserve:inter_token_latency_seconds"
-
-
-def bucket_counts(text: str, name: str) -> dict[float, float]:
-    """Cumulative sample counts per bucket bound (``le``) of the Prometheus histogram ``name`` in
-    exposition ``text``, every other label set added up."""
-    out: dict[float, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(name + "_bucket{"):
-            continue
-        labels, _, value = line.rpartition("} ")
-        le = labels.split('le="', 1)[1].split('"', 1)[0]
-        bound = float("inf") if le == "+Inf" else float(le)
-        out[bound] = out.get(bound, 0.0) + float(value.split()[0])
-    return out
-
-
-def share_above(before: str, after: str, name: str, seconds: float) -> float | None:
-    """Share of the samples of histogram ``name`` added between two ``/metrics`` texts that lie
-    above the smallest bucket bound >= ``seconds`` (None: none added, or a scrape failed)."""
-    b, a = bucket_counts(before, name), bucket_counts(after, name)
-    bounds = [x for x in a if x >= seconds]
-    if not before or not a or not bounds:
-        return None
-    total = a[float("inf")] - b.get(float("inf"), 0.0)
-    if total <= 0:
-        return None
-    bound = min(bounds)
-    return round(1.0 - (a[bound] - b.get(bound, 0.0)) / total, 4)
-
-
-def replica_means(before: dict, after: dict) -> dict:
-    """Mean seconds per request of each :data:`REPLICA_SIDE` histogram between two
-    :func:`histogram_totals` readings (None where no request finished or a scrape failed)."""
-    out = {}
-    if not before or not after:
-        return {f"{key}_mean_s": None for key in REPLICA_SIDE}
-    for key, name in REPLICA_SIDE.items():
-        ds, dc = after[name][0] - before[name][0], after[name][1] - before[name][1]
-        out[f"{key}_mean_s"] = round(ds / dc, 4) if dc > 0 else None
-    return out
-
-
-def dump_stacks(path: Path) -> None:
-    """Python stacks of every Ray and lserve process (py-spy, where installed) into ``path``."""
-    import shutil
-
-    spy = shutil.which("py-spy")
-    with open(path, "w") as f:
-        if spy is None:
-            f.write("py-spy is not installed\n")
-            return
-        ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-        for line in ps:
-            pid, _, cmd = line.strip().partition(" ")
-            if "ray::" in cmd or "lserve" in cmd:
-                f.write(f"==== {pid} {cmd[:200]}\n")
-                r = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
-                f.write(r.stdout + r.stderr)
-                f.flush()
 
 
 def _tokenizer(vocab: int):
@@ -772,95 +577,3 @@ def summary(report: dict) -> str:
     lines.append(f"SLOs for goodput: {report.get('slo_ms')}")
     lines.append(f"engine TTFT: {report.get('engine_ttft_by_config') or report['engine_ttft_s']}  hol: {report['hol']}")
     return "\n".join(lines)
-
-
-def sweep_curve(report: dict) -> list[dict]:
-    """The rows of the ITL SLO trade-off: the sweep's, and the plan's rows of the same (workload,
-    context, concurrency, output, stream interval) at an SLO the sweep did not serve for their
-    configuration; rows without a TTFT or ITL p99 left out."""
-    sweep = report.get("itl_sweep") or []
-
-    def point(r: dict) -> tuple:
-        return r.get("workload"), r["context"], r["concurrency"], r["output_len"], r.get("stream_interval", 1)
-
-    points = {point(r) for r in sweep}
-    served = {(r["config"], r["itl_slo_ms"]) for r in sweep}
-    plan = [r for r in report["rows"] if point(r) in points
-            and (r["config"], r.get("itl_slo_ms")) not in served and r.get("itl_slo_ms") is not None]
-    return [r for r in sweep + plan if r["ttft_p50_s"] is not None and r["itl_p99_ms"] is not None]
-
-
-def plot_itl_sweep(report: dict, path: Path) -> None:
-    """TTFT p50 against ITL p99 of the ITL SLO sweep, one line per configuration, each point
-    labelled with its ``--itl-slo-ms`` (0: none); with it the plan's rows at the sweep's point
-    (served at the default SLO)."""
-    plt = pyplot()
-    rows = sweep_curve(report)
-    if plt is None or not rows:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for config, style in (("lserve", "o-"), ("lserve-sparse", "^-"), ("dense", "s--")):
-        rs = sorted((r for r in rows if r["config"] == config), key=lambda r: r["itl_p99_ms"])
-        if not rs:
-            continue
-        ax.plot([r["itl_p99_ms"] for r in rs], [r["ttft_p50_s"] for r in rs], style, label=config)
-        for r in rs:
-            ax.annotate(f"{r['itl_slo_ms']:g}", (r["itl_p99_ms"], r["ttft_p50_s"]), fontsize=7,
-                        textcoords="offset points", xytext=(4, 4))
-    r0 = rows[0]
-    ax.set_title(f"{r0.get('workload')} {r0['context']} in / {r0['output_len']} out, C={r0['concurrency']}: "
-                 "--itl-slo-ms sweep", fontsize=9)
-    ax.set_xlabel("ITL p99 (ms)")
-    ax.set_ylabel("TTFT p50 (s)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_serve(report: dict, path: Path) -> None:
-    """Output tokens/s vs concurrency per context, and TTFT/ITL p50 per point, LServe beside dense."""
-    plt = pyplot()
-    if plt is None:
-        return
-
-    rows = report["rows"]
-    if not rows:
-        return
-    def key(r):
-        return r.get("workload", "random"), r["context"], r["output_len"]
-
-    panels = sorted({key(r) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
-    intervals = sorted({r.get("stream_interval", 1) for r in rows})
-    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7), squeeze=False)
-    for j, panel in enumerate(panels):
-        for (config, style), si in itertools.product((("lserve", "o-"), ("lserve-sparse", "^-"), ("dense", "s--")),
-                                                     intervals):
-            rs = sorted((r for r in rows if key(r) == panel and r["config"] == config
-                         and r.get("stream_interval", 1) == si), key=lambda r: r["concurrency"])
-            if not rs:
-                continue
-            if len(intervals) > 1:  # one line per --stream-interval, told apart by its label and line
-                config, style = f"{config} si={si}", style if si == intervals[0] else style[0] + "-."
-            cs = [r["concurrency"] for r in rs]
-            axes[0][j].plot(cs, [r["output_tok_s"] for r in rs], style, label=config)
-            bound = [(r["concurrency"], r["bound_tok_s"]) for r in rs if r.get("bound_tok_s")]
-            if bound:
-                axes[0][j].plot(*zip(*bound), style[0] + ":", alpha=0.4, label=f"{config} bound")
-            axes[1][j].plot(cs, [r["itl_p50_ms"] or 0 for r in rs], style, label=f"{config} ITL p50")
-            axes[1][j].plot(cs, [r["itl_p99_ms"] or 0 for r in rs], style, alpha=0.4, label=f"{config} ITL p99")
-        axes[0][j].set_title(f"{panel[0]}: {panel[1]} in / {panel[2]} out", fontsize=9)
-        axes[0][j].set_xlabel("concurrency")
-        axes[0][j].set_ylabel("output tokens/s")
-        axes[1][j].set_xlabel("concurrency")
-        axes[1][j].set_ylabel("ms")
-        axes[0][j].legend(fontsize=8)
-        axes[1][j].legend(fontsize=7)
-        for ax in (axes[0][j], axes[1][j]):
-            ax.set_xscale("log", base=2)
-            ax.grid(alpha=0.3)
-    fig.suptitle(f"served {report.get('model')} on {report.get('device')} ({report.get('date')})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
