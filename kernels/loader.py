@@ -168,6 +168,13 @@ def build_key(variant: Variant) -> str:
     return h.hexdigest()[:16]
 
 
+def nvrtc_source(variant: Variant) -> str:
+    """The source CuPy compiles for a family outside sm_90a: its text, then a comment naming
+    :func:`build_key`. CuPy's own binary cache is keyed by the source text and the options, not by
+    the headers ``-I`` finds, so an edited header (an upgrade) would otherwise run a stale binary."""
+    return source_of(variant.family) + f"\n// lserve build key {build_key(variant)}\n"
+
+
 def _load_sm90a(variant: Variant):
     """NVRTC with ``-arch=sm_90a`` (a cubin; else PTX for the driver to finish), written under
     ``$LSERVE_CACHE_DIR/kernels`` (named by :func:`build_key`) and loaded from there as a
@@ -211,7 +218,7 @@ def load_module(variant: Variant):
     if variant.family in SM90A_FAMILIES:
         return _load_sm90a(variant)
     try:
-        mod = cupy.RawModule(code=source_of(variant.family), options=options_of(variant), backend="nvrtc")
+        mod = cupy.RawModule(code=nvrtc_source(variant), options=options_of(variant), backend="nvrtc")
         mod.compile()
     except cupy.cuda.compiler.CompileException as e:  # keep NVRTC's log, which names file:line
         raise KernelError(f"compiling {variant}:\n{e}") from None

@@ -123,3 +123,22 @@ def test_sm90a_cache_key_covers_the_included_headers(tmp_path, monkeypatch):
     with open(tmp_path / "decode_meta.cuh", "a") as f:  # not included by this family
         f.write("\n// edited\n")
     assert loader.build_key(var) in seen
+
+
+def test_cupy_cache_key_covers_the_included_headers(tmp_path, monkeypatch):
+    """Outside sm_90a CuPy caches binaries by source text and options: the source it is given names
+    the build key, so an edited header (directly or through another) changes the text it hashes."""
+    import shutil
+
+    from lserve.kernels import loader
+
+    for f in list(KERNEL_DIR.glob("*.cu")) + list(KERNEL_DIR.glob("*.cuh")):
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setattr(loader, "KERNEL_DIR", tmp_path)
+    var = loader.Variant("decode", "bf16", 128)
+    before = loader.nvrtc_source(var)
+    assert before.startswith(loader.source_of("decode")) and loader.build_key(var) in before
+    assert loader.nvrtc_source(var) == before
+    with open(tmp_path / "common.cuh", "a") as f:
+        f.write("\n// edited\n")
+    assert loader.nvrtc_source(var) != before
