@@ -219,6 +219,17 @@ def _sparsity_summary(settings: ServeSettings) -> str:
         return f"unknown (no engine replica answered: {type(e).__name__})"
 
 
+def _app_running(settings: ServeSettings) -> bool:
+    """Whether Serve reports the app as running (False where it cannot be asked)."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(settings.app_name)
+    except Exception:  # noqa: BLE001 - Ray going away: nothing to drain
+        return False
+    return app is not None and app.status == "RUNNING"  # ApplicationStatus is a str enum
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -294,7 +305,9 @@ def serve_main(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        if running:
+        # the app serves (and /health answers 200) before serve.run returns: a signal in between
+        # must drain too, not drop the requests already accepted
+        if running or _app_running(settings):
             _drain(settings)
         else:
             print("lserve: shutting down", file=sys.stderr, flush=True)

@@ -217,3 +217,34 @@ def test_signal_drains_running_streams_then_cuts_the_rest(server):
     assert "1 request(s) still running" in out, out
     # nothing it started is left running (Ray's workers notice their raylet is gone within seconds)
     _wait_for(lambda: not _still_running(tree), 15, f"left running: {_still_running(tree)}")
+
+
+def test_a_signal_as_soon_as_health_answers_drains(tmp_path):
+    """The app serves, and /health answers 200, a moment before ``serve.run`` returns in the
+    server: a signal then (a rolling update that stops a pod right after its readiness probe
+    passed) drains like any other, instead of stopping without a drain."""
+    port, log = free_port(), tmp_path / "server.log"
+    ray_tmp = tempfile.mkdtemp(prefix="lsd-", dir="/tmp")
+    proc = _start_server(port, log, ray_tmp, "sigterm-process")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:  # poll fast: the signal must land as soon as /health says 200
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(120)
+        out = log.read_text(errors="replace")
+        assert rc == 0, out
+        assert "refusing new requests" in out and "Traceback" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
