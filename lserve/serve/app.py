@@ -274,7 +274,7 @@ def serve_main(args: argparse.Namespace) -> int:
     logs = {"log_level": quiet, "enable_access_log": quiet in ("DEBUG", "INFO")}
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     head = None
-    running = False
+    started = running = False  # Serve is up; the app's deployment returned
     try:
         print(f"lserve: starting Ray and {settings.replicas} engine replica(s) of {settings.model_name}",
               file=sys.stderr, flush=True)
@@ -288,6 +288,7 @@ def serve_main(args: argparse.Namespace) -> int:
             signal.signal(sig, _interrupt)
         serve.start(http_options={"host": settings.host, "port": settings.port,
                                   "request_timeout_s": settings.request_timeout_s}, logging_config=logs)
+        started = True
         try:
             serve.run(build_app_from_settings(settings, total_cpus=cpus), name=settings.app_name, route_prefix="/",
                       logging_config=logs)
@@ -307,7 +308,7 @@ def serve_main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # the app serves (and /health answers 200) before serve.run returns: a signal in between
         # must drain too, not drop the requests already accepted
-        if running or _app_running(settings):
+        if running or (started and _app_running(settings)):
             _drain(settings)
         else:
             print("lserve: shutting down", file=sys.stderr, flush=True)
