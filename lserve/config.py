@@ -34,7 +34,8 @@ class ConfigError(ValueError):
     """An invalid setting; the message is meant for the user, one line."""
 
 
-def _check(cond: bool, msg: str) -> None:
+def require(cond: bool, msg: str) -> None:
+    """Raise :class:`ConfigError` with ``msg`` unless ``cond``: the one check of every config's validation."""
     if not cond:
         raise ConfigError(msg)
 
@@ -160,17 +161,17 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
-        _check(self.num_layers > 0 and self.hidden_size > 0, "model must have layers and a hidden size")
-        _check(self.num_heads % self.num_kv_heads == 0,
+        require(self.num_layers > 0 and self.hidden_size > 0, "model must have layers and a hidden size")
+        require(self.num_heads % self.num_kv_heads == 0,
                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        _check(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        require(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            _check(kind in ROPE_TYPES, f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
-        _check(self.architecture in ARCHITECTURES,
+            require(kind in ROPE_TYPES, f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+        require(self.architecture in ARCHITECTURES,
                f"unsupported architecture {self.architecture!r} (supported: {', '.join(ARCHITECTURES)})")
-        _check(self.hidden_act in HIDDEN_ACTS,
+        require(self.hidden_act in HIDDEN_ACTS,
                f"unsupported hidden_act {self.hidden_act!r} (supported: {', '.join(HIDDEN_ACTS)})")
 
     @property
@@ -203,14 +204,14 @@ def _layer_spec(spec) -> str | tuple[int, ...]:
         if text.endswith(".json"):
             from pathlib import Path
 
-            _check(Path(text).is_file(), f"select_layers: calibration file not found: {text}")
+            require(Path(text).is_file(), f"select_layers: calibration file not found: {text}")
             return text
         items = [t for t in re.split(r"[,;\s]+", text) if t]
-        _check(bool(items) and all(t.isdigit() for t in items),
+        require(bool(items) and all(t.isdigit() for t in items),
                f"select_layers must be auto, all, none, layer indices like 0,5,7 or a calibration .json, "
                f"got {spec!r}")
         spec = [int(t) for t in items]
-    _check(isinstance(spec, (list, tuple)) and all(isinstance(i, int) and i >= 0 for i in spec),
+    require(isinstance(spec, (list, tuple)) and all(isinstance(i, int) and i >= 0 for i in spec),
            f"select_layers indices must be integers >= 0, got {spec!r}")
     return tuple(sorted(set(spec)))
 
@@ -324,29 +325,29 @@ class SparsityConfig:
 
     def __post_init__(self) -> None:
         self.select_layers = _layer_spec(self.select_layers)
-        _check(0.0 <= self.static_sparsity <= 1.0,
+        require(0.0 <= self.static_sparsity <= 1.0,
                f"static_sparsity must be in [0, 1], got {self.static_sparsity}")
-        _check(self.sink_tokens >= 0 and self.local_tokens >= 1,
+        require(self.sink_tokens >= 0 and self.local_tokens >= 1,
                f"sink_tokens must be >= 0 and local_tokens >= 1, got {self.sink_tokens}/{self.local_tokens}")
-        _check(self.token_budget >= 0, f"token_budget must be >= 0, got {self.token_budget}")
-        _check(self.reuse_interval >= 1, f"reuse_interval must be >= 1, got {self.reuse_interval}")
-        _check(self.dynamic_threshold >= -1,
+        require(self.token_budget >= 0, f"token_budget must be >= 0, got {self.token_budget}")
+        require(self.reuse_interval >= 1, f"reuse_interval must be >= 1, got {self.reuse_interval}")
+        require(self.dynamic_threshold >= -1,
                f"dynamic_threshold must be >= 0 (or -1: auto), got {self.dynamic_threshold}")
-        _check(self.dense_layers >= 0, f"dense_layers must be >= 0, got {self.dense_layers}")
-        _check(0.0 <= self.prefill_sparsity <= 1.0 or self.prefill_sparsity == -1.0,
+        require(self.dense_layers >= 0, f"dense_layers must be >= 0, got {self.dense_layers}")
+        require(0.0 <= self.prefill_sparsity <= 1.0 or self.prefill_sparsity == -1.0,
                f"prefill_sparsity must be in [0, 1] (0: off) or -1 (auto), got {self.prefill_sparsity}")
-        _check(self.prefill_sparsity_min_len >= -1,
+        require(self.prefill_sparsity_min_len >= -1,
                f"prefill_sparsity_min_len must be >= 0 (or -1: auto), got {self.prefill_sparsity_min_len}")
-        _check(self.prefill_stride >= 1, f"prefill_stride must be >= 1, got {self.prefill_stride}")
-        _check(self.prefill_block >= 8 and self.prefill_block % self.prefill_stride == 0,
+        require(self.prefill_stride >= 1, f"prefill_stride must be >= 1, got {self.prefill_stride}")
+        require(self.prefill_block >= 8 and self.prefill_block % self.prefill_stride == 0,
                f"prefill_block must be a multiple of prefill_stride ({self.prefill_stride}) and >= 8, "
                f"got {self.prefill_block}")
-        _check(self.prefill_q_block >= self.prefill_block and self.prefill_q_block % self.prefill_block == 0,
+        require(self.prefill_q_block >= self.prefill_block and self.prefill_q_block % self.prefill_block == 0,
                f"prefill_q_block must be a multiple of prefill_block ({self.prefill_block}), "
                f"got {self.prefill_q_block}")
-        _check(self.prefill_estimator in PREFILL_ESTIMATORS,
+        require(self.prefill_estimator in PREFILL_ESTIMATORS,
                f"prefill_estimator must be one of {PREFILL_ESTIMATORS}, got {self.prefill_estimator!r}")
-        _check(self.select_mode in SELECT_MODES,
+        require(self.select_mode in SELECT_MODES,
                f"select_mode must be one of {SELECT_MODES}, got {self.select_mode!r}")
 
     @property
@@ -391,20 +392,20 @@ class CacheConfig:
                                       "resident on the device (torch and cupy backends; 0: off)")
 
     def __post_init__(self) -> None:
-        _check(self.page_size > 0 and self.logical_page_size > 0, "page sizes must be positive")
-        _check(self.page_size % self.logical_page_size == 0,
+        require(self.page_size > 0 and self.logical_page_size > 0, "page sizes must be positive")
+        require(self.page_size % self.logical_page_size == 0,
                f"page_size {self.page_size} must be a multiple of logical_page_size {self.logical_page_size}")
-        _check(self.kv_quant in KV_QUANT_CHOICES,
+        require(self.kv_quant in KV_QUANT_CHOICES,
                f"kv_quant must be one of {KV_QUANT_CHOICES}, got {self.kv_quant!r}")
-        _check(self.num_pages >= 0 and self.dense_pool_tokens > 0,
+        require(self.num_pages >= 0 and self.dense_pool_tokens > 0,
                f"num_pages must be >= 0 and dense_pool_tokens (--max-cache-tokens) > 0, got "
                f"{self.num_pages}/{self.dense_pool_tokens}")
         if self.num_pages == 0:
             self.num_pages = -(-self.dense_pool_tokens // self.page_size)
-        _check(self.host_kv_gib >= 0, f"host_kv_gib must be >= 0 (0: off), got {self.host_kv_gib}")
+        require(self.host_kv_gib >= 0, f"host_kv_gib must be >= 0 (0: off), got {self.host_kv_gib}")
         if self.host_kv_gib:
             free = available_host_bytes()
-            _check(self.host_kv_gib * 2**30 <= free,
+            require(self.host_kv_gib * 2**30 <= free,
                    f"--host-kv-gib {self.host_kv_gib:g} is more than the {free / 2**30:.1f} GiB of memory this host "
                    "has available")
 
@@ -492,24 +493,24 @@ class EngineConfig:
         True, "reuse the KV pages of prompt prefixes seen before (--no-prefix-cache: recompute every prompt)")
 
     def __post_init__(self) -> None:
-        _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _check(self.max_batched_tokens >= 16, f"max_batched_tokens must be >= 16, got {self.max_batched_tokens}")
-        _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
-        _check(0 <= self.step_time_target <= 60, f"step_time_target must be in [0, 60] seconds, got {self.step_time_target}")
-        _check(0 <= self.itl_slo_ms <= 60000, f"itl_slo_ms must be in [0, 60000] ms, got {self.itl_slo_ms}")
-        _check(0 < self.min_prefill_share < 1, f"min_prefill_share must be in (0, 1), got {self.min_prefill_share}")
+        require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require(self.max_batched_tokens >= 16, f"max_batched_tokens must be >= 16, got {self.max_batched_tokens}")
+        require(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+        require(0 <= self.step_time_target <= 60, f"step_time_target must be in [0, 60] seconds, got {self.step_time_target}")
+        require(0 <= self.itl_slo_ms <= 60000, f"itl_slo_ms must be in [0, 60000] ms, got {self.itl_slo_ms}")
+        require(0 < self.min_prefill_share < 1, f"min_prefill_share must be in (0, 1), got {self.min_prefill_share}")
         for flag in ("cuda_graphs", "fused_ops", "async_decode", "prefix_cache", "allow_long_max_model_len"):
-            _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
+            require(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.backend == "cupy":
-            _check(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
+            require(self.device.startswith("cuda"), "the cupy backend needs a CUDA device (--device cuda)")
         sparsity, page = self.sparsity, self.cache.page_size
-        _check(sparsity.sink_tokens % page == 0 and sparsity.local_tokens % page == 0,
+        require(sparsity.sink_tokens % page == 0 and sparsity.local_tokens % page == 0,
                f"sink_tokens ({sparsity.sink_tokens}) and local_tokens ({sparsity.local_tokens}) must be multiples "
                f"of the page size ({page})")
         if sparsity.token_budget:
-            _check(sparsity.token_budget >= 2 * page,
+            require(sparsity.token_budget >= 2 * page,
                    f"token_budget ({sparsity.token_budget}) must be 0 (off) or at least two pages "
                    f"({2 * page} tokens)")
 
@@ -523,7 +524,7 @@ class EngineConfig:
         ConfigError
         """
         limit = mc.context_limit
-        _check(self.max_model_len <= limit or self.allow_long_max_model_len,
+        require(self.max_model_len <= limit or self.allow_long_max_model_len,
                f"max_model_len {self.max_model_len} is longer than the {limit} tokens model {self.model!r} "
                f"supports ({'its rope scaling included' if mc.rope_scaling else 'no rope scaling configured'}); "
                f"use at most {limit}, or --allow-long-max-model-len (allow_long_max_model_len: true) "

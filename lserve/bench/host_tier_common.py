@@ -9,7 +9,7 @@ import torch
 
 from lserve.bench.host_tier_sizes import KVSizes, kv_sizes
 from lserve.bench.host_tier_time import TimeModel
-from lserve.config import KV_QUANT_CHOICES, CacheConfig, ConfigError, EngineConfig, available_host_bytes
+from lserve.config import KV_QUANT_CHOICES, CacheConfig, EngineConfig, available_host_bytes, require
 from lserve.sparsity.prefill_blocks import estimate_share
 
 CONTEXTS = (131072, 524288, 1048576)
@@ -42,23 +42,19 @@ class Settings:
     device: str = "cuda"
 
     def __post_init__(self) -> None:
-        def check(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ConfigError(msg)
-
-        check(bool(self.contexts) and all(c > 0 for c in self.contexts), f"contexts must be > 0, got {self.contexts}")
-        check(self.resident_tokens > 0, f"--resident-tokens must be > 0, got {self.resident_tokens}")
-        check(self.deadline_s > 0, f"--deadline must be > 0 seconds, got {self.deadline_s}")
-        check(self.prefill_sparsity == -1.0 or 0.0 <= self.prefill_sparsity <= 1.0,
-              f"--prefill-sparsity must be in [0, 1] or 'auto', got {self.prefill_sparsity}")
-        check(self.max_batched_tokens >= 16, f"--max-batched-tokens must be >= 16, got {self.max_batched_tokens}")
-        check(self.kv_quant in KV_QUANT_CHOICES, f"--kv-quant must be one of {KV_QUANT_CHOICES}, got {self.kv_quant!r}")
-        check(self.gpu_kv_gib >= 0 and self.host_kv_gib >= 0 and self.reserve_gib >= 0,
-              "--gpu-kv-gib, --host-kv-gib and the reserve must be >= 0")
-        check(self.decode_steps >= 2, f"--decode-steps must be >= 2, got {self.decode_steps}")
-        check(not (self.concurrency and self.capacity), "--concurrency and --capacity are separate runs: give one")
-        check(self.device.startswith("cuda") or self.gpu_kv_gib > 0,
-              "--gpu-kv-gib is needed off a GPU (the KV memory of the device being modelled)")
+        require(bool(self.contexts) and all(c > 0 for c in self.contexts), f"contexts must be > 0, got {self.contexts}")
+        require(self.resident_tokens > 0, f"--resident-tokens must be > 0, got {self.resident_tokens}")
+        require(self.deadline_s > 0, f"--deadline must be > 0 seconds, got {self.deadline_s}")
+        require(self.prefill_sparsity == -1.0 or 0.0 <= self.prefill_sparsity <= 1.0,
+                f"--prefill-sparsity must be in [0, 1] or 'auto', got {self.prefill_sparsity}")
+        require(self.max_batched_tokens >= 16, f"--max-batched-tokens must be >= 16, got {self.max_batched_tokens}")
+        require(self.kv_quant in KV_QUANT_CHOICES, f"--kv-quant must be one of {KV_QUANT_CHOICES}, got {self.kv_quant!r}")
+        require(self.gpu_kv_gib >= 0 and self.host_kv_gib >= 0 and self.reserve_gib >= 0,
+                "--gpu-kv-gib, --host-kv-gib and the reserve must be >= 0")
+        require(self.decode_steps >= 2, f"--decode-steps must be >= 2, got {self.decode_steps}")
+        require(not (self.concurrency and self.capacity), "--concurrency and --capacity are separate runs: give one")
+        require(self.device.startswith("cuda") or self.gpu_kv_gib > 0,
+                "--gpu-kv-gib is needed off a GPU (the KV memory of the device being modelled)")
 
     @property
     def backend(self) -> str:

@@ -16,7 +16,15 @@ import os
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
-from lserve.config import ConfigError, EngineConfig, engine_config_from_args, engine_flags, flags_of, setting
+from lserve.config import (
+    ConfigError,
+    EngineConfig,
+    engine_config_from_args,
+    engine_flags,
+    flags_of,
+    require,
+    setting,
+)
 
 #: Fields that describe the engine (names of the ``lserve`` engine flags, with underscores).
 ENGINE_FIELDS = tuple(f.name for f in engine_flags())
@@ -34,11 +42,6 @@ DEFAULT_SSE_KEEPALIVE_S = 10.0
 #: Generated tokens per streamed event: every token as it comes (vLLM's default). The one default
 #: of ``--stream-interval``.
 DEFAULT_STREAM_INTERVAL = 1
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 def _coerce(name: str, value: Any, type_name: str, parse=None) -> Any:
@@ -60,7 +63,7 @@ def _coerce(name: str, value: Any, type_name: str, parse=None) -> Any:
         raise ConfigError(f"{name} must be a number, got {value!r}") from None
     if base == "bool":
         low = value.strip().lower()
-        _check(low in ("1", "0", "true", "false", "yes", "no", "on", "off"), f"{name} must be true or false, got {value!r}")
+        require(low in ("1", "0", "true", "false", "yes", "no", "on", "off"), f"{name} must be true or false, got {value!r}")
         return low in ("1", "true", "yes", "on")
     return value
 
@@ -177,37 +180,37 @@ class _Serving:
             import torch
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        _check(1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}")
-        _check(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
+        require(1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}")
+        require(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
         if self.autoscaling:
-            _check(1 <= self.min_replicas <= self.replicas <= self.max_replicas,
+            require(1 <= self.min_replicas <= self.replicas <= self.max_replicas,
                    f"autoscaling needs 1 <= min_replicas ({self.min_replicas}) <= replicas ({self.replicas}) "
                    f"<= max_replicas ({self.max_replicas})")
-            _check(self.target_ongoing_requests > 0, "target_ongoing_requests must be > 0")
-        _check(self.max_ongoing_requests >= 0, f"max_ongoing_requests must be >= 0, got {self.max_ongoing_requests}")
-        _check(self.max_queued_requests >= -1, "max_queued_requests must be >= 0 (or -1 for no limit)")
-        _check(self.overload_status_code in (429, 503),
+            require(self.target_ongoing_requests > 0, "target_ongoing_requests must be > 0")
+        require(self.max_ongoing_requests >= 0, f"max_ongoing_requests must be >= 0, got {self.max_ongoing_requests}")
+        require(self.max_queued_requests >= -1, "max_queued_requests must be >= 0 (or -1 for no limit)")
+        require(self.overload_status_code in (429, 503),
                f"overload_status_code must be 429 or 503, got {self.overload_status_code}")
-        _check(self.retry_after_s >= 0, "retry_after_s must be >= 0")
-        _check(self.num_cpus >= 0 and self.num_gpus >= 0 and self.ingress_num_cpus >= 0,
+        require(self.retry_after_s >= 0, "retry_after_s must be >= 0")
+        require(self.num_cpus >= 0 and self.num_gpus >= 0 and self.ingress_num_cpus >= 0,
                "num_cpus, num_gpus and ingress_num_cpus must be >= 0")
-        _check(self.ingress_max_ongoing_requests >= 1, "ingress_max_ongoing_requests must be >= 1")
-        _check(self.torch_threads >= 0, "torch_threads must be >= 0")
-        _check(self.health_check_period_s > 0 and self.health_check_timeout_s > 0,
+        require(self.ingress_max_ongoing_requests >= 1, "ingress_max_ongoing_requests must be >= 1")
+        require(self.torch_threads >= 0, "torch_threads must be >= 0")
+        require(self.health_check_period_s > 0 and self.health_check_timeout_s > 0,
                "health check period and timeout must be > 0")
-        _check(self.routing_stats_period_s > 0, "routing_stats_period_s must be > 0")
-        _check(self.prefix_block_chars >= 1 and self.min_prefix_blocks >= 1,
+        require(self.routing_stats_period_s > 0, "routing_stats_period_s must be > 0")
+        require(self.prefix_block_chars >= 1 and self.min_prefix_blocks >= 1,
                "prefix_block_chars and min_prefix_blocks must be >= 1")
-        _check(self.imbalance_tokens >= 0 and self.imbalance_ratio >= 1.0,
+        require(self.imbalance_tokens >= 0 and self.imbalance_ratio >= 1.0,
                "imbalance_tokens must be >= 0 and imbalance_ratio >= 1")
-        _check(self.request_router in ("prefix", "default"),
+        require(self.request_router in ("prefix", "default"),
                f"request_router must be prefix or default, got {self.request_router!r}")
-        _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
-        _check(self.default_max_tokens >= 1, "default_max_tokens must be >= 1")
-        _check(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s must be > 0")
-        _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        _check(self.sse_keepalive_s >= 0, f"sse_keepalive_s must be >= 0 (0: off), got {self.sse_keepalive_s}")
-        _check(isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
+        require(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        require(self.default_max_tokens >= 1, "default_max_tokens must be >= 1")
+        require(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        require(self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        require(self.sse_keepalive_s >= 0, f"sse_keepalive_s must be >= 0 (0: off), got {self.sse_keepalive_s}")
+        require(isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
                and self.stream_interval >= 1,
                f"stream_interval must be an integer >= 1 (1: stream every token), got {self.stream_interval!r}")
         self.engine_config()  # validates the engine fields with the engine's own messages
@@ -223,7 +226,7 @@ class _Serving:
         d = {str(k).replace("-", "_"): v for k, v in (d or {}).items()}
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(d) - set(known))
-        _check(not unknown, f"unknown serve setting(s): {', '.join(unknown)}")
+        require(not unknown, f"unknown serve setting(s): {', '.join(unknown)}")
         return cls(**{k: _coerce(k, v, str(known[k].type), known[k].metadata.get("parse")) for k, v in d.items()})
 
     @classmethod
@@ -249,7 +252,7 @@ class _Serving:
             default_model_path()
         elif self.model not in presets.PRESETS:
             path = Path(self.model).expanduser()
-            _check((path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()),
+            require((path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()),
                    f"model {self.model!r} not found: give a .gguf file, a Hugging Face directory, 'default' or a preset")
             if path.is_dir():
                 hf_dir_tokenizer(path)
