@@ -351,7 +351,7 @@ class LLMEngine:
             prefill_cost = self.scheduler.last_prefill_cost
             sparse = [(b.seq.num_computed, b.seq.num_computed + b.num_tokens) for b in batch
                       if not b.decode and self._sparse_prefill(b.seq)]
-            tiles0 = list(self.backend.prefill_tiles)
+            tiles0 = list(self.backend.prefill_tiles) if sparse else None
             launched = self._launch(batch)
             if sparse:  # the step budget costs block-sparse chunks at what they computed
                 self.scheduler.budget.observe_sparse(self.backend.prefill_computed_share(tiles0, sparse))
