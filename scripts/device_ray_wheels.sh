@@ -4,7 +4,8 @@
 #   bash scripts/device_ray_wheels.sh            then name .devcarry in the device call's carry
 # Facts behind the list: ../shared/notes/ray-on-the-device.md (the GPU image has torch, cupy, numpy,
 # requests, pyyaml, ... but no ray and none of Ray Serve's web stack).
-#   ray.tar.xz   the ray 2.60.0 cp312 wheel unpacked without ray/jars and ray/rllib (Serve needs neither)
+#   ray.tar.xz   the ray 2.60.0 cp312 wheel unpacked without ray/jars, ray/rllib, the dashboard's web UI and
+#                the test folders (Serve needs none; the tree plus this carry must stay under 64 MiB)
 #   wheels/      the cp312 manylinux wheels of the packages the image lacks, at the versions that
 #                `pip install 'ray[serve]==2.60.0'` resolves (grpcio >= 1.85.1 for grpcio_reflection)
 set -euo pipefail
@@ -35,8 +36,9 @@ done
 if [ ! -f "$DEST/ray.tar.xz" ]; then
     tmp=$(mktemp -d)
     unzip -q "$DL"/ray-2.60.0-*.whl -d "$tmp"  # unzip keeps the executables' mode bits
-    rm -rf "$tmp/ray/jars" "$tmp/ray/rllib"
-    (cd "$tmp" && tar cJf - ray ray-2.60.0.dist-info) > "$DEST/ray.tar.xz"
+    rm -rf "$tmp/ray/jars" "$tmp/ray/rllib" "$tmp/ray/dashboard/client/build"
+    find "$tmp/ray" -type d -name tests -prune -exec rm -rf {} +
+    (cd "$tmp" && XZ_OPT=-9 tar cJf - ray ray-2.60.0.dist-info) > "$DEST/ray.tar.xz"
     rm -rf "$tmp"
 fi
 du -sh "$DEST"
