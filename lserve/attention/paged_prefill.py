@@ -47,14 +47,15 @@ class TileShape:
     rows overlap the softmax of one block with the P V GEMM of the previous; "ws" stores K/V with the
     128-byte swizzle, "wsi" in v2's no-swizzle layout; "wsp" is "ws" with the two consumer warpgroups
     taking turns at issuing their GEMMs (FA3's ping-pong). On the H200 "ws" runs 249-262 TF/s on
-    computed tiles against "mma"'s 217-223 (same call, ``bsp_prefill_ws_h200.json``): the default for
-    head dim 128 on sm_90 (:func:`default_shape`). "v4": ``kernels/bsp_prefill_ws4.cu`` (sm_90a, head
+    computed tiles against "mma"'s 217-223 (same call, ``bsp_prefill_ws_h200.json``), the default for
+    head dim 128 on sm_90 before "v5". "v4": ``kernels/bsp_prefill_ws4.cu`` (sm_90a, head
     dim 128), the same producer and two consumer warpgroups over 128 keys (two list blocks) per step,
     Q in shared memory (S by SS-wgmma), K and V in separate ``stages``-deep rings (2 or 3):
     13% slower than "ws" on the H200 (``bsp_prefill_v4_h200.json``), a sandbox variant. "v5":
     ``kernels/bsp_prefill_v5.cu`` (sm_90a, head dim 128), "ws" with the producer's pool K/V loads
-    done by TMA (one thread, tensor maps from :mod:`lserve.kernels.tensor_map`; ``stages`` 2-4);
-    not yet run on a GPU, a sandbox variant.
+    done by TMA (one thread, tensor maps from :mod:`lserve.kernels.tensor_map`; ``stages`` 2-4):
+    552-592 TF/s every block kept on the H200, 0.89-0.99x cuDNN in the same call, against "ws"'s 255-262
+    (``bsp_prefill_study_h200.json``): the default for head dim 128 on sm_90.
     ``ablate`` (``ws`` only, :data:`ABLATIONS`): a timing study leaving one part of the kernel out.
     """
 
@@ -130,13 +131,15 @@ class TileShape:
 
 MMA = TileShape()  # any sm_80+ GPU, head dims 64 and 128 (benchmarks/bsp_prefill/bsp_prefill_h200.json)
 WS = TileShape("ws", mt=1, warps=8, stages=3)  # sm_90, head dim 128 (bsp_prefill_ws_h200.json)
-#: TFLOP/s on computed tiles each kernel measured on the H200 (PathCost's kernel rate)
-MEASURED_RATE = {"mma": 220e12, "ws": 255e12}
+TMA = TileShape(V5, mt=1, warps=8, stages=3)  # sm_90, head dim 128 (bsp_prefill_study_h200.json)
+#: TFLOP/s on computed tiles each kernel measured on the H200 (PathCost's kernel rate; "v5": 466-528
+#: at 20% kept, 552-592 every block kept)
+MEASURED_RATE = {"mma": 220e12, "ws": 255e12, V5: 500e12}
 
 
 def default_shape(head_dim: int, capability: tuple[int, int]) -> TileShape:
     """The fastest measured kernel for this head dim on a device of this compute capability."""
-    return WS if capability == (9, 0) and WS.supports(head_dim) else MMA
+    return TMA if capability == (9, 0) and TMA.supports(head_dim) else MMA
 
 
 def supported(dtype: torch.dtype, head_dim: int) -> bool:
