@@ -10,6 +10,9 @@
 // (start <= its last position, its first < L), a softmax of s * c over its visible key groups
 // (c = scale / S * log2 e, base 2), summed per key block of kpb key groups into shared memory;
 // then out[hq, r, kb] = sum / (valid groups) for the row's causal blocks kb < nb_r.
+// gridDim.z > 1 splits a row's query groups over that many CTAs (group a goes to CTA a % gridDim.z),
+// each adding its share into out (zeroed by the caller) atomically: more CTAs when a launch covers
+// few rows.
 #include "common.cuh"
 
 #define EST_THREADS 512
@@ -42,11 +45,12 @@ ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr,
     const int nb = (re - 1) / block + 1;  // causal blocks of the row
     for (int i = threadIdx.x; i < nb; i += EST_THREADS) acc[i] = 0.f;
     __syncthreads();
-    int n_valid = 0;
-    for (int a = rl * gpr; a < min(ng, (rl + 1) * gpr); ++a) {
+    const int a1 = min(ng, (rl + 1) * gpr);
+    int n_valid = 0;  // the row's groups holding a query of the chunk, over every split
+    for (int a = rl * gpr; a < a1; ++a) n_valid += (qg0 + a) * S + S > start && (qg0 + a) * S < L;
+    for (int a = rl * gpr + blockIdx.z; a < a1; a += gridDim.z) {
         const int qg = qg0 + a, gpos = qg * S;
         if (gpos + S <= start || gpos >= L) continue;  // no query of the chunk in this group (uniform)
-        ++n_valid;
         const act_t* row = s + ((long long)hq * ng + a) * nkg;
         const int kmax = min(qg, nkg_valid - 1);  // last visible key group
         float m = LS_NEG_INF;
@@ -67,5 +71,8 @@ ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr,
     __syncthreads();
     const float w = n_valid ? 1.f / n_valid : 0.f;
     float* o = out + ((long long)hq * R + r) * nkb;
-    for (int i = threadIdx.x; i < nb; i += EST_THREADS) o[i] = acc[i] * w;
+    for (int i = threadIdx.x; i < nb; i += EST_THREADS) {
+        if (gridDim.z == 1) o[i] = acc[i] * w;
+        else atomicAdd(o + i, acc[i] * w);
+    }
 }

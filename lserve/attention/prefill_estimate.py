@@ -22,6 +22,7 @@ DEVICE_TYPE = "cuda"  # where the kernel runs (a CPU test swaps in an emulation 
 # the H200 (bsp_prefill_estimate_h200.json, llama3-8b layer): 4 GEMMs of 16 rows 7.4 ms, 16 GEMMs of
 # 4 rows 11.3 ms: the smaller GEMMs lose more to lower tensor-core occupancy than they save above the diagonal.
 GEMM_GROUPS = 4
+SPLITS = 1  # CTAs per (row, query head) of the mass kernel (gridDim.z): more when few rows share a launch
 MAX_SHARED = 200 * 1024  # block sums of one row in shared memory: nkb * 4 bytes
 
 
@@ -31,7 +32,8 @@ def fits(length: int, block: int) -> bool:
 
 
 def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int, q_block: int, scale: float,
-                        stride: int, max_bytes: int = 1 << 29) -> torch.Tensor:
+                        stride: int, max_bytes: int = 1 << 29, groups: int = GEMM_GROUPS,
+                        splits: int = SPLITS) -> torch.Tensor:
     """Per query head, the antidiagonal estimate of each causal tile's share of attention mass.
 
     Parameters
@@ -45,6 +47,9 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
         ``stride``, ``q_block`` of ``block``).
     max_bytes : int
         Most bytes of scores one GEMM writes (rows are grouped under it).
+    groups, splits : int
+        About how many GEMMs score the chunk's rows (memory permitting), and how many CTAs of the
+        mass kernel share one (row, query head) (:data:`GEMM_GROUPS`, :data:`SPLITS`).
 
     Returns
     -------
@@ -55,6 +60,8 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
     h, L, _ = k.shape
     if dtype_name(q.dtype) is None or k.dtype != q.dtype or q.device.type != DEVICE_TYPE:
         raise KernelError(f"antidiagonal estimate: CUDA bf16/fp16/fp32 q and k of one dtype, got {q.dtype}/{k.dtype}")
+    if groups < 1 or not 1 <= splits <= q_block // stride:
+        raise KernelError(f"antidiagonal estimate: groups {groups} >= 1 and splits {splits} in 1 .. {q_block // stride}")
     if block % stride or q_block % block or L != start + lq:
         raise KernelError(f"antidiagonal estimate: block {block} / q_block {q_block} / stride {stride} / "
                           f"length {L} = start {start} + {lq} do not fit")
@@ -71,7 +78,7 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
     # A GEMM spans its rows up to the last one's causal extent: fewer rows per GEMM waste fewer
     # FLOPs above the diagonal (~1/(2 * GEMM_GROUPS) of the causal work), more rows fewer launches.
     per_row = hq * gpr * (nkb * kpb) * q.element_size()
-    rows = max(1, min(R, max_bytes // per_row, -(-R // GEMM_GROUPS)))
+    rows = max(1, min(R, max_bytes // per_row, -(-R // groups)))
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         lo, hi = (b0 + r0) * q_block, (b0 + r1) * q_block  # positions of the rows, zeros outside the chunk
@@ -79,7 +86,7 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
         nkg = (e - 1) // block * kpb + kpb  # key groups of the last row's causal blocks
         qg = pad_positions(q[:, a - start: e - start], lo, hi, a).view(h, g * (r1 - r0) * gpr, S * d)
         s = torch.bmm(qg, kg[:, :nkg].transpose(1, 2))  # [Hkv, G * ng, nkg] = [Hq, ng, nkg]
-        launch(kern, (r1 - r0, hq), (THREADS,),
+        launch(kern, (r1 - r0, hq, splits), (THREADS,),
                (ptr(s), i32((r1 - r0) * gpr), i32(nkg), i32((b0 + r0) * gpr), i32(gpr), i32(kpb),
                 i32(-(-L // S)), i32(S), i32(start), i32(L), i32(q_block), i32(block), f32(scale / S * LOG2E),
                 ptr(out), i32(R), i32(nkb), i32(r0)), shared_mem=nkb * 4)

@@ -22,7 +22,8 @@ the torch oracle, then speed at fixed kept fractions against cuDNN in the same r
    default block / q_block / stride, the torch code (:func:`lserve.sparsity.prefill_blocks.estimate_masses`)
    against the fused path (:func:`lserve.attention.prefill_estimate.antidiagonal_masses`), their
    largest mass difference, and the fused estimate plus the mass cut (``select_blocks``) as a share
-   of SDPA on the dense heads (the issue's target: <= 5%).
+   of SDPA on the dense heads (the issue's target: <= 5%); the fused path also at the other
+   launch shapes of :data:`ESTIMATE_SHAPES` (``fused_gG_sZ_ms`` and its largest difference).
 
 CUDA events after warm-up, medians. Writes ``{name}.json`` (+ ``.png``).
 """
@@ -30,6 +31,7 @@ CUDA events after warm-up, medians. Writes ``{name}.json`` (+ ``.png``).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -60,6 +62,8 @@ SHAPES = {v.name: v for v in VARIANTS
           + tuple(bsp.TileShape(i, 1, 8, stages=s) for i in (*bsp.WS_IMPLS, bsp.V5) for s in (2, 4))
           + tuple(bsp.TileShape("ws", 1, 8, stages=3, ablate=a) for a in bsp.ABLATIONS)}
 DEFAULT_MODEL = "llama3-8b"
+# the estimate's launch shapes timed beside the default: (GEMMs per chunk, mass-kernel CTAs per row)
+ESTIMATE_SHAPES = ((4, 4), (8, 1), (8, 4), (16, 8))
 SINK, LOCAL = 128, 256
 TOL = 2e-2
 
@@ -241,6 +245,11 @@ def _estimate_row(qd: torch.Tensor, kd: torch.Tensor, group: int, scale: float, 
         combine_group(antidiagonal_masses(qd, kd, 0, B, QB, scale, S), group), 0.5, 0, L, B, QB), iters)
     r["speedup"] = r["torch_ms"] / r["fused_ms"]
     r["fused_and_cut_vs_sdpa_dense"] = r["fused_and_cut_ms"] / sdpa_ms
+    # the fused path's other launch shapes (GEMMs per chunk x mass-kernel CTAs per row): ms, largest diff
+    for g, z in ESTIMATE_SHAPES:
+        run = functools.partial(antidiagonal_masses, qd, kd, 0, B, QB, scale, S, groups=g, splits=z)
+        r[f"fused_g{g}_s{z}_ms"] = median_events(run, iters)
+        r[f"fused_g{g}_s{z}_max_abs_diff"] = float((ref - run()).abs().max())
     return {a: round(x, 5) if isinstance(x, float) else x for a, x in r.items()}
 
 
