@@ -18,11 +18,14 @@ from lserve.sparsity.prefill_blocks import pad_positions
 
 THREADS = 512  # EST_THREADS of the kernel
 DEVICE_TYPE = "cuda"  # where the kernel runs (a CPU test swaps in an emulation of it)
-# The rows of a chunk are scored in about this many GEMMs (memory permitting). Measured at 128k on
-# the H200 (bsp_prefill_estimate_h200.json, llama3-8b layer): 4 GEMMs of 16 rows 7.4 ms, 16 GEMMs of
-# 4 rows 11.3 ms: the smaller GEMMs lose more to lower tensor-core occupancy than they save above the diagonal.
-GEMM_GROUPS = 4
-SPLITS = 1  # CTAs per (row, query head) of the mass kernel (gridDim.z): more when few rows share a launch
+# The rows of a chunk are scored in about GEMM_GROUPS GEMMs (memory permitting), each followed by the
+# mass kernel with SPLITS CTAs per (row, query head). Fewer rows per GEMM waste fewer FLOPs above the
+# diagonal; splitting rows keeps the mass kernel's grid full when a GEMM covers few rows. Measured on
+# the H200 (bsp_prefill_h200.json, llama3-8b layer, fused ms at 32k / 128k / 256k): 4 GEMMs x 1 CTA
+# 1.75 / 6.97 / 24.97, 4 x 4 0.99 / 6.38 / 20.24, 8 x 1 2.55 / 8.05 / 25.15, 8 x 4 1.20 / 6.14 / 20.45,
+# 16 x 8 2.11 / 6.20 / 20.17: 8 x 4 is fastest at 128k, where the estimate's 5% target is set.
+GEMM_GROUPS = 8
+SPLITS = 4
 MAX_SHARED = 200 * 1024  # block sums of one row in shared memory: nkb * 4 bytes
 
 
