@@ -147,6 +147,9 @@ def test_itl_and_e2e_slos_and_answers():
     r = _result(0, ttft=0.1, e2e=1.0, out=4, itl=[0.1, 0.6, 0.2], answer_ok=True)
     assert meets_slos(r, {"e2e": 1000.0}) and not meets_slos(r, {"e2e": 999.0})
     assert not meets_slos(r, {"itl": 500.0}) and meets_slos(r, {"itl": 600.0})
+    # three events of four tokens each (a server's --stream-interval 4): a 400 ms gap is 100 ms a token
+    chunked = RequestResult(index=5, success=True, ttft=0.1, e2e=1.0, itl=[0.4, 0.3], output_tokens=12, chunks=3)
+    assert meets_slos(chunked, {"itl": 100.0}) and not meets_slos(chunked, {"itl": 99.0})
     s = summarize([r, _result(1, 0.1, 1.0, 4, answer_ok=False), _result(2, 0, 0.1, 0, ok=False, answer_ok=False)], 2.0)
     assert s["answers"] == {"checked": 3, "correct": 1, "accuracy": pytest.approx(1 / 3, abs=1e-4)}
 
