@@ -17,6 +17,7 @@ def test_cli_refuses_a_context_without_room_for_the_distinct_tail(capsys):
 
 @pytest.mark.parametrize("args, flag", [(["--stream-interval", "1", "0"], "--stream-interval"),
                                         (["--ray-streams", "0"], "--ray-streams"),
+                                        (["--stream-interval-ms", "5", "-1"], "--stream-interval-ms"),
                                         (["--ray-only", "--no-ray"], "--ray-only")])
 def test_cli_refuses_bad_stream_interval_points(args, flag, capsys):
     with pytest.raises(SystemExit) as e:

@@ -236,9 +236,10 @@ def _emulate_forward(engine: LLMEngine, token: int) -> None:
     engine.model.greedy = lambda logits: torch.full((logits.shape[0],), token, dtype=torch.long)
 
 
-def make_replica(max_num_seqs: int, device_ms: float = 0.0, stream_interval: int = 1):
+def make_replica(max_num_seqs: int, device_ms: float = 0.0, stream_interval: int = 1,
+                 stream_interval_ms: float = 0.0):
     """An :class:`~lserve.serve.replica.EngineReplica` of the default model on the CPU (requests
-    of up to 2048 tokens, ``stream_interval`` tokens per streamed event); with
+    of up to 2048 tokens, ``stream_interval`` tokens and ``stream_interval_ms`` per streamed event); with
     ``device_ms`` > 0 its device work is emulated (:class:`_Device`, constant tokens)."""
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="lserve-host-step-"))
     from lserve.serve.replica import EngineReplica
@@ -246,7 +247,7 @@ def make_replica(max_num_seqs: int, device_ms: float = 0.0, stream_interval: int
     # a KV pool for short requests (the serve default's takes most of a minute to zero on a small machine)
     settings = {"model": "default", "max_num_seqs": max_num_seqs, "torch_threads": torch.get_num_threads(),
                 "max_model_len": 2048, "max_cache_tokens": max(16384, 1024 * max_num_seqs),
-                "stream_interval": stream_interval}
+                "stream_interval": stream_interval, "stream_interval_ms": stream_interval_ms}
     if device_ms <= 0:
         return EngineReplica(settings)
     with _patched(llm_engine_module, "HostTokens", _emulated_tokens(_Device(device_ms / 1e3))):
@@ -302,11 +303,12 @@ class _ItlClock:
 
 
 def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: float,
-                switch_s: float | None = None, stream_interval: int = 1) -> dict:
+                switch_s: float | None = None, stream_interval: int = 1, stream_interval_ms: float = 0.0) -> dict:
     """ITL of ``streams`` requests streamed from an emulated-device replica through Ray Serve
     (a deployment handle in this driver, as the ingress calls the replica), against the emulated
     device step: what Ray's per-item streaming adds in the replica's process, with the replica
-    sending events of ``stream_interval`` tokens (``lserve serve --stream-interval``)."""
+    sending events of ``stream_interval`` tokens at least ``stream_interval_ms`` apart (``lserve serve
+    --stream-interval``, ``--stream-interval-ms``)."""
     import ray
     from ray import serve
 
@@ -318,7 +320,7 @@ def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: fl
         serve.start(http_options={"location": "NoServer"}, logging_config={"log_level": "WARNING"})
         dep = serve.deployment(EmulatedReplica, name="replica", max_ongoing_requests=4 * streams,
                                ray_actor_options={"num_cpus": 1})
-        handle = serve.run(dep.bind(streams, device_ms, switch_s, stream_interval), name="host-step",
+        handle = serve.run(dep.bind(streams, device_ms, switch_s, stream_interval, stream_interval_ms), name="host-step",
                            route_prefix=None)
         from lserve.models.loader import load_model as _load
 
@@ -347,7 +349,8 @@ def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: fl
     finally:
         serve.shutdown()
         ray.shutdown()
-    return {"streams": streams, "stream_interval": stream_interval, "prompt_tokens": prompt_tokens,
+    return {"streams": streams, "stream_interval": stream_interval, "stream_interval_ms": stream_interval_ms,
+            "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens, "device_ms": device_ms, "replica_switch_interval_s": switch_s, "tokens": tokens,
             "wall_s": round(wall, 3), "steps": steps,
             "step_ms": round(wall / steps * 1e3, 3),
@@ -360,10 +363,10 @@ class EmulatedReplica:
     """A Ray Serve deployment around :func:`make_replica` with the device emulated."""
 
     def __init__(self, max_num_seqs: int, device_ms: float, switch_s: float | None = None,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, stream_interval_ms: float = 0.0) -> None:
         if switch_s is not None:
             sys.setswitchinterval(switch_s)
-        self.replica = make_replica(max_num_seqs, device_ms, stream_interval)
+        self.replica = make_replica(max_num_seqs, device_ms, stream_interval, stream_interval_ms)
 
     async def generate(self, request: dict):
         async for ev in self.replica.generate(request):
@@ -459,11 +462,12 @@ def _thread_cpu(thread: threading.Thread) -> float | None:
 def run(out: str, name: str, batches: list[int], context: int, steps: int, streams: int,
         stream_tokens: int, device_ms: float = 0.0, ray: bool = False, emulated_tokens: int = 128,
         stream_intervals: tuple[int, ...] = (1,), repeats: int = 1, ray_only: bool = False,
-        ray_streams: tuple[int, ...] = ()) -> dict:
+        ray_streams: tuple[int, ...] = (), stream_intervals_ms: tuple[float, ...] = (0.0,)) -> dict:
     """Measure the parts the flags ask for (see the module docstring) and write ``<out>/<name>.json``.
 
-    ``stream_intervals``: the Ray part runs once per value (the replica's ``--stream-interval``) and
-    stream count of ``ray_streams`` (default: 1 and ``streams``);
+    ``stream_intervals``, ``stream_intervals_ms``: the Ray part runs once per pair of values (the
+    replica's ``--stream-interval``, ``--stream-interval-ms``) and stream count of ``ray_streams``
+    (default: 1 and ``streams``);
     ``repeats``: each Ray point runs that many times (rows in turn, so drift of a shared machine
     spreads over all); ``ray_only``: only the emulated Ray part (no engine rows, no in-process parts).
     """
@@ -489,14 +493,17 @@ def run(out: str, name: str, batches: list[int], context: int, steps: int, strea
                                                            for b in batches},
                     "in_process": [] if ray_only else [measure_stream(n, 32, emulated_tokens, device_ms)
                                                        for n in counts],
-                    "ray": ([{**measure_ray(n, 32, emulated_tokens, device_ms, stream_interval=si), "repeat": i}
-                             for i in range(repeats) for n in (ray_streams or counts) for si in stream_intervals]
+                    "ray": ([{**measure_ray(n, 32, emulated_tokens, device_ms, stream_interval=si,
+                                            stream_interval_ms=ms), "repeat": i}
+                             for i in range(repeats) for n in (ray_streams or counts) for si in stream_intervals
+                             for ms in stream_intervals_ms]
                             if ray else None)}
         print(f"emulated device {device_ms} ms: engine step ms by batch {emulated['engine_step_ms']}", flush=True)
         for kind in ("in_process", "ray"):
             for r in emulated[kind] or []:
                 print(f"  {kind}, {r['streams']} streams: ITL p50 {r['itl_p50_ms']} / p90 {r['itl_p90_ms']} ms"
-                      + (f", stream interval {r['stream_interval']}: step {r['step_ms']} ms, replica CPU "
+                      + (f", stream interval {r['stream_interval']} / {r['stream_interval_ms']} ms: step "
+                         f"{r['step_ms']} ms, replica CPU "
                          f"{r['replica_cpu_ms_per_step']} ms/step (engine thread {r['engine_thread_cpu_ms_per_step']}), "
                          f"{r['token_events']} events" if kind == "ray" else ""), flush=True)
     report = {**header(), "model": loaded.source, "backend": "torch", "torch_threads": torch.get_num_threads(),
@@ -545,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ray", action="store_true", help="skip the emulated part through Ray Serve")
     ap.add_argument("--stream-interval", type=int, nargs="+", default=[1],
                     help="the Ray part once per value: tokens per streamed event (lserve serve --stream-interval)")
+    ap.add_argument("--stream-interval-ms", type=float, nargs="+", default=[0.0],
+                    help="and once per value: least ms between events (lserve serve --stream-interval-ms)")
     ap.add_argument("--ray-streams", type=int, nargs="+", default=[],
                     help="stream counts of the Ray part (default: 1 and --streams)")
     ap.add_argument("--repeats", type=int, default=1, help="times each Ray point is measured")
@@ -559,10 +568,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device-ms must be >= 0 and --emulated-tokens >= 2")
     if min(a.stream_interval) < 1 or a.repeats < 1 or min(a.ray_streams, default=1) < 1:
         ap.error("--stream-interval values, --ray-streams values and --repeats must be >= 1")
+    if min(a.stream_interval_ms) < 0:
+        ap.error("--stream-interval-ms values must be >= 0")
     if a.ray_only and (a.no_ray or a.device_ms <= 0):
         ap.error("--ray-only needs the Ray part: a --device-ms > 0 and no --no-ray")
     run(a.out, a.name, a.batches, a.context, a.steps, a.streams, a.stream_tokens, a.device_ms, not a.no_ray,
-        a.emulated_tokens, tuple(a.stream_interval), a.repeats, a.ray_only, tuple(a.ray_streams))
+        a.emulated_tokens, tuple(a.stream_interval), a.repeats, a.ray_only, tuple(a.ray_streams),
+        tuple(a.stream_interval_ms))
     return 0
 
 

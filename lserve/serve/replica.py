@@ -8,8 +8,9 @@ crosses process boundaries:
   (plus ``"prompt_text"`` when the params ask for ``echo``);
 * ``{"type": "delta", "text", "num_tokens", "finished", "finish_reason", "prompt_tokens",
   "completion_tokens", "cached_tokens"}`` per engine step that touched the request (with
-  ``stream_interval`` N > 1: the first tokens at once, then outputs merged into events of at least N
-  tokens, :mod:`lserve.serve.stream_interval`), with ``"logprobs"`` (the new tokens') when asked
+  ``stream_interval`` N > 1 or a ``stream_interval_ms``: the first tokens at once, then outputs merged
+  into events of at least N tokens and that many ms apart, :mod:`lserve.serve.stream_interval`),
+  with ``"logprobs"`` (the new tokens') when asked
   for, and ``"prompt_logprobs"`` once, in the first delta after prefill, when asked for (entries
   as :mod:`lserve.serve.logprobs` describes);
 * ``{"type": "error", "status", "message", "param", "code"}`` instead, for a request the engine
@@ -152,7 +153,8 @@ class EngineReplica:
         # the engine's outputs merged into events of --stream-interval tokens, or, for a client that
         # does not stream, into its first tokens and its finish (the ITL metric below still sees
         # each output as the engine made it)
-        chunks = ChunkBuffer(self.settings.stream_interval if request.get("stream", True) else None)
+        chunks = ChunkBuffer(self.settings.stream_interval if request.get("stream", True) else None,
+                             self.settings.stream_interval_ms / 1e3)
         prompt_lps_sent = False
         try:
             accepted = {"type": "accepted", "replica": self.replica_id, "prompt_tokens": len(ids)}

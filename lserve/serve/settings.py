@@ -42,6 +42,9 @@ DEFAULT_SSE_KEEPALIVE_S = 10.0
 #: Generated tokens per streamed event: every token as it comes (vLLM's default). The one default
 #: of ``--stream-interval``.
 DEFAULT_STREAM_INTERVAL = 1
+#: Least milliseconds between two streamed events of one stream: none (vLLM's behaviour). The one
+#: default of ``--stream-interval-ms``.
+DEFAULT_STREAM_INTERVAL_MS = 0.0
 
 
 def _coerce(name: str, value: Any, type_name: str, parse=None) -> Any:
@@ -127,6 +130,10 @@ class _Serving:
         1 sends every token as it comes; N > 1 sends the first token at once, then events of at least
         N tokens (the last one, an error or a finish whatever is pending), so each stream costs the
         replica's host CPU (Ray's per-item streaming) about 1/N as often.
+    stream_interval_ms : float
+        Least milliseconds between two events with tokens of one stream (0: no floor), as Ray Serve
+        LLM's ``stream_batching_interval_ms``; with ``stream_interval`` an event waits for both.
+        Unlike a token count it holds nothing back when engine steps are already this slow.
     metrics_dir : str or None
         ``PROMETHEUS_MULTIPROC_DIR`` shared by the ingress and engine replicas on one host (None: a
         fresh temporary folder per deployment).
@@ -173,6 +180,10 @@ class _Serving:
         DEFAULT_STREAM_INTERVAL, "generated tokens per streamed chunk: 1 streams every token; N > 1 sends the "
                                  "first token at once, then chunks of N tokens (fewer, larger chunks: less host CPU "
                                  "per token, burstier streams)")
+    stream_interval_ms: float = setting(
+        DEFAULT_STREAM_INTERVAL_MS, "least milliseconds between two streamed chunks of one stream (0: none; the "
+                                    "first token and the finish go at once): fewer chunks with many streams, "
+                                    "nothing held when engine steps are slower than this")
     metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -213,6 +224,8 @@ class _Serving:
         require(isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
                and self.stream_interval >= 1,
                f"stream_interval must be an integer >= 1 (1: stream every token), got {self.stream_interval!r}")
+        require(0 <= self.stream_interval_ms <= 10_000,
+               f"stream_interval_ms must be in 0..10000 (0: no floor), got {self.stream_interval_ms}")
         self.engine_config()  # validates the engine fields with the engine's own messages
 
     # -- construction -------------------------------------------------------------------------

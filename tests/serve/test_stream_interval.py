@@ -95,6 +95,23 @@ def test_a_request_nobody_streams_gets_its_first_tokens_and_its_finish():
 def test_interval_below_one_is_refused():
     with pytest.raises(ValueError, match="interval must be >= 1"):
         ChunkBuffer(0)
+    with pytest.raises(ValueError, match="min_gap_s must be >= 0"):
+        ChunkBuffer(1, -0.001)
+
+
+@pytest.mark.parametrize("interval, step_ms, sizes", [
+    (1, 5, [1, 4, 4, 2]),      # 5 ms steps, a 20 ms floor: a chunk every fourth step
+    (1, 30, [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]),  # steps slower than the floor: nothing held
+    (3, 10, [1, 3, 3, 3, 1]),  # both bounds: 3 tokens and 20 ms (the tokens bind)
+    (2, 5, [1, 4, 4, 2]),      # both bounds: the time binds
+])
+def test_a_time_floor_spaces_chunks_and_holds_nothing_when_steps_are_slower(interval, step_ms, sizes):
+    clock = iter(i * step_ms / 1e3 for i in range(100))  # an output every step_ms, one token each
+    outs = _outputs([[10 + i] for i in range(11)])
+    buf = ChunkBuffer(interval, min_gap_s=0.020, clock=lambda: next(clock))
+    sent = [d for d in (buf.add(o) for o in outs) if d is not None]
+    assert [len(s.delta_token_ids) for s in sent] == sizes and buf.flush() is None
+    assert [t for s in sent for t in s.delta_token_ids] == outs[-1].token_ids and sent[-1].finished
 
 
 # -- an engine replica in this process --------------------------------------------------------------
@@ -106,8 +123,8 @@ def replica_of(monkeypatch, tmp_path):
 
     made = []
 
-    def make(interval: int):
-        made.append(make_replica(4, stream_interval=interval))
+    def make(interval: int, interval_ms: float = 0.0):
+        made.append(make_replica(4, stream_interval=interval, stream_interval_ms=interval_ms))
         return made[-1]
 
     yield make
@@ -157,6 +174,15 @@ def test_a_request_the_client_does_not_stream_is_two_events(replica_of):
         assert [x for d in run[False] for x in d[key]] == [x for d in run[True] for x in d[key]]
 
 
+def test_a_replica_with_a_time_floor_holds_tokens_until_it_passes(replica_of):
+    """``stream_interval_ms`` from the replica's settings: with a floor longer than the request, the
+    first token goes at once and everything else with the finish."""
+    replica = replica_of(1, 10_000)
+    req = {"request_id": "t", "prompt": PROMPT, "params": {"max_tokens": 9, "temperature": 0, "ignore_eos": True}}
+    deltas = [e for e in asyncio.run(_events(replica.generate(req))) if e["type"] == "delta"]
+    assert [d["num_tokens"] for d in deltas] == [1, 8] and deltas[-1]["finished"]
+
+
 def test_an_engine_death_sends_the_held_tokens_then_the_error(replica_of):
     replica = replica_of(1000)
     request = {"request_id": "k", "prompt": PROMPT, "params": {"max_tokens": 400, "temperature": 0,
@@ -191,17 +217,28 @@ def test_bad_stream_interval_is_one_line(value, capsys):
     assert len(err) == 1 and err[0].startswith("lserve: error: stream_interval must be an integer >= 1"), err
 
 
+@pytest.mark.parametrize("value", ["-1", "10001"])
+def test_bad_stream_interval_ms_is_one_line(value, capsys):
+    assert lserve_main(["serve", "--stream-interval-ms", value, "--port", "9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lserve: error: stream_interval_ms must be in 0..10000"), err
+    with pytest.raises(SystemExit) as e:  # not a number: argparse's usage line and message
+        lserve_main(["serve", "--stream-interval-ms", "soon", "--port", "9"])
+    assert e.value.code == 2 and "invalid float value: 'soon'" in capsys.readouterr().err
+
+
 # -- a real server -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def si_server(tmp_path_factory):
-    """``lserve serve --stream-interval 4`` (default model, one CPU replica): its OpenAI client."""
+    """``lserve serve --stream-interval 4 --stream-interval-ms 1`` (default model, one CPU replica; its
+    steps take far more than 1 ms, so the token count binds): its OpenAI client."""
     port, log = free_port(), tmp_path_factory.mktemp("si") / "server.log"
     ray_tmp = tempfile.mkdtemp(prefix="lsi-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k not in ("LSERVE_API_KEY", "RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, LSERVE_LOG="WARNING")
     cmd = [sys.executable, "-m", "lserve.cli", "serve", "--port", str(port), "--device", "cpu", "--replicas", "1",
            "--max-num-seqs", "4", "--max-cache-tokens", "4096", "--max-model-len", "2048", "--token-budget", "0",
-           "--shutdown-grace-s", "1", "--stream-interval", "4"]
+           "--shutdown-grace-s", "1", "--stream-interval", "4", "--stream-interval-ms", "1"]  # steps >> 1 ms
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
