@@ -303,12 +303,14 @@ class _ItlClock:
 
 
 def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: float,
-                switch_s: float | None = None, stream_interval: int = 1, stream_interval_ms: float = 0.0) -> dict:
+                switch_s: float | None = None, stream_interval: int = 1, stream_interval_ms: float = 0.0,
+                by_value: bool = True) -> dict:
     """ITL of ``streams`` requests streamed from an emulated-device replica through Ray Serve
     (a deployment handle in this driver, as the ingress calls the replica), against the emulated
     device step: what Ray's per-item streaming adds in the replica's process, with the replica
     sending events of ``stream_interval`` tokens at least ``stream_interval_ms`` apart (``lserve serve
-    --stream-interval``, ``--stream-interval-ms``)."""
+    --stream-interval``, ``--stream-interval-ms``), the handle calling it by value (gRPC, as the
+    ingress does by default) or by reference (``lserve serve --no-engine-calls-by-value``)."""
     import ray
     from ray import serve
 
@@ -329,7 +331,8 @@ def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: fl
 
         async def one(i: int) -> int:
             see, n = itl.stream(), 0
-            gen = handle.options(stream=True, method_name="generate").remote(_request(i, prompts[i], max_tokens))
+            gen = handle.options(stream=True, method_name="generate",
+                                 _by_reference=not by_value).remote(_request(i, prompts[i], max_tokens))
             async for ev in gen:
                 n += see(ev)
             return n
@@ -350,6 +353,7 @@ def measure_ray(streams: int, prompt_tokens: int, max_tokens: int, device_ms: fl
         serve.shutdown()
         ray.shutdown()
     return {"streams": streams, "stream_interval": stream_interval, "stream_interval_ms": stream_interval_ms,
+            "by_value": by_value,
             "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens, "device_ms": device_ms, "replica_switch_interval_s": switch_s, "tokens": tokens,
             "wall_s": round(wall, 3), "steps": steps,
@@ -462,12 +466,13 @@ def _thread_cpu(thread: threading.Thread) -> float | None:
 def run(out: str, name: str, batches: list[int], context: int, steps: int, streams: int,
         stream_tokens: int, device_ms: float = 0.0, ray: bool = False, emulated_tokens: int = 128,
         stream_intervals: tuple[int, ...] = (1,), repeats: int = 1, ray_only: bool = False,
-        ray_streams: tuple[int, ...] = (), stream_intervals_ms: tuple[float, ...] = (0.0,)) -> dict:
+        ray_streams: tuple[int, ...] = (), stream_intervals_ms: tuple[float, ...] = (0.0,),
+        transports: tuple[bool, ...] = (True,)) -> dict:
     """Measure the parts the flags ask for (see the module docstring) and write ``<out>/<name>.json``.
 
     ``stream_intervals``, ``stream_intervals_ms``: the Ray part runs once per pair of values (the
     replica's ``--stream-interval``, ``--stream-interval-ms``) and stream count of ``ray_streams``
-    (default: 1 and ``streams``);
+    (default: 1 and ``streams``), and per handle transport of ``transports`` (True: by value);
     ``repeats``: each Ray point runs that many times (rows in turn, so drift of a shared machine
     spreads over all); ``ray_only``: only the emulated Ray part (no engine rows, no in-process parts).
     """
@@ -494,15 +499,16 @@ def run(out: str, name: str, batches: list[int], context: int, steps: int, strea
                     "in_process": [] if ray_only else [measure_stream(n, 32, emulated_tokens, device_ms)
                                                        for n in counts],
                     "ray": ([{**measure_ray(n, 32, emulated_tokens, device_ms, stream_interval=si,
-                                            stream_interval_ms=ms), "repeat": i}
+                                            stream_interval_ms=ms, by_value=bv), "repeat": i}
                              for i in range(repeats) for n in (ray_streams or counts) for si in stream_intervals
-                             for ms in stream_intervals_ms]
+                             for ms in stream_intervals_ms for bv in transports]
                             if ray else None)}
         print(f"emulated device {device_ms} ms: engine step ms by batch {emulated['engine_step_ms']}", flush=True)
         for kind in ("in_process", "ray"):
             for r in emulated[kind] or []:
                 print(f"  {kind}, {r['streams']} streams: ITL p50 {r['itl_p50_ms']} / p90 {r['itl_p90_ms']} ms"
-                      + (f", stream interval {r['stream_interval']} / {r['stream_interval_ms']} ms: step "
+                      + (f", {'by value' if r['by_value'] else 'by reference'}, stream interval "
+                         f"{r['stream_interval']} / {r['stream_interval_ms']} ms: step "
                          f"{r['step_ms']} ms, replica CPU "
                          f"{r['replica_cpu_ms_per_step']} ms/step (engine thread {r['engine_thread_cpu_ms_per_step']}), "
                          f"{r['token_events']} events" if kind == "ray" else ""), flush=True)
@@ -557,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray-streams", type=int, nargs="+", default=[],
                     help="stream counts of the Ray part (default: 1 and --streams)")
     ap.add_argument("--repeats", type=int, default=1, help="times each Ray point is measured")
+    ap.add_argument("--transports", nargs="+", choices=("value", "reference"), default=["value"],
+                    help="the Ray part once per handle transport (lserve serve --[no-]engine-calls-by-value)")
     ap.add_argument("--ray-only", action="store_true",
                     help="only the emulated part through Ray Serve (no engine rows, no in-process parts)")
     a = ap.parse_args(argv)
@@ -574,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--ray-only needs the Ray part: a --device-ms > 0 and no --no-ray")
     run(a.out, a.name, a.batches, a.context, a.steps, a.streams, a.stream_tokens, a.device_ms, not a.no_ray,
         a.emulated_tokens, tuple(a.stream_interval), a.repeats, a.ray_only, tuple(a.ray_streams),
-        tuple(a.stream_interval_ms))
+        tuple(a.stream_interval_ms), tuple(t == "value" for t in a.transports))
     return 0
 
 

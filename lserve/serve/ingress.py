@@ -63,8 +63,9 @@ class OpenAIServer:
 
     def __init__(self, settings: ServeSettings, engine, replica: str = "ingress") -> None:
         self.settings = settings
-        self.engine = engine
-        self.engine_stream = engine.options(stream=True)
+        # by value: each streamed item goes over the replica's gRPC server, not the object store
+        self.engine = engine.options(_by_reference=not settings.engine_calls_by_value)
+        self.engine_stream = self.engine.options(stream=True)
         self.model_name = settings.model_name
         self.api_key = os.environ.get(API_KEY_ENV) or None
         self.http_metrics = get_http_metrics(self.model_name, replica)
