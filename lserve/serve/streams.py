@@ -12,10 +12,14 @@ from lserve.serve.admission import SubRequest
 
 def abandon(pending: asyncio.Future | None) -> None:
     """Cancel a still-pending ``__anext__`` of a stream nobody will read again, and retrieve its
-    outcome when it ends (so asyncio logs no "exception was never retrieved")."""
-    if pending is not None and not pending.done():
+    outcome when it ends, or at once if it already ended (a cancelled engine call over gRPC ends
+    with ``RequestCancelledError``, not a cancellation), so asyncio logs no "exception was never
+    retrieved"."""
+    if pending is None:
+        return
+    if not pending.done():
         pending.cancel()
-        pending.add_done_callback(lambda t: t.cancelled() or t.exception())
+    pending.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 #: What :func:`keepalives` puts between events after a silent interval, and the SSE comment line
 #: sent for it (clients ignore comment lines).
