@@ -33,6 +33,11 @@ __device__ __forceinline__ float block_reduce(float x, float* red, bool is_max) 
     return r;
 }
 
+// Whether query group qg (positions qg * S ..) holds a query of the chunk [start, L).
+__device__ __forceinline__ bool holds_query(int qg, int S, int start, int L) {
+    return qg * S + S > start && qg * S < L;
+}
+
 extern "C" __global__ void __launch_bounds__(EST_THREADS)
 ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr, int kpb,
                  int nkg_valid, int S, int start, int L, int q_block, int block, float c,
@@ -47,10 +52,10 @@ ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr,
     __syncthreads();
     const int a1 = min(ng, (rl + 1) * gpr);
     int n_valid = 0;  // the row's groups holding a query of the chunk, over every split
-    for (int a = rl * gpr; a < a1; ++a) n_valid += (qg0 + a) * S + S > start && (qg0 + a) * S < L;
+    for (int a = rl * gpr; a < a1; ++a) n_valid += holds_query(qg0 + a, S, start, L);
     for (int a = rl * gpr + blockIdx.z; a < a1; a += gridDim.z) {
-        const int qg = qg0 + a, gpos = qg * S;
-        if (gpos + S <= start || gpos >= L) continue;  // no query of the chunk in this group (uniform)
+        const int qg = qg0 + a;
+        if (!holds_query(qg, S, start, L)) continue;  // no query of the chunk in this group (uniform)
         const act_t* row = s + ((long long)hq * ng + a) * nkg;
         const int kmax = min(qg, nkg_valid - 1);  // last visible key group
         float m = LS_NEG_INF;

@@ -150,7 +150,8 @@ class EngineReplica:
         self._queued[rid] = len(ids)
         finished, reason = False, "abort"
         stream = None
-        # the engine's outputs merged into events of --stream-interval tokens, or, for a client that
+        # the engine's outputs merged into events of --stream-interval tokens, --stream-interval-ms
+        # apart, or, for a client that
         # does not stream, into its first tokens and its finish (the ITL metric below still sees
         # each output as the engine made it)
         chunks = ChunkBuffer(self.settings.stream_interval if request.get("stream", True) else None,
