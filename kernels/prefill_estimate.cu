@@ -8,8 +8,7 @@
 // 0 .. min(qg0 + a, nkg_valid - 1) (causal; nkg_valid = ceil(L / S) key groups hold keys).
 // Per (query head, row) CTA: for each of the row's query groups that holds a query of the chunk
 // (start <= its last position, its first < L), a softmax of s * c over its visible key groups
-// (c = scale / S * log2 e, base 2), summed per key block of kpb key groups into shared memory,
-// reading the scores once;
+// (c = scale / S * log2 e, base 2), summed per key block of kpb key groups into shared memory;
 // then out[hq, r, kb] = sum / (valid groups) for the row's causal blocks kb < nb_r.
 // gridDim.z > 1 splits a row's query groups over that many CTAs (group a goes to CTA a % gridDim.z),
 // each adding its share into out (zeroed by the caller) atomically: more CTAs when a launch covers
@@ -43,8 +42,7 @@ extern "C" __global__ void __launch_bounds__(EST_THREADS)
 ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr, int kpb,
                  int nkg_valid, int S, int start, int L, int q_block, int block, float c,
                  float* __restrict__ out, int R, int nkb, int r0) {
-    extern __shared__ float acc[];  // [nkb] block sums of this row, then [nkb] one group's block sums
-    float* part = acc + nkb;
+    extern __shared__ float acc[];  // [nkb] block sums of this row
     __shared__ float red[33];
     const int rl = blockIdx.x, hq = blockIdx.y, r = r0 + rl;
     const int rs = (qg0 / gpr + rl) * q_block;  // first position of the row (rows align to q_block)
@@ -60,29 +58,20 @@ ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr,
         if (!holds_query(qg, S, start, L)) continue;  // no query of the chunk in this group (uniform)
         const act_t* row = s + ((long long)hq * ng + a) * nkg;
         const int kmax = min(qg, nkg_valid - 1);  // last visible key group
-        // One pass over the scores: thread t owns blocks t, t + T, ... (kpb adjacent key groups each,
-        // no two threads share one) and keeps their sums relative to its own running max mt, rescaling
-        // its earlier blocks when mt rises (rare); the row's max and sum then combine the threads'.
-        float mt = LS_NEG_INF, lt = 0.f;
+        float m = LS_NEG_INF;
+        for (int j = threadIdx.x; j <= kmax; j += EST_THREADS) m = fmaxf(m, act2f(row[j]));
+        m = block_reduce(m, red, true);
+        float l = 0.f;
+        for (int j = threadIdx.x; j <= kmax; j += EST_THREADS) l += exp2f((act2f(row[j]) - m) * c);
+        l = block_reduce(l, red, false);
+        const float inv = 1.f / l;
+        // Thread t owns blocks t, t + T, ...: kpb adjacent key groups each, no two threads share one.
         for (int kb = threadIdx.x; kb * kpb <= kmax; kb += EST_THREADS) {
-            const int j0 = kb * kpb, j1 = min(kmax, j0 + kpb - 1);
-            float mb = LS_NEG_INF;
-            for (int j = j0; j <= j1; ++j) mb = fmaxf(mb, act2f(row[j]) * c);
-            if (mb > mt) {
-                const float f = exp2f(mt - mb);  // 0 while mt is -inf (no earlier block)
-                for (int k = threadIdx.x; k < kb; k += EST_THREADS) part[k] *= f;
-                lt *= f;
-                mt = mb;
-            }
             float p = 0.f;
-            for (int j = j0; j <= j1; ++j) p += exp2f(act2f(row[j]) * c - mt);
-            part[kb] = p;
-            lt += p;
+            const int j1 = min(kmax, kb * kpb + kpb - 1);
+            for (int j = kb * kpb; j <= j1; ++j) p += exp2f((act2f(row[j]) - m) * c);
+            acc[kb] += p * inv;
         }
-        const float m = block_reduce(mt, red, true);
-        const float f = exp2f(mt - m);  // 0 for a thread that owns no visible block
-        const float inv = 1.f / block_reduce(lt * f, red, false);
-        for (int kb = threadIdx.x; kb * kpb <= kmax; kb += EST_THREADS) acc[kb] += part[kb] * f * inv;
     }
     __syncthreads();
     const float w = n_valid ? 1.f / n_valid : 0.f;
