@@ -119,3 +119,25 @@ def test_capacity_builds_each_engine_at_its_longest_context(tmp_path):
         eng.check_request([1] * rows["tier"]["tokens"], SamplingParams(max_tokens=8))
     with pytest.raises(SystemExit):
         parse_args([str(tmp_path), *args, "--concurrency"])
+
+
+def test_capacity_retries_smaller_after_running_out_of_device_memory(tmp_path, monkeypatch):
+    """A build that runs out of memory is recorded and retried with less of the device, not raised."""
+    import lserve.bench.host_tier_capacity as cap
+
+    real, calls = cap.make_engine, []
+
+    def flaky(st, pool, host_gib, n, max_len):
+        calls.append(pool)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 338.00 MiB")
+        return real(st, pool, host_gib, n, max_len)
+
+    monkeypatch.setattr(cap, "make_engine", flaky)
+    args = ["--capacity", "--model", "tiny", "--device", "cpu", "--kv-quant", "none", "--gpu-kv-gib", "0.005",
+            "--host-kv-gib", "0.01", "--max-batched-tokens", "256"]
+    assert main([str(tmp_path), *args]) == 0
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "host_tier_capacity.json").read_text())["rows"]}
+    assert rows["gpu"]["attempts"] == 2 and rows["tier"]["attempts"] == 1
+    assert calls[1] < calls[0]  # the retry sized a smaller pool
+    assert rows["gpu"]["held_sequences"] == 1 and "error" not in rows["gpu"]

@@ -9,6 +9,13 @@ hold for one sequence (:func:`~lserve.bench.host_tier_concurrency.admits` at tha
 whether a request of that many prompt tokens passes its admission check. Nothing is prefilled: a
 10M-token prefill takes hours (``host_tier_notes.md``), so serving at this length end to end is not
 measured here. Writes ``OUT/host_tier_capacity.json``.
+
+An engine takes device memory beyond its KV cache that grows with its ``max_model_len`` (RoPE
+tables built for the whole length, decode-graph and selection buffers): on the H200 at 5.5M tokens
+it was more than the 8 GiB reserve, and the first all-GPU engine sized from the cache's bytes alone
+ran out of memory. So on a GPU that overhead is measured first, by building the engine at the
+mode's length with a small pool, and taken from the device budget before sizing the pool; a
+build that still runs out of memory is recorded in its row, not raised.
 """
 
 from __future__ import annotations
@@ -16,12 +23,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from lserve.bench.host_tier_common import free_memory, make_engine, setup
 from lserve.bench.host_tier_concurrency import admits
 from lserve.bench.host_tier_sizes import engine_pools, max_context
 from lserve.bench.report import header, write_json
 
 DECODE_ROOM = 64  # tokens past the prompt the request may generate
+PROBE_POOL = 65536  # dense pool tokens of the engine that measures the overhead
+ATTEMPTS, SHRINK = 3, 0.05  # builds per mode, each after an out-of-memory one with this share less
 
 
 def _accepts(eng, tokens: int) -> str | None:
@@ -36,6 +47,45 @@ def _accepts(eng, tokens: int) -> str | None:
     return None
 
 
+def overhead_bytes(st, max_len: int) -> float:
+    """Device bytes an engine of ``max_len`` tokens takes beyond its KV cache (0 off a GPU): one is
+    built with a small pool and the device's free memory read before and after."""
+    if not torch.cuda.is_available() or not st.settings.device.startswith("cuda"):
+        return 0.0
+    free_memory()
+    before = torch.cuda.mem_get_info()[0]
+    eng = make_engine(st, PROBE_POOL, 0.0, 1, max_len)
+    used = before - torch.cuda.mem_get_info()[0] - sum(eng.cache.nbytes().values())
+    del eng
+    free_memory()
+    return float(max(used, 0))
+
+
+def _build(st, mode: str, gpu_bytes: float, over: float) -> dict:
+    """One mode's row: its engine sized from ``gpu_bytes`` of the device, built and checked."""
+    sz, mbt = st.sizes, st.settings.max_batched_tokens
+    tokens = max_context(sz, gpu_bytes, st.host_bytes, mbt)[mode] - DECODE_ROOM - sz.page_size
+    pool, host_gib = engine_pools(sz, gpu_bytes, st.host_bytes, 1, mbt, tier=mode == "tier")
+    print(f"{mode}: building an engine for {tokens} tokens (pool {pool} tokens, host {host_gib:.2f} GiB, "
+          f"{over / 2**30:.2f} GiB of the device beside the cache)", flush=True)
+    row = {"mode": mode, "tokens": tokens, "pool_tokens": pool, "host_kv_gib": round(host_gib, 3),
+           "gpu_kv_bytes": gpu_bytes, "overhead_gib": round(over / 2**30, 3)}
+    t0 = time.perf_counter()
+    try:
+        eng = make_engine(st, pool, host_gib, 1, tokens + DECODE_ROOM)
+    except torch.OutOfMemoryError as e:
+        row["error"] = f"out of device memory: {str(e).splitlines()[0]}"
+        print(f"    {row['error']}", flush=True)
+    else:
+        row.update(build_s=round(time.perf_counter() - t0, 1), held_sequences=admits(eng, tokens + DECODE_ROOM),
+                   refused=_accepts(eng, tokens))
+        print(f"    held {row['held_sequences']} sequence(s) of {tokens} tokens; admission: "
+              f"{row['refused'] or 'accepted'} ({row['build_s']} s to build)", flush=True)
+        del eng
+    free_memory()
+    return row
+
+
 def run(settings, out_dir: str | Path) -> dict:
     """Both modes; returns the report written."""
     st = setup(settings)
@@ -44,19 +94,14 @@ def run(settings, out_dir: str | Path) -> dict:
     report = {**header(), **st.header(), "mode": "capacity", "max_context": mx, "rows": []}
     path = Path(out_dir) / "host_tier_capacity.json"
     for mode in ("gpu", "tier"):
-        tokens = mx[mode] - DECODE_ROOM - sz.page_size
-        pool, host_gib = engine_pools(sz, st.gpu_bytes, st.host_bytes, 1, mbt, tier=mode == "tier")
-        print(f"{mode}: building an engine for {tokens} tokens (pool {pool} tokens, host {host_gib:.2f} GiB)", flush=True)
-        t0 = time.perf_counter()
-        eng = make_engine(st, pool, host_gib, 1, tokens + DECODE_ROOM)
-        row = {"mode": mode, "tokens": tokens, "pool_tokens": pool, "host_kv_gib": round(host_gib, 3),
-               "build_s": round(time.perf_counter() - t0, 1), "held_sequences": admits(eng, tokens + DECODE_ROOM),
-               "refused": _accepts(eng, tokens)}
+        # the overhead at the length sized without it: a shorter engine takes no more
+        over = overhead_bytes(st, mx[mode] + DECODE_ROOM)
+        for attempt in range(ATTEMPTS):  # what the probe missed (memory that grows with the pool): 5% less a time
+            gpu_bytes = (st.gpu_bytes - over) * (1 - SHRINK * attempt)
+            row = {**_build(st, mode, gpu_bytes, over), "attempts": attempt + 1}
+            if "error" not in row:
+                break
         report["rows"].append(row)
-        print(f"    held {row['held_sequences']} sequence(s) of {tokens} tokens; admission: "
-              f"{row['refused'] or 'accepted'} ({row['build_s']} s to build)", flush=True)
         write_json(path, report)
-        del eng
-        free_memory()
     print(f"wrote {path}", flush=True)
     return report
