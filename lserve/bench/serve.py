@@ -44,6 +44,7 @@ import gc
 import os
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from lserve.bench.report import header, write_json
@@ -79,6 +80,8 @@ def engine_sparsity(config: str):
         return next(iter(prefill_sparse_configs((SPARSE_TAU,)).values()))
     return CONFIGS[config]
 SHORT_LEN = 256  # the head-of-line probe's short prompt
+HOL_OUTPUT = 8  # tokens each of its requests generates
+HOL_MIN_CONTEXT = 32768  # the probe runs when the plan reaches this context (its long prompt: the longest)
 #: Workload -> output tokens per request (None: ``--decode-tokens``).
 WORKLOADS = {"random": None, "doc-qa": 128, "reasoning": 2048, "chat": 256}
 CHAT_TURNS = 4  # turns per conversation of the chat workload (its last turn is ``context`` tokens long)
@@ -107,6 +110,32 @@ def parse_plan(items: list[str], default_output: int) -> list[tuple[str, int, li
             raise ValueError(f"plan entry {item!r}: context must be >= 16, output and concurrencies >= 1")
         out.append((parts[0], ctx, concs, output))
     return out
+
+
+@dataclass(frozen=True)
+class ServerSize:
+    """How the bench sizes every server it starts: for its longest request, its largest load point
+    (cache and sequences), the prefix probe's document and question, and the head-of-line probe's
+    long and short requests running at once (``hol_context``: its long prompt, 0 when it does not run)."""
+
+    max_model_len: int
+    cache_tokens: int
+    max_num_seqs: int
+    hol_context: int
+
+
+def server_size(points: list[tuple[str, int, list[int], int]], prefix_contexts, hol: bool) -> ServerSize:
+    """:class:`ServerSize` of a plan (``(workload, context, concurrencies, output_len)`` entries)."""
+    contexts = {p[1] for p in points}
+    longest = max((*contexts, *prefix_contexts))
+    max_c = max(max(p[2]) for p in points)
+    cache = max(max(c * (ctx + out + 64) for c in cs) for _, ctx, cs, out in points)
+    cache = max([cache] + [2 * ctx + 1024 for ctx in prefix_contexts])  # a document + a question
+    hol_context = max(contexts) if hol and max(contexts) >= HOL_MIN_CONTEXT else 0
+    if hol_context:  # a server of one sequence would queue the short request behind the long one
+        max_c = max(max_c, 2)
+        cache = max(cache, hol_context + SHORT_LEN + 2 * (HOL_OUTPUT + 64))
+    return ServerSize(longest + max(p[3] for p in points) + 64, cache, max_c, hol_context)
 
 
 def bound_tok_s(rows: list[dict], engine_ttft: dict | None = None, decode_step_ms: dict | None = None) -> None:
@@ -239,8 +268,8 @@ def hol_probe(base_url: str, tok, long_context: int, delay_s: float, seed: int =
 
     opts = RequestOptions(url=base_url + "/v1/completions", model=None, temperature=0.0, ignore_eos=True,
                           timeout_s=600)
-    short = random_dataset(tok, 1, SHORT_LEN, 8, 0.0, seed)[0]
-    long = random_dataset(tok, 1, long_context, 8, 0.0, seed + 1)[0]
+    short = random_dataset(tok, 1, SHORT_LEN, HOL_OUTPUT, 0.0, seed)[0]
+    long = random_dataset(tok, 1, long_context, HOL_OUTPUT, 0.0, seed + 1)[0]
 
     async def go():
         async with aiohttp.ClientSession() as session:
@@ -406,14 +435,11 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
         sweep = (wl, sctx, [sc], out)
     everything = points + ([sweep] if sweep else [])
     contexts = tuple(sorted({p[1] for p in everything}))
-    longest = max((*contexts, *prefix_contexts))
-    max_out = max(p[3] for p in everything)
-    max_c = max(max(p[2]) for p in everything)
-    cache_tokens = max(max(c * (ctx + out + 64) for c in cs) for _, ctx, cs, out in everything)
-    cache_tokens = max([cache_tokens] + [2 * ctx + 1024 for ctx in prefix_contexts])  # a document + a question
+    size = server_size(everything, prefix_contexts, hol)
+    hol_context = size.hol_context
     common = ["--model", model, "--device", device, "--backend", backend, "--max-model-len",
-              str(longest + max_out + 64), "--max-cache-tokens", str(cache_tokens), "--max-num-seqs",
-              str(max_c), "--max-ongoing-requests", str(2 * max_c), *extra_flags]
+              str(size.max_model_len), "--max-cache-tokens", str(size.cache_tokens), "--max-num-seqs",
+              str(size.max_num_seqs), "--max-ongoing-requests", str(2 * size.max_num_seqs), *extra_flags]
     slos = {"ttft": slo_ttft_ms, "itl": slo_itl_ms}
     report = {**header(), "model": model, "backend": backend, "output_len": default_out, "server_flags": common,
               "config_flags": CONFIG_FLAGS, "point_time_s": point_time_s, "requests_per_c": requests_per_c,
@@ -470,8 +496,8 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                                                              "config_flags": CONFIG_FLAGS["lserve"],
                                                              "server_flags": common, "rows": report["prefix_cache"]})
                 save()
-            if probes and hol and config == "lserve" and max(contexts) >= 32768:
-                report["hol"] = hol_probe(srv.base_url, tok, max(contexts), delay_s=1.0)
+            if probes and hol_context and config == "lserve":
+                report["hol"] = hol_probe(srv.base_url, tok, hol_context, delay_s=1.0)
                 _log(f"hol: {report['hol']}")
                 save()
             for wl, ctx, concs, out in pts:
