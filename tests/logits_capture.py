@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -11,10 +13,12 @@ def capture_logits(engine) -> list[torch.Tensor]:
     Returns the list the copies are appended to; ``del engine.model.forward`` restores the method.
     """
     seen: list[torch.Tensor] = []
-    fwd = engine.model.forward
+    # weakly: the model holds `wrapped`, so a strong reference to its bound method would be a cycle
+    # that keeps the model's weights alive after the test, until the cyclic GC happens to run
+    fwd = weakref.WeakMethod(engine.model.forward)
 
     def wrapped(*a, **k):
-        out = fwd(*a, **k)
+        out = fwd()(*a, **k)
         seen.append(out.clone())
         return out
 

@@ -13,6 +13,7 @@ import torch
 from gguf import GGUFValueType
 from gguf_files import write_gguf
 from hf_dirs import random_hf_model
+from logits_capture import capture_logits
 
 from lserve.cli import main as lserve_main
 from lserve.config import ConfigError, EngineConfig, SparsityConfig
@@ -58,9 +59,7 @@ def gguf_files(tmp_path_factory):
 
 
 def _logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
-    seen = []
-    fwd = eng.model.forward
-    eng.model.forward = lambda *a, **k: seen.append(fwd(*a, **k)) or seen[-1]
+    seen = capture_logits(eng)
     eng.generate([ids], SamplingParams(max_tokens=1, temperature=0))
     return seen[-1][0]
 

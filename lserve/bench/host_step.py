@@ -421,7 +421,7 @@ def measure_stream(streams: int, prompt_tokens: int, max_tokens: int, device_ms:
         tokens, loop_cpu, wall, eng_cpu = asyncio.run(run())
     finally:
         sys.setswitchinterval(old_switch)
-        replica.engine.shutdown()
+        replica.shutdown()
     stats1 = replica.engine.stats()
     steps = stats1.steps - stats0.steps
     out = {"streams": streams, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "tokens": tokens,

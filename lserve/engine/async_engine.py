@@ -130,7 +130,14 @@ class AsyncEngine:
                         break
                     item = item.then(nxt)
                 if isinstance(item, BaseException):
-                    raise item
+                    # no local but `error` may hold it, and that one goes before it leaves: its
+                    # traceback holds this frame (and self), so a local holding it would close a
+                    # cycle that keeps the engine alive until the cyclic GC runs
+                    error, item, nxt = item, None, None
+                    try:
+                        raise error
+                    finally:
+                        del error
                 yield item
                 if item.finished:
                     finished = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -197,7 +198,12 @@ class LLMEngine:
         if config.cuda_graphs and self.backend.name == "cupy" and DecodeGraphs.supported(self.model, self.max_model_len):
             self.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
         budget = StepBudget.for_engine(config, step_alpha(mc, self.layout))
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, budget, self.backend.release, self._chunk_rule)
+        # The scheduler reaches _chunk_rule through a weak reference: a bound method would close
+        # the cycle engine -> scheduler -> engine, and an engine dropped by its last owner would
+        # keep its KV pool and weight copies until the cyclic GC ran (it counts objects, not bytes).
+        chunk_rule = weakref.WeakMethod(self._chunk_rule)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, budget, self.backend.release,
+                                   lambda seq, decoding: chunk_rule()(seq, decoding))
         self.eos_ids = tuple(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.request_check = RequestCheck(mc.vocab_size, self.max_model_len, self.cache.page_size,
                                           self.cache.dense_alloc.num_pages, self.backend.name,

@@ -376,11 +376,20 @@ class EngineReplica:
             except Exception:  # noqa: BLE001 - metrics must never take the replica down
                 log.exception("metrics poll failed")
 
-    def __del__(self) -> None:
+    def shutdown(self) -> None:
+        """Stop the metrics poller and the engine loop. Ray Serve calls it through ``__del__``; a
+        replica made in-process (tests, ``lserve bench host-step``) must call it: the poller thread
+        holds the replica, so it (with its engine, weights and KV pool) is never freed before."""
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+            poller = getattr(self, "_poller", None)
+            if poller is not None and poller is not threading.current_thread():
+                poller.join(timeout=10)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
 

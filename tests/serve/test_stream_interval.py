@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import openai
 import pytest
@@ -129,7 +130,20 @@ def replica_of(monkeypatch, tmp_path):
 
     yield make
     for r in made:
-        r.engine.shutdown()
+        r.shutdown()
+
+
+def test_a_replica_shut_down_is_freed_with_its_engine(monkeypatch, tmp_path):
+    """``shutdown()`` stops the metrics poller, whose thread holds the replica: dropping it then frees
+    its engine (the fixture above and ``lserve bench host-step`` make one per call)."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    from lserve.bench.host_step import make_replica
+
+    replica = make_replica(4)
+    freed = weakref.ref(replica.engine.engine)
+    replica.shutdown()
+    del replica
+    assert freed() is None
 
 
 async def _events(agen) -> list[dict]:
