@@ -436,7 +436,6 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
     everything = points + ([sweep] if sweep else [])
     contexts = tuple(sorted({p[1] for p in everything}))
     size = server_size(everything, prefix_contexts, hol)
-    hol_context = size.hol_context
     common = ["--model", model, "--device", device, "--backend", backend, "--max-model-len",
               str(size.max_model_len), "--max-cache-tokens", str(size.cache_tokens), "--max-num-seqs",
               str(size.max_num_seqs), "--max-ongoing-requests", str(2 * size.max_num_seqs), *extra_flags]
@@ -496,8 +495,8 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                                                              "config_flags": CONFIG_FLAGS["lserve"],
                                                              "server_flags": common, "rows": report["prefix_cache"]})
                 save()
-            if probes and hol_context and config == "lserve":
-                report["hol"] = hol_probe(srv.base_url, tok, hol_context, delay_s=1.0)
+            if probes and size.hol_context and config == "lserve":
+                report["hol"] = hol_probe(srv.base_url, tok, size.hol_context, delay_s=1.0)
                 _log(f"hol: {report['hol']}")
                 save()
             for wl, ctx, concs, out in pts:

@@ -151,9 +151,8 @@ class EngineReplica:
         finished, reason = False, "abort"
         stream = None
         # the engine's outputs merged into events of --stream-interval tokens, --stream-interval-ms
-        # apart, or, for a client that
-        # does not stream, into its first tokens and its finish (the ITL metric below still sees
-        # each output as the engine made it)
+        # apart, or, for a client that does not stream, into its first tokens and its finish (the
+        # ITL metric below still sees each output as the engine made it)
         chunks = ChunkBuffer(self.settings.stream_interval if request.get("stream", True) else None,
                              self.settings.stream_interval_ms / 1e3)
         prompt_lps_sent = False
