@@ -208,12 +208,19 @@ class CupyBackend(AttentionBackend):
         self.bsp_shape = bsp.default_shape(self.D, cc)
         self.bsp_cost = (bsp.PathCost(kernel_rate=bsp.MEASURED_RATE[self.bsp_shape.impl])
                          if bsp.supported(self.dtype, self.D) else None)
+        #: Dense heads of chunks with cached past through the paged prefill kernel, every causal
+        #: block, in one launch per layer for all of a step's chunks (bsp.PAGED_DENSE_CHUNKS): no
+        #: gathered copy of the past, no LSE merge, no grid. Needs the chunks' keys in the pool
+        #: before attention (one_call) and pages the kernel addresses directly (no host tier).
+        self.paged_chunks = (bsp.PAGED_DENSE_CHUNKS and self.bsp_cost is not None and self.bsp_shape.impl == bsp.V5
+                             and self.one_call and self.tier is None)
         # Chunks of long prompts on this grid run cuDNN (chunked.chunk_impl); the engine aligns them.
-        self.chunk_grid = chunk_grid(self.device, self.dtype, self.D)
+        self.chunk_grid = 0 if self.paged_chunks else chunk_grid(self.device, self.dtype, self.D)
         if self.chunk_grid % self.cache.page_size:  # the past's grid pieces are gathered by whole pages
             self.chunk_grid = 0
-        #: Dense-head attention calls of chunks with cached past, by kernel ("cudnn", "flash", "merge"),
-        #: and of block lists ("bsp": the paged_prefill kernel, "gathered": sparse_prefill).
+        #: Dense-head attention calls of chunks with cached past, by kernel ("paged": the paged
+        #: prefill kernel, a call per chunk; "cudnn", "flash", "merge": gathered), and of block lists
+        #: ("bsp": the paged_prefill kernel, "gathered": sparse_prefill).
         self.chunk_kernels: Counter = Counter()
 
     def chunk_align(self, prompt_tokens: int) -> int:
@@ -222,7 +229,11 @@ class CupyBackend(AttentionBackend):
         return self.chunk_grid if prompt_tokens >= CUDNN_MIN_TOKENS else 0
 
     def warm_up(self, max_len: int, max_chunk: int) -> int:
-        """cuDNN's plans for every grid-aligned chunk shape (:func:`~lserve.attention.chunked.warm_chunk_plans`)."""
+        """cuDNN's plans for every grid-aligned chunk shape (:func:`~lserve.attention.chunked.warm_chunk_plans`),
+        or the paged prefill kernel where it runs the chunks (:attr:`paged_chunks`; one shape)."""
+        if self.paged_chunks:
+            bsp.kernel(self.bsp_shape, self.dtype, self.D)
+            return 1
         if not self.chunk_grid:
             return 0
         return warm_chunk_plans(self.device, self.dtype, self.D, self.group, self.cache.n_dense, max_len, max_chunk)
@@ -740,7 +751,8 @@ class CupyBackend(AttentionBackend):
         G, nd = self.group, self.cache.n_dense[layer]
         hs = self.hkv - nd
         if nd:
-            for sp, (off, npg) in zip(st.cont, st.c_page_off):
+            paged = []  # chunks whose dense heads the paged kernel runs, in one launch below
+            for j, (sp, (off, npg)) in enumerate(zip(st.cont, st.c_page_off)):
                 sl, start = slice(sp.t0, sp.t1), sp.step.start
                 pages = st.c_pages_long[off: off + npg]
                 ids = sp.step.dense_pages  # the same ids on the host: the host tier stages its past from them
@@ -757,6 +769,9 @@ class CupyBackend(AttentionBackend):
                     # (the paged kernel addresses the pool by page: not through the host tier's table)
                     pool = self.cache.dense[layer] if self.one_call and self.tier is None else None
                     self.block_sparse(sp, blocks, q, k, v, out, qd, kd, vd, pool, st.c_pages[off: off + npg])
+                    continue
+                if self.paged_chunks:
+                    paged.append(j)
                     continue
                 # cuDNN on the chunk grid (past and chunk merged by LSE: its plans repeat there),
                 # else one flash call (the chunk's keys are in the pool already), else the merge path
@@ -776,6 +791,8 @@ class CupyBackend(AttentionBackend):
                                     self.scale, impl)
                 self.chunk_kernels[impl or ("flash" if self.one_call else "merge")] += 1
                 out[sl, : nd * G] = o.transpose(0, 1)  # o: [Hd*G, n, D]
+            if paged:
+                self.paged_dense_chunks(layer, q, k, v, out, st, tuple(paged))
         if not hs:
             return
         loc, kmap, qmap, src, dst = st.c_long
@@ -787,6 +804,23 @@ class CupyBackend(AttentionBackend):
         self.prefill_kernel(qv, kv_, vv, ov, st, head0=0, n_heads=hs * G, streaming=True,
                             tables=(st.c_tiles, st.c_seqs))
         out[:, nd * G:].index_copy_(0, dst, ov.index_select(0, src))
+
+    def paged_dense_chunks(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           st: CupyStep, chunks: tuple[int, ...]) -> None:
+        """Dense heads of the ``cont`` chunks ``chunks`` (indices into ``st.cont``) in one launch of
+        the paged prefill kernel over every causal block, past and chunk read from the pool (the
+        chunks' keys are written there first: ``one_call``). The tables are built once a step for
+        each set of chunks (layers that run block lists for some chunks launch another set)."""
+        nd = self.cache.n_dense[layer]
+        p = st.paged_plans.get(chunks)
+        if p is None:
+            seqs = [bsp.PrefillSeq(st.cont[j].t0, st.cont[j].step.start, st.cont[j].step.num_new,
+                                    int(st.c_page_off[j][0]))
+                    for j in chunks]
+            p = st.paged_plans[chunks] = bsp.plan(seqs, self.group, nd, self.device, shape=self.bsp_shape)
+        pool = self.cache.dense[layer]
+        bsp.run(q, k, v, out, p, nd, 0, nd, self.scale, pool=(pool.k, pool.v), pages=st.c_pages)
+        self.chunk_kernels["paged"] += len(chunks)
 
     def prefill_kernel(self, q, k, v, out, st: CupyStep, head0: int, n_heads: int, streaming: bool,
                        tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

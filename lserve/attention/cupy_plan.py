@@ -206,6 +206,9 @@ class CupyStep:
     tiles: torch.Tensor | None = None  # int32 [n_tiles, 2]
     seqs: torch.Tensor | None = None  # int32 [n_fast, 2]
     units: dict = field(default_factory=dict)  # (n_dense, selects, budget kind, impl) -> DecodeUnits
+    # indices of ``cont`` chunks -> the paged prefill kernel's tables for their dense heads
+    # (CupyBackend.paged_dense_chunks: built at the first layer that runs that set)
+    paged_plans: dict = field(default_factory=dict)
 
     def kind_fields(self, kind: int) -> dict[str, np.ndarray]:
         """Host meta fields the layers of budget kind ``kind`` read."""

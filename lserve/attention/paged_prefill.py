@@ -29,6 +29,11 @@ V4 = "v4"
 V4_STAGES = (2, 3)  # a stage holds 128 keys of K and of V (64 KiB): three fill the 227 KiB a CTA may use
 # v5 (``kernels/bsp_prefill_v5.cu``): v3 ("ws") with the pool's K/V blocks loaded by TMA
 V5 = "v5"
+# Dense chunks with cached past run this kernel over every causal block, K/V read from the pool,
+# where the kernel is v5 (about cuDNN's rate: 0.89-0.99x every block kept on the H200), instead
+# of gathering the past for cuDNN in grid pieces merged by LSE or for one flash call
+# (``CupyBackend.paged_chunks``). False: the gathered paths (the served-prefill probe compares).
+PAGED_DENSE_CHUNKS = True
 # timing studies of "ws" (LS_BSP_ABLATE in kernels/bsp_prefill_ws.cu): the part each leaves out.
 # Their outputs are wrong by design: the bench times them beside the full kernel, nothing else runs them.
 ABLATIONS = {1: "noload", 2: "nosoftmax", 3: "nopv", 4: "noexp"}
@@ -238,8 +243,17 @@ def plan(seqs: list[PrefillSeq], group: int, n_dense: int, device: torch.device 
     tiles.sort(key=lambda t: -t[2])  # causal: later tiles visit more blocks, start them first
     seq_t = torch.tensor([[s.t0, s.start, s.n_new, s.page_off] for s in seqs], dtype=torch.int32)
     tile_t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 4)
-    return BspPlan(tile_t.to(device), seq_t.to(device), torch.cat(rowptrs, 1) if rowptrs else None,
+    return BspPlan(_upload(tile_t, device), _upload(seq_t, device), torch.cat(rowptrs, 1) if rowptrs else None,
                    torch.cat(idx) if idx else None, n_rows, group, shape)
+
+
+def _upload(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device`` without waiting for the stream: a CUDA copy from pageable memory
+    synchronizes the stream first, which would leave the GPU idle while the host goes on
+    planning and launching the layer (pinned memory is kept until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p: BspPlan, n_dense: int,
@@ -263,14 +277,10 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
 
     The "v5" shape also takes the pools' TMA tensor maps (:func:`tma_maps`).
     """
-    from lserve.kernels.loader import FAMILIES, LOG2E, f32, get_kernel, i32, i64, launch, ptr
+    from lserve.kernels.loader import LOG2E, f32, i32, i64, launch, ptr
 
     d = q.shape[-1]
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype)
-    if dtype is None:
-        raise ValueError(f"bsp_prefill runs bf16/fp16 activations, got {q.dtype}")
-    var = p.shape.variant(dtype, d)
-    kern = get_kernel(var, FAMILIES[var.family][1][0])
+    kern = kernel(p.shape, q.dtype, d)
     pk, pv = pool if pool is not None else (None, None)
     pool_heads, page_size = (pk.shape[1], pk.shape[2]) if pk is not None else (0, 1)
     launch(kern, (p.n_tiles, n_heads), (p.shape.threads,),
@@ -279,6 +289,18 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
             ptr(p.rowptr), ptr(p.indices), i32(p.n_rows), i32(head0), i32(n_dense), i32(p.group),
             i32(sink), i32(local), f32(scale * LOG2E)) + ((ptr(tma_maps(pk, pv)),) if p.shape.impl == V5 else ()),
            shared_mem=p.shape.smem_bytes(d))
+
+
+def kernel(shape: TileShape, dtype: torch.dtype, head_dim: int):
+    """The compiled kernel of ``shape`` for these activations (compiled or read from the disk
+    cache at the first call of a process: a server calls it at start, not at its first chunk)."""
+    from lserve.kernels.loader import FAMILIES, get_kernel
+
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if name is None:
+        raise ValueError(f"bsp_prefill runs bf16/fp16 activations, got {dtype}")
+    var = shape.variant(name, head_dim)
+    return get_kernel(var, FAMILIES[var.family][1][0])
 
 
 def tma_maps(pool_k: torch.Tensor | None, pool_v: torch.Tensor | None) -> torch.Tensor | None:

@@ -85,3 +85,72 @@ def test_cupy_engine_long_prompt_chunks_run_cudnn(seed):
         pytest.skip(f"cuDNN attention is not exact here (chunk kernels {dict(kernels)})")
     rel = float((chunked - one).norm() / (one - one.mean()).norm())
     assert rel < 0.05, (rel, dict(kernels))
+
+
+def _tiny_d128(seed: int):
+    """The tiny preset with head dim 128 (the paged prefill kernel's v5 shape), random bf16 weights."""
+    from dataclasses import replace
+
+    from lserve.models.loader import LoadedModel
+    from lserve.models.presets import preset_config, random_weights
+    from lserve.models.tokenizer import PresetTokenizer
+
+    cfg = replace(preset_config("tiny"), head_dim=128, name="tiny-d128")
+    return LoadedModel(cfg, random_weights(cfg, torch.bfloat16, "cuda", seed), PresetTokenizer(cfg.vocab_size), "test")
+
+
+def test_cupy_engine_chunks_run_the_paged_kernel(seed):
+    """Dense heads of chunks with cached past through the paged prefill kernel (every causal block,
+    past and chunk read from the pool, a step's chunks in one launch): a prompt cut off any grid
+    scores every token as its one-step prefill and as the flash path do; two prompts whose cached
+    prefix makes both continue in one step (the second at an offset of the step's page table)
+    generate what the flash path generates."""
+    import random
+
+    from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+    from lserve.engine.llm_engine import LLMEngine
+    from lserve.engine.sampling import SamplingParams
+
+    loaded = _tiny_d128(seed % 1000)
+    rng = random.Random(seed)
+
+    def engine(chunk: int, paged: bool) -> LLMEngine:
+        cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="bfloat16", cuda_graphs=False,
+                           sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
+                                                   local_tokens=64, token_budget=0),
+                           cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=24576),
+                           max_num_seqs=4, max_batched_tokens=chunk, max_model_len=12288)
+        eng = LLMEngine(cfg, loaded=loaded)
+        if not eng.backend.paged_chunks:
+            pytest.skip("the paged prefill kernel is not v5 here (sm_90, head dim 128)")
+        eng.backend.paged_chunks = paged
+        return eng
+
+    prompt = [rng.randrange(256) for _ in range(9000)]
+    scored = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
+
+    def prompt_lps(eng):
+        out = eng.generate([prompt], [scored])[0]
+        return torch.tensor([lp[1] for lp in out.prompt_logprobs[1:]])
+
+    one = prompt_lps(engine(9216, True))
+    paged_eng = engine(1000, True)  # chunks of 1000 tokens: every edge off the pages and the old grid
+    paged, flash = prompt_lps(paged_eng), prompt_lps(engine(1000, False))
+    assert paged_eng.backend.chunk_kernels["paged"] >= 8 and not paged_eng.backend.chunk_kernels["flash"]
+    for other in (one, flash):
+        rel = float((paged - other).norm() / (other - other.mean()).norm())
+        assert rel < 0.05, rel
+
+    prefix = [rng.randrange(256) for _ in range(3000)]
+    tails = [[rng.randrange(256) for _ in range(n)] for n in (700, 1300)]
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    tokens = {}
+    for paged in (True, False):
+        eng = engine(4096, paged)
+        eng.generate([prefix + [7]], [greedy])  # caches the prefix's pages
+        outs = eng.generate([prefix + t for t in tails], [greedy] * 2)
+        assert eng.stats().prefix_cache_hits >= 2 * 2992  # both continued after the cached prefix
+        tokens[paged] = [o.token_ids for o in outs]
+        if paged:
+            assert eng.backend.chunk_kernels["paged"] >= 2
+    assert tokens[True] == tokens[False]
