@@ -54,6 +54,11 @@
 #define LS_BSP_STAGES 3
 #endif
 #define NSTAGE LS_BSP_STAGES
+// 1: a persistent grid (the host launches about one wave; each CTA loops over tiles of its head,
+// its producer loading the next tile's K/V while the consumers finish a tile), 0: a CTA per tile
+#ifndef LS_BSP_PERSIST
+#define LS_BSP_PERSIST 0
+#endif
 #define NTHREADS 384  // producer warpgroup + 2 consumer warpgroups
 #define BM 128
 #define BN 64
@@ -87,7 +92,8 @@ __device__ __forceinline__ u64 v_desc(u32 tV, int kk) {
     return wg_desc_sw128(tV + kk * 2048, HALF_BYTES, 1024);  // LBO: next 64 dims, SBO: next 8 keys
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_v5(BSP_PARAMS, const unsigned char* tmaps) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_v5(BSP_PARAMS, const unsigned char* tmaps,
+                                                                             int n_tiles) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     // [pad to 1024][NSTAGE x (K tile, V tile)][Q staging BM x ROWP][full[NSTAGE], empty[NSTAGE]]
     const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -99,13 +105,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_v5(BSP_
     auto empty = [&](int st) { return bars + 8u * (NSTAGE + st); };
 
     const int tid = threadIdx.x;
-    const BspTile tile(q, q_tok_stride, out, out_tok_stride, k, v, kv_tok_stride, pool_k, pool_v, pool_heads,
+    // This CTA's tiles: its own, or (persistent) tiles blockIdx.x, + gridDim.x, ... of its head. The
+    // ring runs on across them: block j of a tile is ring block jb + j, jb the blocks of the CTA's
+    // earlier tiles, whose stage and phase producer and consumers both derive from it.
+    const int tile_end = LS_BSP_PERSIST ? n_tiles : (int)blockIdx.x + 1;
+    const int tile_step = LS_BSP_PERSIST ? (int)gridDim.x : 1;
+    auto tile_at = [&](int ti) {
+        return BspTile(ti, q, q_tok_stride, out, out_tok_stride, k, v, kv_tok_stride, pool_k, pool_v, pool_heads,
                        page_size, pages, tiles, seqs, rowptr, indices, n_rows, head0, n_dense, group, sink, local,
                        qscale);
-    const int nblk = tile.nblk;
-    // the host's rule for a map (tensor_map.box_rows), checked again so that a map can never be read
-    // with boxes that do not tile a block
-    const bool use_tma = tile.paged && tmaps != nullptr && page_size % 8 == 0 && (page_size % BN == 0 || BN % page_size == 0);
+    };
+    // the key source is the head's (BspTile::paged), the same for every tile of the CTA; the host's
+    // rule for a map (tensor_map.box_rows) is checked again so that a map can never be read with
+    // boxes that do not tile a block
+    const bool paged = (int)(head0 + blockIdx.y) < n_dense && pool_k != nullptr;
+    const bool use_tma = paged && tmaps != nullptr && page_size % 8 == 0 && (page_size % BN == 0 || BN % page_size == 0);
     if (tid == 0) {
         for (int st = 0; st < NSTAGE; ++st) {
             mbar_init(full(st), use_tma ? 1 : 128);  // lane 0's arrive(.expect_tx) / every producer thread's cp.async
@@ -117,77 +131,90 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_v5(BSP_
 
     if (tid < 128) {
         setmaxnreg_dec<PRODUCER_REGS>();
+        int jb = 0;
         if (use_tma) {
             // ---- producer, pool blocks by TMA; a partial last block by cp.async ----
-            const int n_tma = nblk > 0 && tile.block_start(nblk - 1) + BN > tile.q1 ? nblk - 1 : nblk;
+            const unsigned char* tmk = tmaps;
+            const unsigned char* tmv = tmaps + 128;
             if (tid == 0) {
-                const unsigned char* tmk = tmaps;
-                const unsigned char* tmv = tmaps + 128;
                 tensormap_acquire(tmk);
                 tensormap_acquire(tmv);
                 tensormap_prefetch(tmk);
                 tensormap_prefetch(tmv);
-                const int rows = min(page_size, BN);  // keys per box (the host's box_rows)
-                for (int j = 0; j < n_tma; ++j) {
-                    const int st = j % NSTAGE;
-                    mbar_wait(empty(st), ((j / NSTAGE) & 1) ^ 1);
-                    const int kb = tile.block_start(j);
-                    const u32 dK = kv0 + (u32)st * STAGE_BYTES, dV = dK + KV_TILE_BYTES;
-                    mbar_arrive_expect_tx(full(st), STAGE_BYTES);
-                    for (int r = 0; r < BN; r += rows) {
-                        const int t = kb + r;
-                        const int pg = pages[tile.page_off + t / page_size], row = t % page_size;
+            }
+            const int rows = min(page_size, BN);  // keys per box (the host's box_rows)
+            for (int ti = blockIdx.x; ti < tile_end; ti += tile_step) {
+                const BspTile tile = tile_at(ti);
+                const int nblk = tile.nblk;
+                const int n_tma = nblk > 0 && tile.block_start(nblk - 1) + BN > tile.q1 ? nblk - 1 : nblk;
+                if (tid == 0) {
+                    for (int j = 0; j < n_tma; ++j) {
+                        const int g = jb + j, st = g % NSTAGE;
+                        mbar_wait(empty(st), ((g / NSTAGE) & 1) ^ 1);
+                        const int kb = tile.block_start(j);
+                        const u32 dK = kv0 + (u32)st * STAGE_BYTES, dV = dK + KV_TILE_BYTES;
+                        mbar_arrive_expect_tx(full(st), STAGE_BYTES);
+                        for (int r = 0; r < BN; r += rows) {
+                            const int t = kb + r;
+                            const int pg = pages[tile.page_off + t / page_size], row = t % page_size;
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const u32 so = (u32)(h * HALF_BYTES + r * 128);
-                            tma_load_4d(dK + so, tmk, full(st), 64 * h, row, tile.kvh, pg);
-                            tma_load_4d(dV + so, tmv, full(st), 64 * h, row, tile.kvh, pg);
+                            for (int h = 0; h < 2; ++h) {
+                                const u32 so = (u32)(h * HALF_BYTES + r * 128);
+                                tma_load_4d(dK + so, tmk, full(st), 64 * h, row, tile.kvh, pg);
+                                tma_load_4d(dV + so, tmv, full(st), 64 * h, row, tile.kvh, pg);
+                            }
                         }
                     }
                 }
-            }
-            if (n_tma == nblk) return;
-            __syncwarp();
-            const int j = nblk - 1, st = j % NSTAGE, kb = tile.block_start(j);
-            if (tid == 0) mbar_wait(empty(st), ((j / NSTAGE) & 1) ^ 1);
-            __syncwarp();
-            named_bar_sync(PRODUCER_BAR, 128);  // the stage is free for every producer thread
-            const u32 dK = kv0 + (u32)st * STAGE_BYTES, dV = dK + KV_TILE_BYTES;
+                if (n_tma < nblk) {
+                    __syncwarp();
+                    const int j = nblk - 1, g = jb + j, st = g % NSTAGE, kb = tile.block_start(j);
+                    if (tid == 0) mbar_wait(empty(st), ((g / NSTAGE) & 1) ^ 1);
+                    __syncwarp();
+                    named_bar_sync(PRODUCER_BAR, 128);  // the stage is free for every producer thread
+                    const u32 dK = kv0 + (u32)st * STAGE_BYTES, dV = dK + KV_TILE_BYTES;
 #pragma unroll 4
-            for (int i = 0; i < BN * DG / 128; ++i) {
-                const int x = tid + 128 * i;
-                const int t = x / DG, c = x % DG;
-                const int key = kb + t;
-                const bool ok = key < tile.q1;
-                const i64 off = tile.key_off(ok ? key : kb, pages, pool_heads, page_size, kv_tok_stride) + c * 8;
-                cp_async16(dK + kv_off(t, c), pool_k + off, ok ? 16 : 0);
-                cp_async16(dV + kv_off(t, c), pool_v + off, ok ? 16 : 0);
+                    for (int i = 0; i < BN * DG / 128; ++i) {
+                        const int x = tid + 128 * i;
+                        const int t = x / DG, c = x % DG;
+                        const int key = kb + t;
+                        const bool ok = key < tile.q1;
+                        const i64 off = tile.key_off(ok ? key : kb, pages, pool_heads, page_size, kv_tok_stride) + c * 8;
+                        cp_async16(dK + kv_off(t, c), pool_k + off, ok ? 16 : 0);
+                        cp_async16(dV + kv_off(t, c), pool_v + off, ok ? 16 : 0);
+                    }
+                    cp_async_commit();
+                    cp_async_wait<0>();
+                    named_bar_sync(PRODUCER_BAR, 128);  // every thread's rows landed
+                    if (tid == 0) mbar_arrive(full(st));
+                }
+                jb += nblk;
             }
-            cp_async_commit();
-            cp_async_wait<0>();
-            named_bar_sync(PRODUCER_BAR, 128);  // every thread's rows landed
-            if (tid == 0) mbar_arrive(full(st));
             return;
         }
         // ---- producer, v3's way: thread p copies 16-byte chunks p, p + 128, ... of each K and V tile ----
-        const act_t* kbase = tile.paged ? pool_k : k;
-        const act_t* vbase = tile.paged ? pool_v : v;
-        for (int j = 0; j < nblk; ++j) {
-            const int st = j % NSTAGE;
-            mbar_wait(empty(st), ((j / NSTAGE) & 1) ^ 1);
-            const int kb = tile.block_start(j);
-            const u32 dK = kv0 + (u32)st * STAGE_BYTES, dV = dK + KV_TILE_BYTES;
+        const act_t* kbase = paged ? pool_k : k;
+        const act_t* vbase = paged ? pool_v : v;
+        for (int ti = blockIdx.x; ti < tile_end; ti += tile_step) {
+            const BspTile tile = tile_at(ti);
+            for (int j = 0; j < tile.nblk; ++j) {
+                const int g = jb + j, st = g % NSTAGE;
+                mbar_wait(empty(st), ((g / NSTAGE) & 1) ^ 1);
+                const int kb = tile.block_start(j);
+                const u32 dK = kv0 + (u32)st * STAGE_BYTES, dV = dK + KV_TILE_BYTES;
 #pragma unroll 4
-            for (int i = 0; i < BN * DG / 128; ++i) {
-                const int x = tid + 128 * i;
-                const int t = x / DG, c = x % DG;  // a warp: two whole key rows
-                const int key = kb + t;
-                const bool ok = key < tile.q1;
-                const i64 off = tile.key_off(ok ? key : kb, pages, pool_heads, page_size, kv_tok_stride) + c * 8;
-                cp_async16(dK + kv_off(t, c), kbase + off, ok ? 16 : 0);
-                cp_async16(dV + kv_off(t, c), vbase + off, ok ? 16 : 0);
+                for (int i = 0; i < BN * DG / 128; ++i) {
+                    const int x = tid + 128 * i;
+                    const int t = x / DG, c = x % DG;  // a warp: two whole key rows
+                    const int key = kb + t;
+                    const bool ok = key < tile.q1;
+                    const i64 off = tile.key_off(ok ? key : kb, pages, pool_heads, page_size, kv_tok_stride) + c * 8;
+                    cp_async16(dK + kv_off(t, c), kbase + off, ok ? 16 : 0);
+                    cp_async16(dV + kv_off(t, c), vbase + off, ok ? 16 : 0);
+                }
+                cp_async_mbar_arrive(full(st));
             }
-            cp_async_mbar_arrive(full(st));
+            jb += tile.nblk;
         }
         cp_async_wait<0>();
         return;
@@ -197,82 +224,33 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_v5(BSP_
     setmaxnreg_inc<CONSUMER_REGS>();
     const int ctid = tid - 128, wg = ctid >> 7, lane = ctid & 31;
     const int wrow = (ctid >> 5) * 16;  // this warp's 16 rows of the tile
-    for (int c = ctid & 127; c < 64 * DG; c += 128) {
-        const int m = 64 * wg + c / DG, col = (c % DG) * 8;
-        const bool ok = m < tile.rows_used;
-        cp_async16(smem_u32(sQ + m * ROWP + col), q + tile.row_off(ok ? m : 0, q_tok_stride) + col, ok ? 16 : 0);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    named_bar_sync(1 + wg, 128);
-    u32 qa[DK][4];
-#pragma unroll
-    for (int kk = 0; kk < DK; ++kk)
-        ldsm_x4(smem_u32(sQ + (wrow + (lane & 15)) * ROWP + kk * 16 + (lane >> 4) * 8), qa[kk][0], qa[kk][1],
-                qa[kk][2], qa[kk][3]);
-
-    const int prow[2] = {tile.row_pos(wrow + (lane >> 2)), tile.row_pos(wrow + (lane >> 2) + 8)};
     const int cq = (lane & 3) * 2;
+    u32 qa[DK][4];
     float o[DT * 4];
-#pragma unroll
-    for (int i = 0; i < DT * 4; ++i) o[i] = 0.f;
-    float mrow[2] = {LS_NEG_INF, LS_NEG_INF}, lsum[2] = {0.f, 0.f}, alpha[2];
+    float mrow[2], lsum[2], alpha[2];
     float s[NT * 4];
     u32 pa[BN / 16][4];
 
-    auto issue_s = [&](int j) {
-        const u32 tK = kv0 + (u32)(j % NSTAGE) * STAGE_BYTES;
+    // ring block g: its stage's K / V tiles, full barrier, release
+    auto issue_s = [&](int g) {
+        const u32 tK = kv0 + (u32)(g % NSTAGE) * STAGE_BYTES;
 #pragma unroll
         for (int kk = 0; kk < DK; ++kk) wg_qk_n64(s, qa[kk], k_desc(tK, kk), kk > 0);
         wg_commit();
     };
-    auto issue_pv = [&](int j) {
-        const u32 tV = kv0 + (u32)(j % NSTAGE) * STAGE_BYTES + KV_TILE_BYTES;
+    auto issue_pv = [&](int g) {
+        const u32 tV = kv0 + (u32)(g % NSTAGE) * STAGE_BYTES + KV_TILE_BYTES;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) wg_pv_n128(o, pa[kk], v_desc(tV, kk), 1);
         wg_commit();
     };
-    auto wait_full = [&](int j) {
-        mbar_wait(full(j % NSTAGE), (j / NSTAGE) & 1);
+    auto wait_full = [&](int g) {
+        mbar_wait(full(g % NSTAGE), (g / NSTAGE) & 1);
         fence_async_smem();  // cp.async writes (generic proxy), read by wgmma (async proxy); TMA's are async already
     };
-    auto release = [&](int j) {
+    auto release = [&](int g) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty(j % NSTAGE));
-    };
-    // mask + online softmax of S (block j) into unnormalized probabilities; sets alpha (O's rescale)
-    auto softmax = [&](int j) {
-        const int kb = tile.block_start(j);
-        if (tile.needs_mask(kb)) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!tile.visible(kb + nt * 8 + cq + (e & 1), prow[e >> 1], sink, local)) s[nt * 4 + e] = LS_NEG_INF;
-        }
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            float mx = LS_NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * hr], s[nt * 4 + 2 * hr + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(mrow[hr], mx * qscale);
-            const bool none = mnew == LS_NEG_INF;
-            alpha[hr] = none ? 1.f : fast_exp2(mrow[hr] - mnew);
-            const float msub = none ? 0.f : mnew;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-                    const float pr = fast_exp2(fmaf(s[nt * 4 + e], qscale, -msub));
-                    s[nt * 4 + e] = pr;
-                    sum += pr;
-                }
-            lsum[hr] = lsum[hr] * alpha[hr] + sum;
-            mrow[hr] = mnew;
-        }
+        if (lane == 0) mbar_arrive(empty(g % NSTAGE));
     };
     auto rescale_and_pack = [&]() {
 #pragma unroll
@@ -287,46 +265,108 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_v5(BSP_
                 pa[kk][x] = pack2(s[(2 * kk + (x >> 1)) * 4 + 2 * (x & 1)], s[(2 * kk + (x >> 1)) * 4 + 2 * (x & 1) + 1]);
     };
 
-    if (nblk > 0) {
-        wait_full(0);
-        wg_fence();
-        issue_s(0);
-        wg_wait0();
-        wg_pin(s);
-        softmax(0);
-        rescale_and_pack();
-        for (int j = 1; j < nblk; ++j) {
-            wait_full(j);
+    int jb = 0;
+    for (int ti = blockIdx.x; ti < tile_end; ti += tile_step) {
+        const BspTile tile = tile_at(ti);
+        const int nblk = tile.nblk;
+        // Q of the tile into registers, through this warpgroup's rows of the staging buffer (after
+        // every warp of the warpgroup read the previous tile's from it)
+        if (ti != (int)blockIdx.x) named_bar_sync(1 + wg, 128);
+        for (int c = ctid & 127; c < 64 * DG; c += 128) {
+            const int m = 64 * wg + c / DG, col = (c % DG) * 8;
+            const bool ok = m < tile.rows_used;
+            cp_async16(smem_u32(sQ + m * ROWP + col), q + tile.row_off(ok ? m : 0, q_tok_stride) + col, ok ? 16 : 0);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        named_bar_sync(1 + wg, 128);
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk)
+            ldsm_x4(smem_u32(sQ + (wrow + (lane & 15)) * ROWP + kk * 16 + (lane >> 4) * 8), qa[kk][0], qa[kk][1],
+                    qa[kk][2], qa[kk][3]);
+
+        const int prow[2] = {tile.row_pos(wrow + (lane >> 2)), tile.row_pos(wrow + (lane >> 2) + 8)};
+#pragma unroll
+        for (int i = 0; i < DT * 4; ++i) o[i] = 0.f;
+        mrow[0] = mrow[1] = LS_NEG_INF;
+        lsum[0] = lsum[1] = 0.f;
+        // mask + online softmax of S (block j of the tile) into unnormalized probabilities; sets alpha (O's rescale)
+        auto softmax = [&](int j) {
+            const int kb = tile.block_start(j);
+            if (tile.needs_mask(kb)) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!tile.visible(kb + nt * 8 + cq + (e & 1), prow[e >> 1], sink, local)) s[nt * 4 + e] = LS_NEG_INF;
+            }
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                float mx = LS_NEG_INF;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * hr], s[nt * 4 + 2 * hr + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mnew = fmaxf(mrow[hr], mx * qscale);
+                const bool none = mnew == LS_NEG_INF;
+                alpha[hr] = none ? 1.f : fast_exp2(mrow[hr] - mnew);
+                const float msub = none ? 0.f : mnew;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
+                        const float pr = fast_exp2(fmaf(s[nt * 4 + e], qscale, -msub));
+                        s[nt * 4 + e] = pr;
+                        sum += pr;
+                    }
+                lsum[hr] = lsum[hr] * alpha[hr] + sum;
+                mrow[hr] = mnew;
+            }
+        };
+
+        if (nblk > 0) {
+            wait_full(jb);
+            wg_fence();
+            issue_s(jb);
+            wg_wait0();
+            wg_pin(s);
+            softmax(0);
+            rescale_and_pack();
+            for (int j = 1; j < nblk; ++j) {
+                wait_full(jb + j);
+                wg_pin(o);
+                wg_fence();
+                issue_s(jb + j);       // S_j = Q K_j^T
+                issue_pv(jb + j - 1);  // O += P_{j-1} V_{j-1}
+                wg_wait1();            // S_j done; P V may still run
+                wg_pin(s);
+                softmax(j);
+                wg_wait0();
+                wg_pin(o);
+                release(jb + j - 1);
+                rescale_and_pack();
+            }
             wg_pin(o);
             wg_fence();
-            issue_s(j);       // S_j = Q K_j^T
-            issue_pv(j - 1);  // O += P_{j-1} V_{j-1}
-            wg_wait1();       // S_j done; P V may still run
-            wg_pin(s);
-            softmax(j);
+            issue_pv(jb + nblk - 1);
             wg_wait0();
             wg_pin(o);
-            release(j - 1);
-            rescale_and_pack();
+            release(jb + nblk - 1);
         }
-        wg_pin(o);
-        wg_fence();
-        issue_pv(nblk - 1);
-        wg_wait0();
-        wg_pin(o);
-        release(nblk - 1);
-    }
 
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        float l = lsum[hr];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const int m = wrow + (lane >> 2) + 8 * hr;
-        if (m >= tile.rows_used) continue;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        u32* dst = reinterpret_cast<u32*>(out + tile.row_off(m, out_tok_stride));
+        for (int hr = 0; hr < 2; ++hr) {
+            float l = lsum[hr];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int m = wrow + (lane >> 2) + 8 * hr;
+            if (m >= tile.rows_used) continue;
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            u32* dst = reinterpret_cast<u32*>(out + tile.row_off(m, out_tok_stride));
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt) dst[(dt * 8 + cq) >> 1] = pack2(o[dt * 4 + 2 * hr] * inv, o[dt * 4 + 2 * hr + 1] * inv);
+            for (int dt = 0; dt < DT; ++dt) dst[(dt * 8 + cq) >> 1] = pack2(o[dt * 4 + 2 * hr] * inv, o[dt * 4 + 2 * hr + 1] * inv);
+        }
+        jb += nblk;
     }
 }

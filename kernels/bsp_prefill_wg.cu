@@ -43,7 +43,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ls_bsp_prefill_wg(BSP_PAR
     u16* sQ = reinterpret_cast<u16*>(smem_raw + 4 * KV_TILE_BYTES);  // [BM][ROWP]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const BspTile tile(q, q_tok_stride, out, out_tok_stride, k, v, kv_tok_stride, pool_k, pool_v, pool_heads,
+    const BspTile tile(blockIdx.x, q, q_tok_stride, out, out_tok_stride, k, v, kv_tok_stride, pool_k, pool_v, pool_heads,
                        page_size, pages, tiles, seqs, rowptr, indices, n_rows, head0, n_dense, group, sink, local,
                        qscale);
     const int nblk = tile.nblk;

@@ -77,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ls_bsp_prefill_ws4(BSP
     auto vempty = [&](int st) { return bars + 8u * (3 * NSTAGE + st); };
 
     const int tid = threadIdx.x;
-    const BspTile tile(q, q_tok_stride, out, out_tok_stride, k, v, kv_tok_stride, pool_k, pool_v, pool_heads,
+    const BspTile tile(blockIdx.x, q, q_tok_stride, out, out_tok_stride, k, v, kv_tok_stride, pool_k, pool_v, pool_heads,
                        page_size, pages, tiles, seqs, rowptr, indices, n_rows, head0, n_dense, group, sink, local,
                        qscale);
     const int nblk = tile.nblk, nstep = (nblk + 1) / 2;

@@ -23,11 +23,12 @@ struct BspTile {
     bool dense, paged;
     const int* list;
 
-    // Key blocks: a dense head's listed blocks (those past the tile's last position dropped), or
-    // every causal block; a streaming head's [0, sink) and [q0 - local + 1, q1) blocks.
-    __device__ __forceinline__ BspTile(BSP_PARAMS) {
+    // Tile ``ti`` of the launch (the CTA's blockIdx.x, or one of a persistent CTA's tiles), KV head
+    // head0 + blockIdx.y. Key blocks: a dense head's listed blocks (those past the tile's last
+    // position dropped), or every causal block; a streaming head's [0, sink) and [q0 - local + 1, q1) blocks.
+    __device__ __forceinline__ BspTile(int ti, BSP_PARAMS) {
         (void)q; (void)q_tok_stride; (void)out; (void)out_tok_stride; (void)qscale;
-        const int* tl = tiles + 4 * blockIdx.x;
+        const int* tl = tiles + 4 * ti;
         const int si = tl[0], lrow = tl[3];
         q0 = tl[1]; q1 = tl[2];
         t0 = seqs[4 * si]; start = seqs[4 * si + 1]; page_off = seqs[4 * si + 3];

@@ -322,6 +322,7 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("bsp_prefill_ws4", dt, d, tuning=(f"LS_BSP_STAGES={st}",)))
                     for st in (2, 3, 4):
                         out.append(Variant("bsp_prefill_v5", dt, d, tuning=(f"LS_BSP_STAGES={st}",)))
+                    out.append(Variant("bsp_prefill_v5", dt, d, tuning=("LS_BSP_STAGES=3", "LS_BSP_PERSIST=1")))
             out.append(Variant("fused", dt, d))
     return out
 

@@ -107,6 +107,8 @@ def test_bsp_prefill_variants_flag_names_the_warp_specialized_shapes(monkeypatch
         ("ws", 3, 128, 384), ("wsi", 3, 128, 384), ("wsp", 4, 128, 384), ("mma", 3, 128, 128), ("v4", 2, 128, 384),
         ("v4", 3, 128, 384), ("v5", 2, 128, 384), ("v5", 3, 128, 384), ("v5", 4, 128, 384)]
     assert "v5_s3" in [v.name for v in bsp_bench.VARIANTS]  # the GPU test's parity and the default run
+    bsp_bench.main(["out", "--variants", "v5_s3", "v5p_s3"])  # v5 beside its persistent grid
+    assert [(v.impl, v.persist, v.name) for v in got["variants"]] == [("v5", False, "v5_s3"), ("v5", True, "v5p_s3")]
     for bad in ("ws_s9", "v4_s4", "v5_s5"):
         with pytest.raises(SystemExit) as e:
             bsp_bench.main(["out", "--variants", bad])

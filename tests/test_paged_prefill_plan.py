@@ -184,3 +184,29 @@ def test_v5_tensor_maps_only_for_contiguous_pools_whose_pages_tile_a_block(monke
     strided = torch.zeros(3, 2, 64, 256, dtype=torch.bfloat16)[..., :128]
     with pytest.raises(ValueError, match="contiguous"):
         bsp.tma_maps(strided, strided)
+
+
+def test_the_persistent_v5_shape_builds_its_own_binary_and_launches_about_one_wave(monkeypatch):
+    """``persist`` ("v5p_s3"): v5 with LS_BSP_PERSIST=1, about one CTA per SM split over the launch's
+    heads (never more CTAs than tiles), the tile count passed after the tensor maps; the plain v5
+    launches a CTA per tile. Launches captured (no GPU)."""
+    from lserve.kernels import loader
+
+    v5p = bsp.TileShape(bsp.V5, 1, 8, stages=3, persist=True)
+    assert v5p.name == "v5p_s3" and v5p.threads == bsp.TMA.threads and v5p.smem_bytes(128) == bsp.TMA.smem_bytes(128)
+    assert v5p.variant("bf16", 128).tuning == ("LS_BSP_STAGES=3", "LS_BSP_PERSIST=1")
+    for impl in ("mma", "ws", bsp.V4):
+        with pytest.raises(ValueError, match="bad tile shape"):
+            bsp.TileShape(impl, 1, 8, persist=True)
+    launches = []
+    monkeypatch.setattr(bsp, "kernel", lambda shape, dtype, d: shape.name)
+    monkeypatch.setattr(bsp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(bsp, "tma_maps", lambda pk, pv: None)
+    monkeypatch.setattr(loader, "launch", lambda kern, grid, block, args, shared_mem=0: launches.append((kern, grid, args)))
+    q = torch.zeros(3000, 8, 128, dtype=torch.bfloat16)
+    for shape, n_heads in ((v5p, 4), (v5p, 1), (bsp.TMA, 4)):
+        p = bsp.plan([bsp.PrefillSeq(0, 0, 3000, 0, None)], 4, 2, "cpu", shape)
+        bsp.run(q, q[:, :2], q[:, :2], q.clone(), p, 2, 0, n_heads, 0.1)
+        kern, grid, args = launches[-1]
+        assert kern == shape.name and int(args[-1]) == p.n_tiles == -(-3000 // 32)
+        assert grid == ((33 if n_heads == 4 else min(132, p.n_tiles)) if shape.persist else p.n_tiles, n_heads)

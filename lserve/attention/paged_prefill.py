@@ -14,6 +14,7 @@ the GPU tests.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,10 @@ class TileShape:
     552-592 TF/s every block kept on the H200, 0.89-0.99x cuDNN in the same call, against "ws"'s 255-262
     (``bsp_prefill_study_h200.json``): the default for head dim 128 on sm_90.
     ``ablate`` (``ws`` only, :data:`ABLATIONS`): a timing study leaving one part of the kernel out.
+    ``persist`` ("v5" only; named "v5p"): a persistent grid of about one wave, each CTA looping over
+    tiles of its head, so the producer loads a tile's first K/V blocks while the consumers finish
+    the tile before (short rows, e.g. 32k at 10-20% kept, spend much of a tile in its prologue and
+    epilogue: 0.57-0.71x cuDNN on computed tiles there, ``bsp_prefill_h200.json``).
     """
 
     impl: str = "mma"
@@ -69,13 +74,15 @@ class TileShape:
     warps: int = 4
     stages: int = 3  # "ws"/"wsi": K/V ring depth
     ablate: int = 0
+    persist: bool = False
 
     def __post_init__(self) -> None:
         ok = (self.impl == "mma" or (self.impl == "wg" and self.mt == 1 and self.warps % 4 == 0)
               or (self.impl in WS_IMPLS and self.mt == 1 and self.warps == 8 and 2 <= self.stages <= 4)
               or (self.impl == V4 and self.mt == 1 and self.warps == 8 and self.stages in V4_STAGES)
               or (self.impl == V5 and self.mt == 1 and self.warps == 8 and 2 <= self.stages <= 4))
-        if not ok or self.mt < 1 or self.warps < 1 or (self.ablate and (self.impl != "ws" or self.ablate not in ABLATIONS)):
+        if (not ok or self.mt < 1 or self.warps < 1 or (self.ablate and (self.impl != "ws" or self.ablate not in ABLATIONS))
+                or (self.persist and self.impl != V5)):
             raise ValueError(f"bad tile shape {self}")
 
     @property
@@ -96,7 +103,8 @@ class TileShape:
     @property
     def name(self) -> str:
         if self.warp_specialized:
-            return f"{self.impl}_s{self.stages}" + (f"_{ABLATIONS[self.ablate]}" if self.ablate else "")
+            impl = self.impl + ("p" if self.persist else "")
+            return f"{impl}_s{self.stages}" + (f"_{ABLATIONS[self.ablate]}" if self.ablate else "")
         return f"{self.impl}_mt{self.mt}_w{self.warps}"
 
     def supports(self, head_dim: int) -> bool:
@@ -125,7 +133,8 @@ class TileShape:
         if self.impl == V4:
             return Variant("bsp_prefill_ws4", dtype, head_dim, tuning=(f"LS_BSP_STAGES={self.stages}",))
         if self.impl == V5:
-            return Variant("bsp_prefill_v5", dtype, head_dim, tuning=(f"LS_BSP_STAGES={self.stages}",))
+            persist = ("LS_BSP_PERSIST=1",) if self.persist else ()
+            return Variant("bsp_prefill_v5", dtype, head_dim, tuning=(f"LS_BSP_STAGES={self.stages}", *persist))
         if self.impl in WS_IMPLS:
             ablate = (f"LS_BSP_ABLATE={self.ablate}",) if self.ablate else ()
             return Variant("bsp_prefill_ws", dtype, head_dim,
@@ -275,7 +284,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
         Dense K and V pools [P, n_dense, page_size, D], contiguous; ``pages`` int32 holds each
         sequence's pages from its ``page_off``.
 
-    The "v5" shape also takes the pools' TMA tensor maps (:func:`tma_maps`).
+    The "v5" shape also takes the pools' TMA tensor maps (:func:`tma_maps`) and the tile count
+    (its persistent form launches fewer CTAs than tiles).
     """
     from lserve.kernels.loader import LOG2E, f32, i32, i64, launch, ptr
 
@@ -283,12 +293,20 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p:
     kern = kernel(p.shape, q.dtype, d)
     pk, pv = pool if pool is not None else (None, None)
     pool_heads, page_size = (pk.shape[1], pk.shape[2]) if pk is not None else (0, 1)
-    launch(kern, (p.n_tiles, n_heads), (p.shape.threads,),
+    # a persistent grid: one CTA per SM (the kernel's shared memory fits one), split over the heads
+    ctas = min(p.n_tiles, max(1, -(-_num_sms(q.device) // n_heads))) if p.shape.persist else p.n_tiles
+    v5 = (ptr(tma_maps(pk, pv)), i32(p.n_tiles)) if p.shape.impl == V5 else ()
+    launch(kern, (ctas, n_heads), (p.shape.threads,),
            (ptr(q), i64(q.stride(0)), ptr(out), i64(out.stride(0)), ptr(k), ptr(v), i64(k.stride(0)),
             ptr(pk), ptr(pv), i32(pool_heads), i32(page_size), ptr(pages), ptr(p.tiles), ptr(p.seqs),
             ptr(p.rowptr), ptr(p.indices), i32(p.n_rows), i32(head0), i32(n_dense), i32(p.group),
-            i32(sink), i32(local), f32(scale * LOG2E)) + ((ptr(tma_maps(pk, pv)),) if p.shape.impl == V5 else ()),
+            i32(sink), i32(local), f32(scale * LOG2E)) + v5,
            shared_mem=p.shape.smem_bytes(d))
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def kernel(shape: TileShape, dtype: torch.dtype, head_dim: int):

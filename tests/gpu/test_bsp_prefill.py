@@ -3,7 +3,8 @@ poisoned with NaN): groups 1/4/5/7/8, head dims 64/128, page sizes 16/32/64, rag
 with cached past, dense and streaming heads in one launch, block lists and every block kept; every
 tile-shape variant of ``lserve.bench.bsp_prefill.VARIANTS`` (v1 mma.sync, v2 wgmma, v3 warp-specialized
 "ws"/"wsp"/"wsi", v4 "v4_s2"/"v4_s3" (128 keys a step, Q in shared memory), v5 "v5_s3" (v3 with the
-pool's K/V by TMA); all but v1 head dim 128 only). v5 also: its other ring depths, pages of 8, 16
+pool's K/V by TMA) and "v5p_s3" (v5 on a persistent grid, also with one or a few CTAs per head);
+all but v1 head dim 128 only). v5 also: its other ring depths, pages of 8, 16
 and 128 keys (TMA boxes of 8, 16 and 64 keys, the last at in-page row 0 or 64) and 48 (no tensor map:
 cp.async), with the pool rows past the sequence poisoned with NaN (a partial block must be zero-filled),
 and its tensor maps encoded by the driver once per pool."""
@@ -35,6 +36,20 @@ def test_bsp_prefill_matches_reference(variant, seed):
 def test_v5_other_ring_depths_match_reference(variant, seed):
     _need_sm90(variant)
     cases = parity((variant,), seed)
+    bad = [(c["case"], c["max_rel_err"]) for c in cases if not c["ok"]]
+    assert len(cases) == 6 and not bad, f"max rel err above {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("sms", [1, 5])
+def test_v5_persistent_ctas_loop_over_many_tiles(sms, seed, monkeypatch):
+    """The persistent v5 ("v5p_s3") with the SM count faked to 1 or 5: a CTA or a few per head run
+    every tile of the launch through one K/V ring (stages and phases carried across tiles, the
+    producer a tile ahead), on every parity case: block lists, every block kept, partial last
+    blocks by cp.async, streaming heads, chunks with a past."""
+    shape = bsp.TileShape(bsp.V5, 1, 8, stages=3, persist=True)
+    _need_sm90(shape)
+    monkeypatch.setattr(bsp, "_num_sms", lambda device: sms)
+    cases = parity((shape,), seed)
     bad = [(c["case"], c["max_rel_err"]) for c in cases if not c["ok"]]
     assert len(cases) == 6 and not bad, f"max rel err above {TOL}: {bad}"
 
