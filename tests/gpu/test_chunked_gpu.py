@@ -51,12 +51,23 @@ def test_dense_chunk_cudnn_matches_plain(group, start, n, seed):
     assert err < 1e-2, float(err)
 
 
+def _cupy_config(chunk: int, max_num_seqs: int, max_model_len: int):
+    """A bf16 cupy engine over the tiny shape, half its KV heads streaming, no page selection,
+    ``chunk`` tokens a step at most, a 24k-token dense pool."""
+    from lserve.config import CacheConfig, EngineConfig, SparsityConfig
+
+    return EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="bfloat16", cuda_graphs=False,
+                        sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32, local_tokens=64,
+                                                token_budget=0),
+                        cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=24576),
+                        max_num_seqs=max_num_seqs, max_batched_tokens=chunk, max_model_len=max_model_len)
+
+
 def test_cupy_engine_long_prompt_chunks_run_cudnn(seed):
     """A 20k-token prompt chunked 4096 tokens at a time (chunks on the grid: cuDNN) scores every
     token as its one-step prefill does (prompt logprobs within bf16 noise)."""
     import random
 
-    from lserve.config import CacheConfig, EngineConfig, SparsityConfig
     from lserve.engine.llm_engine import LLMEngine
     from lserve.engine.sampling import SamplingParams
     from lserve.models.loader import load_model
@@ -67,12 +78,7 @@ def test_cupy_engine_long_prompt_chunks_run_cudnn(seed):
     scored = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
 
     def run(chunk):
-        cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="bfloat16", cuda_graphs=False,
-                           sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
-                                                   local_tokens=64, token_budget=0),
-                           cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=24576),
-                           max_num_seqs=2, max_batched_tokens=chunk, max_model_len=24576)
-        eng = LLMEngine(cfg, loaded=loaded)
+        eng = LLMEngine(_cupy_config(chunk, max_num_seqs=2, max_model_len=24576), loaded=loaded)
         if chunk < len(prompt):  # the plans a server builds at start (cuDNN chunks: one shape per piece)
             assert eng.backend.warm_up(24576, chunk) == (eng.backend.chunk_grid > 0) * len(
                 set(eng.cache.n_dense) - {0}) * 2 * (4 + 1)
@@ -107,7 +113,6 @@ def test_cupy_engine_chunks_run_the_paged_kernel(seed):
     generate what the flash path generates."""
     import random
 
-    from lserve.config import CacheConfig, EngineConfig, SparsityConfig
     from lserve.engine.llm_engine import LLMEngine
     from lserve.engine.sampling import SamplingParams
 
@@ -115,12 +120,7 @@ def test_cupy_engine_chunks_run_the_paged_kernel(seed):
     rng = random.Random(seed)
 
     def engine(chunk: int, paged: bool) -> LLMEngine:
-        cfg = EngineConfig(model="tiny", device="cuda", backend="cupy", dtype="bfloat16", cuda_graphs=False,
-                           sparsity=SparsityConfig(pattern="random", static_sparsity=0.5, sink_tokens=32,
-                                                   local_tokens=64, token_budget=0),
-                           cache=CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=24576),
-                           max_num_seqs=4, max_batched_tokens=chunk, max_model_len=12288)
-        eng = LLMEngine(cfg, loaded=loaded)
+        eng = LLMEngine(_cupy_config(chunk, max_num_seqs=4, max_model_len=12288), loaded=loaded)
         if not eng.backend.paged_chunks:
             pytest.skip("the paged prefill kernel is not v5 here (sm_90, head dim 128)")
         eng.backend.paged_chunks = paged
