@@ -30,11 +30,12 @@ V4 = "v4"
 V4_STAGES = (2, 3)  # a stage holds 128 keys of K and of V (64 KiB): three fill the 227 KiB a CTA may use
 # v5 (``kernels/bsp_prefill_v5.cu``): v3 ("ws") with the pool's K/V blocks loaded by TMA
 V5 = "v5"
-# Dense chunks with cached past run this kernel over every causal block, K/V read from the pool,
-# where the kernel is v5 (about cuDNN's rate: 0.89-0.99x every block kept on the H200), instead
-# of gathering the past for cuDNN in grid pieces merged by LSE or for one flash call
-# (``CupyBackend.paged_chunks``). False: the gathered paths (the served-prefill probe compares).
-PAGED_DENSE_CHUNKS = True
+# True: dense chunks with cached past run this kernel over every causal block, K/V read from the
+# pool, where the kernel is v5 (about cuDNN's rate: 0.89-0.99x every block kept on the H200),
+# instead of gathering the past for cuDNN in grid pieces merged by LSE or for one flash call
+# (``CupyBackend.paged_chunks``). Off until its GPU test and the served-prefill probe (``--paged
+# 1 0``) have run: written in a session without a GPU.
+PAGED_DENSE_CHUNKS = False
 # timing studies of "ws" (LS_BSP_ABLATE in kernels/bsp_prefill_ws.cu): the part each leaves out.
 # Their outputs are wrong by design: the bench times them beside the full kernel, nothing else runs them.
 ABLATIONS = {1: "noload", 2: "nosoftmax", 3: "nopv", 4: "noexp"}

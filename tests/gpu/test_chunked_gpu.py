@@ -105,7 +105,7 @@ def _tiny_d128(seed: int):
     return LoadedModel(cfg, random_weights(cfg, torch.bfloat16, "cuda", seed), PresetTokenizer(cfg.vocab_size), "test")
 
 
-def test_cupy_engine_chunks_run_the_paged_kernel(seed):
+def test_cupy_engine_chunks_run_the_paged_kernel(seed, monkeypatch):
     """Dense heads of chunks with cached past through the paged prefill kernel (every causal block,
     past and chunk read from the pool, a step's chunks in one launch): a prompt cut off any grid
     scores every token as its one-step prefill and as the flash path do; two prompts whose cached
@@ -113,9 +113,11 @@ def test_cupy_engine_chunks_run_the_paged_kernel(seed):
     generate what the flash path generates."""
     import random
 
+    from lserve.attention import paged_prefill
     from lserve.engine.llm_engine import LLMEngine
     from lserve.engine.sampling import SamplingParams
 
+    monkeypatch.setattr(paged_prefill, "PAGED_DENSE_CHUNKS", True)
     loaded = _tiny_d128(seed % 1000)
     rng = random.Random(seed)
 
