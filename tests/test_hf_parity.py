@@ -43,7 +43,7 @@ def test_full_budget_without_streaming_equals_dense(smol):
     """Sparsity on, but a budget covering the whole context and no streaming heads: same as dense."""
     ids = _prompt(smol.tokenizer, 400)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    cache = CacheConfig(page_size=16, logical_page_size=4)
+    cache = CacheConfig(page_size=16, logical_page_size=4, dense_pool_tokens=4096)  # not 64k: two engines
     dense = LLMEngine(EngineConfig(model="default", sparsity=SparsityConfig(token_budget=0), cache=cache), smol)
     sparse = LLMEngine(EngineConfig(model="default", cache=cache, sparsity=SparsityConfig(
         token_budget=1024, reuse_interval=4, pattern="random", static_sparsity=0.0)), smol)
