@@ -74,3 +74,23 @@ def test_default_model_is_cached_and_refuses_mismatched_pattern(smol, tmp_path):
         LLMEngine(EngineConfig(sparsity=SparsityConfig(pattern=str(tmp_path / "p"))), smol)
     with pytest.raises(ConfigError, match="not found"):
         load_model(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_tables_built_in_pieces_equal_the_one_shot_tables(monkeypatch, scaling):
+    """cos/sin tables built a few positions at a time (rope.TABLE_ROWS made small) and grown are,
+    to the bit, the tables of all positions at once (an attention factor, yarn's, included)."""
+    from dataclasses import replace
+
+    from lserve.models import rope
+
+    cfg = replace(preset_config("tiny"), rope_scaling=scaling)
+    monkeypatch.setattr(rope, "TABLE_ROWS", 1000)
+    r = rope.Rope(cfg, "cpu")
+    for n in (4500, 9001):  # the first table, then one grown past twice its length
+        cos, sin = r.table(n)
+        ang = torch.outer(torch.arange(cos.shape[0], dtype=torch.float32), rope.inv_freq(cfg))
+        scale = rope.attention_scale(cfg)
+        assert cos.shape[0] == max(n, 4096) and torch.equal(cos, ang.cos() * scale) and torch.equal(sin, ang.sin() * scale)
+    assert (scale != 1.0) == (scaling is not None)
+    assert r.table(100)[0] is cos  # never shrunk nor rebuilt

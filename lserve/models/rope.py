@@ -94,6 +94,12 @@ def attention_scale(cfg: ModelConfig) -> float:
     return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
+# Positions of the cos/sin tables computed at a time: the angles of a whole table at once, and the
+# unscaled cos and sin beside the results, took ~2x the tables' own memory while they were built
+# (the tables of a 5.2M-token engine, 2.7 GB, ran an H200 out of memory: host_tier_notes.md).
+TABLE_ROWS = 1 << 20
+
+
 class Rope:
     """Caches cos/sin tables; ``apply`` rotates q and k at given positions."""
 
@@ -105,13 +111,21 @@ class Rope:
         self._cos = self._sin = None
 
     def table(self, n: int):
-        """cos, sin tables float32 [>= n, D/2] of positions 0.. (grown, never shrunk)."""
+        """cos, sin tables float32 [>= n, D/2] of positions 0.. (grown, never shrunk), built
+        :data:`TABLE_ROWS` positions at a time into the new tables (the old ones freed first)."""
         if n > self._table_len:
             n = max(n, 2 * self._table_len, 4096)
             f = inv_freq(self.cfg, device=self.device)
-            ang = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), f)
             scale = attention_scale(self.cfg)
-            self._cos, self._sin, self._table_len = ang.cos() * scale, ang.sin() * scale, n
+            self._cos = self._sin = None
+            cos = torch.empty(n, f.numel(), dtype=torch.float32, device=self.device)
+            sin = torch.empty_like(cos)
+            for a in range(0, n, TABLE_ROWS):
+                b = min(n, a + TABLE_ROWS)
+                ang = torch.outer(torch.arange(a, b, device=self.device, dtype=torch.float32), f)
+                torch.cos(ang, out=cos[a:b]).mul_(scale)
+                torch.sin(ang, out=sin[a:b]).mul_(scale)
+            self._cos, self._sin, self._table_len = cos, sin, n
         return self._cos, self._sin
 
     def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None, max_len: int | None = None):
