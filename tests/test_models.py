@@ -76,21 +76,24 @@ def test_default_model_is_cached_and_refuses_mismatched_pattern(smol, tmp_path):
         load_model(str(tmp_path / "missing.gguf"))
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
-def test_rope_tables_built_in_pieces_equal_the_one_shot_tables(monkeypatch, scaling):
-    """cos/sin tables built a few positions at a time (rope.TABLE_ROWS made small) and grown are,
-    to the bit, the tables of all positions at once (an attention factor, yarn's, included)."""
-    from dataclasses import replace
+@pytest.mark.parametrize("rope", ["default", "llama3", "yarn"])
+def test_rope_cos_sin_equal_transformers_at_positions_up_to_10m(rope):
+    """cos/sin are computed per step from the positions (no table over positions): equal to
+    transformers' rotary embedding at long positions, yarn's attention factor included."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from lserve.models import rope
+    from lserve.models.hf_config import config_from_hf
+    from lserve.models.rope import Rope
 
-    cfg = replace(preset_config("tiny"), rope_scaling=scaling)
-    monkeypatch.setattr(rope, "TABLE_ROWS", 1000)
-    r = rope.Rope(cfg, "cpu")
-    for n in (4500, 9001):  # the first table, then one grown past twice its length
-        cos, sin = r.table(n)
-        ang = torch.outer(torch.arange(cos.shape[0], dtype=torch.float32), rope.inv_freq(cfg))
-        scale = rope.attention_scale(cfg)
-        assert cos.shape[0] == max(n, 4096) and torch.equal(cos, ang.cos() * scale) and torch.equal(sin, ang.sin() * scale)
-    assert (scale != 1.0) == (scaling is not None)
-    assert r.table(100)[0] is cos  # never shrunk nor rebuilt
+    params = {"rope_theta": 500000.0, **(ROPES[rope] or {"rope_type": "default"})} if rope != "yarn" else {
+        "rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    hf = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64 if rope == "default" else 256,
+                     rope_parameters=params)
+    pos = torch.tensor([0, 1, 63, 64, 5000, 123457, 4_194_301, 9_999_999])
+    ref_cos, ref_sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, dtype=torch.float32), pos[None])
+    cos, sin = Rope(config_from_hf(hf, "tiny-hf"), "cpu").cos_sin(pos)
+    half = cos.shape[1]
+    torch.testing.assert_close(cos, ref_cos[0, :, :half], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, ref_sin[0, :, :half], rtol=0, atol=1e-6)

@@ -10,8 +10,8 @@ whether a request of that many prompt tokens passes its admission check. Nothing
 10M-token prefill takes hours (``host_tier_notes.md``), so serving at this length end to end is not
 measured here. Writes ``OUT/host_tier_capacity.json``.
 
-An engine takes device memory beyond its KV cache that grows with its ``max_model_len`` (RoPE
-tables built for the whole length, decode-graph and selection buffers): on the H200 at 5.5M tokens
+An engine takes device memory beyond its KV cache that grows with its ``max_model_len`` (decode-graph
+and selection buffers; RoPE tables for the whole length until session 24): on the H200 at 5.5M tokens
 it was more than the 8 GiB reserve, and the first all-GPU engine sized from the cache's bytes alone
 ran out of memory. So on a GPU that overhead is measured first, by building the engine at the
 mode's length with a small pool, and taken from the device budget before sizing the pool; a

@@ -59,7 +59,8 @@ class DecodeGraphs:
     max_num_seqs : int
         Largest decode batch (sizes the input buffers).
     max_len : int
-        Longest sequence (RoPE tables are built up to it once, so no step reads a length back).
+        Longest sequence: the forward's host-side bound of a step's lengths (dynamic-NTK RoPE past
+        the trained length is not captured).
     max_graphs : int
         Graphs kept (least recently used dropped first).
     """
@@ -82,7 +83,7 @@ class DecodeGraphs:
         self.replays = 0
         self.disabled: str | None = None  # why capture was given up, if it was
         self.events: list | None = None  # a list: (start, end) CUDA events around each replay (benchmarks)
-        model.rope.table(max_len)  # built once: a captured step must not grow it
+        model.rope.freq()  # built before any capture: a captured step must not allocate it
 
     @staticmethod
     def supported(model, max_len: int) -> bool:

@@ -143,7 +143,7 @@ class LlamaModel:
         seq_lens : [T] long, optional
             Per token, its sequence's length after this step (dynamic RoPE only).
         max_len : int, optional
-            Host-side upper bound of ``seq_lens`` / positions + 1 (no device read for RoPE).
+            Host-side upper bound of ``seq_lens`` (dynamic RoPE: no device read of the lengths).
         hidden_index : [E] long, optional
             More token rows whose final (normed) hidden states are wanted: prompt logprobs need
             every position of a chunk, and :meth:`lm_logits` turns them into logits a block at a
@@ -202,9 +202,7 @@ class LlamaModel:
         cfg, f = self.cfg, self.fused
         T = input_ids.shape[0]
         hq, hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        if max_len is None:
-            max_len = int(positions.max()) + 1
-        cos, sin = self.rope.table(max_len)  # float32 [L, D/2]
+        freq, rope_scale = self.rope.freq(), self.rope.scale  # cos/sin computed in the kernel
         h = self.embed[input_ids]  # [T, H], our own copy: updated in place
         x = torch.empty_like(h)
         delta = None
@@ -217,7 +215,7 @@ class LlamaModel:
                 qk = qkv[:, : (hq + hkv) * D].view(T, hq + hkv, D)
                 qk[:, :hq] = rms_norm(qk[:, :hq], L.qn, eps)
                 qk[:, hq:] = rms_norm(qk[:, hq:], L.kn, eps)
-            f.rope_(qkv, hq + hkv, D, positions, cos, sin)
+            f.rope_(qkv, hq + hkv, D, positions, freq, rope_scale)
             q = qkv[:, : hq * D].view(T, hq, D)
             k = qkv[:, hq * D: (hq + hkv) * D].view(T, hkv, D)
             v = qkv[:, (hq + hkv) * D:].view(T, hkv, D)

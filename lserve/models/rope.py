@@ -94,50 +94,43 @@ def attention_scale(cfg: ModelConfig) -> float:
     return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
-# Positions of the cos/sin tables computed at a time: the angles of a whole table at once, and the
-# unscaled cos and sin beside the results, took ~2x the tables' own memory while they were built
-# (the tables of a 5.2M-token engine, 2.7 GB, ran an H200 out of memory: host_tier_notes.md).
-TABLE_ROWS = 1 << 20
-
-
 class Rope:
-    """Caches cos/sin tables; ``apply`` rotates q and k at given positions."""
+    """cos/sin of positions, computed per step from the inverse frequencies; ``apply`` rotates q
+    and k at given positions.
+
+    No table over positions is kept: one for a whole ``max_model_len`` took 512 B a token of
+    device memory at head dim 128 (5.1 GB at 10M tokens; built at once it took twice that and ran
+    a 5.2M-token engine out of memory on the H200), where a step's own positions cost a few
+    thousand sin/cos. The angle is ``float32(position) * inv_freq`` either way, the product the
+    table held (and transformers computes), so the values are the same.
+    """
 
     def __init__(self, cfg: ModelConfig, device) -> None:
         self.cfg = cfg
         self.device = device
         self.dynamic = _kind(cfg) == "dynamic"
-        self._table_len = 0
-        self._cos = self._sin = None
+        #: the attention factor cos and sin are scaled by (yarn's; 1 elsewhere)
+        self.scale = attention_scale(cfg)
+        self._freq: torch.Tensor | None = None
 
-    def table(self, n: int):
-        """cos, sin tables float32 [>= n, D/2] of positions 0.. (grown, never shrunk), built
-        :data:`TABLE_ROWS` positions at a time into the new tables (the old ones freed first)."""
-        if n > self._table_len:
-            n = max(n, 2 * self._table_len, 4096)
-            f = inv_freq(self.cfg, device=self.device)
-            scale = attention_scale(self.cfg)
-            self._cos = self._sin = None
-            cos = torch.empty(n, f.numel(), dtype=torch.float32, device=self.device)
-            sin = torch.empty_like(cos)
-            for a in range(0, n, TABLE_ROWS):
-                b = min(n, a + TABLE_ROWS)
-                ang = torch.outer(torch.arange(a, b, device=self.device, dtype=torch.float32), f)
-                torch.cos(ang, out=cos[a:b]).mul_(scale)
-                torch.sin(ang, out=sin[a:b]).mul_(scale)
-            self._cos, self._sin, self._table_len = cos, sin, n
-        return self._cos, self._sin
+    def freq(self) -> torch.Tensor:
+        """float32 [D/2] inverse frequencies (the trained length's, for dynamic NTK), on the device,
+        built on first use (the CUDA-graph steps call it before capturing)."""
+        if self._freq is None:
+            self._freq = inv_freq(self.cfg, device=self.device).float().contiguous()
+        return self._freq
 
     def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None, max_len: int | None = None):
         """cos, sin [T, D/2] float32 for ``positions`` [T].
 
         ``seq_lens`` [T] (dynamic scaling only): each token's sequence length for this step.
-        ``max_len``: an upper bound of ``seq_lens`` (and positions + 1) known on the host, which
+        ``max_len`` (dynamic scaling only): an upper bound of ``seq_lens`` known on the host, which
         spares reading it from the device (a sync, and impossible inside a CUDA graph).
         """
-        longest = max_len if max_len is not None else (
-            int(seq_lens.max()) if seq_lens is not None else int(positions.max()) + 1)
-        if self.dynamic and seq_lens is not None and longest > self.cfg.max_position_embeddings:
+        longest = 0
+        if self.dynamic and seq_lens is not None:
+            longest = max_len if max_len is not None else int(seq_lens.max())
+        if longest > self.cfg.max_position_embeddings:  # dynamic NTK past the trained length
             out_c, out_s = [], []
             for L in seq_lens.unique().tolist():
                 f = inv_freq(self.cfg, int(L), device=self.device)
@@ -149,8 +142,8 @@ class Rope:
             cos = torch.stack(out_c)[sel, idx]
             sin = torch.stack(out_s)[sel, idx]
             return cos, sin
-        cos, sin = self.table(longest)
-        return cos[positions], sin[positions]
+        ang = positions.to(torch.float32)[:, None] * self.freq()[None, :]
+        return ang.cos().mul_(self.scale), ang.sin().mul_(self.scale)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -27,20 +27,3 @@ def test_long_context_decode(kv_quant, select_mode, budget, seed):
     pair.compare_caches()
     print(f"max rel err {max(pair.errors):.3g}")
 
-
-def test_rope_tables_of_a_long_engine_take_their_own_size_while_built():
-    """The cos/sin tables of 4M positions at head dim 128 (2 GiB) are built in pieces: the device
-    holds little more than the tables while building them (the whole table's angles and unscaled
-    cos/sin at once took ~2x, and ran a 5.2M-token engine out of memory on the H200)."""
-    from lserve.models.presets import preset_config
-    from lserve.models.rope import TABLE_ROWS, Rope
-
-    n, half = 1 << 22, 64
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    cos, sin = Rope(preset_config("llama3-8b"), "cuda").table(n)
-    torch.cuda.synchronize()
-    tables = 2 * n * half * 4
-    assert cos.shape == sin.shape == (n, half)
-    assert torch.cuda.max_memory_allocated() - before <= tables + 4 * TABLE_ROWS * half * 4
