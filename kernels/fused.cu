@@ -4,9 +4,8 @@
 // in the RMS statistic:
 //   ls_add_rmsnorm  h += delta (rounded to the activation type); out = w * round(h * rsqrt(mean(h^2) + eps))
 //                   (ls_add_rmsnorm_v8: the same with 16-byte accesses, for aligned rows)
-//   ls_rope         q and k heads rotated in place (rotate-half form, float32, no FMA contraction);
-//                   cos and sin of float32(position) * inv_freq[i] (times the attention factor), as
-//                   rope.py computes them: no table over positions
+//   ls_rope         q and k heads rotated in place (rotate-half form, float32, no FMA contraction) by
+//                   the step's cos/sin rows (rope.py computes them once a forward, for every layer)
 //   ls_silu_mul     out = round(round(silu(gate)) * up) from the fused [gate | up] projection
 #include "common.cuh"
 
@@ -142,26 +141,16 @@ ls_add_rmsnorm_v8(act_t* __restrict__ h, const act_t* __restrict__ delta, act_t*
     }
 }
 
-// cos and sin of pair i at position p, as torch computes them in rope.py: the float32 product
-// (exact position below 2^24), then the precise cosf / sinf, then the attention factor.
-__device__ __forceinline__ void rope_cs(long long p, const float* __restrict__ freq, int i, float scale, float& c,
-                                        float& s) {
-    const float ang = __fmul_rn((float)p, freq[i]);
-    c = __fmul_rn(cosf(ang), scale);
-    s = __fmul_rn(sinf(ang), scale);
-}
-
 // grid (T, heads); thread i < D/2 rotates the pair (i, i + D/2) of head ``blockIdx.y`` of row t.
-// qkv: [T, ...] with row stride ``row_stride``; heads [0, n_heads) start at column 0 (q then k).
+// qkv: [T, ...] with row stride ``row_stride``; heads [0, n_heads) start at column 0 (q then k);
+// cos_t, sin_t: [T, D/2], row t's.
 extern "C" __global__ void
-ls_rope(act_t* __restrict__ qkv, i64 row_stride, const long long* __restrict__ pos,
-        const float* __restrict__ freq, float scale, int half) {
+ls_rope(act_t* __restrict__ qkv, i64 row_stride, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+        int half) {
     const int t = blockIdx.x, hd = blockIdx.y;
-    const long long p = pos[t];
     act_t* x = qkv + (i64)t * row_stride + (i64)hd * 2 * half;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float c, s;
-        rope_cs(p, freq, i, scale, c, s);
+        const float c = cos_t[(i64)t * half + i], s = sin_t[(i64)t * half + i];
         const float x1 = act2f(x[i]), x2 = act2f(x[i + half]);
         x[i] = f2act(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
         x[i + half] = f2act(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
@@ -202,30 +191,24 @@ ls_silu_mul_v8(const act_t* __restrict__ gu, act_t* __restrict__ out, int I, i64
     v8_store(out + t * I + i, v8_put(o));
 }
 
-// One CTA per token row, thread = (head, 8-pair chunk): heads [0, n_heads) rotated in place; the
-// row's cos/sin computed once into shared memory. Needs half % 8 == 0, half <= ROPE_MAX_HALF and
-// 16-byte aligned rows.
-#define ROPE_MAX_HALF 128
+// One CTA per token row, thread = (head, 8-pair chunk): heads [0, n_heads) rotated in place.
+// Needs half % 8 == 0 and 16-byte aligned rows.
 extern "C" __global__ void
-ls_rope_v8(act_t* __restrict__ qkv, i64 row_stride, const long long* __restrict__ pos,
-           const float* __restrict__ freq, float scale, int half, int n_heads) {
-    __shared__ float s_cos[ROPE_MAX_HALF], s_sin[ROPE_MAX_HALF];
+ls_rope_v8(act_t* __restrict__ qkv, i64 row_stride, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+           int half, int n_heads) {
     const int t = blockIdx.x;
     const int cpr = half / 8;  // chunks per head
-    const long long p = pos[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cs(p, freq, i, scale, s_cos[i], s_sin[i]);
-    __syncthreads();
     for (int w = threadIdx.x; w < n_heads * cpr; w += blockDim.x) {
         const int hd = w / cpr, i = (w - hd * cpr) * 8;
         act_t* x = qkv + (i64)t * row_stride + (i64)hd * 2 * half;
         float x1[8], x2[8], c[8], sn[8], o1[8], o2[8];
         v8_get(v8_load(x + i), x1);
         v8_get(v8_load(x + i + half), x2);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            c[j] = s_cos[i + j];
-            sn[j] = s_sin[i + j];
-        }
+        const float4* cp = reinterpret_cast<const float4*>(cos_t + (i64)t * half + i);
+        const float4* sp = reinterpret_cast<const float4*>(sin_t + (i64)t * half + i);
+        const float4 c0 = cp[0], c1 = cp[1], s0 = sp[0], s1 = sp[1];
+        c[0] = c0.x; c[1] = c0.y; c[2] = c0.z; c[3] = c0.w; c[4] = c1.x; c[5] = c1.y; c[6] = c1.z; c[7] = c1.w;
+        sn[0] = s0.x; sn[1] = s0.y; sn[2] = s0.z; sn[3] = s0.w; sn[4] = s1.x; sn[5] = s1.y; sn[6] = s1.z; sn[7] = s1.w;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             o1[j] = __fsub_rn(__fmul_rn(x1[j], c[j]), __fmul_rn(x2[j], sn[j]));

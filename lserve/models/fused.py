@@ -17,7 +17,6 @@ ARGMAX_THREADS = 1024  # kernels/fused.cu
 GEMV_TMAX, GEMV_ROWS_PER_CTA = 4, 16  # ls_gemv: most rows of x; GEMV_WARPS * GEMV_R rows of W per CTA
 VECTOR_MIN_ROWS = 64  # fewer rows (decode): the scalar RoPE / SiLU-mul kernels
 NV8 = 2  # 8-element chunks per thread in ls_add_rmsnorm_v8 (kernels/fused.cu)
-ROPE_MAX_HALF = 128  # ls_rope_v8: the row's cos/sin in shared memory (head dims up to 256)
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -62,32 +61,30 @@ class FusedOps:
         launch(self._k("ls_add_rmsnorm_v8" if vec else "ls_add_rmsnorm"), (T,), (NORM_THREADS,),
                (ptr(h), ptr(delta), ptr(out), ptr(w), i32(H), i64(H), f32(eps), i32(delta is not None)))
 
-    def rope_(self, qkv: torch.Tensor, n_heads: int, head_dim: int, positions: torch.Tensor,
-              freq: torch.Tensor, scale: float) -> None:
+    def rope_(self, qkv: torch.Tensor, n_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate heads [0, n_heads) of every row of ``qkv`` [T, W] in place (q heads, then k heads).
 
-        positions: long [T]; freq: float32 [head_dim / 2] inverse frequencies; scale: the factor
-        cos and sin are multiplied by (:class:`~lserve.models.rope.Rope`'s ``freq()`` and ``scale``).
-        The kernels compute cos and sin of each row's angles as ``Rope.cos_sin`` does.
+        cos, sin: float32 [T, head_dim / 2], each row's (:meth:`lserve.models.rope.Rope.cos_sin`
+        of the step's positions, computed once for all layers).
         """
-        from lserve.kernels.loader import f32, i32, i64, launch, ptr
+        from lserve.kernels.loader import i32, i64, launch, ptr
 
         T = qkv.shape[0]
         half = head_dim // 2
-        if qkv.stride(1) != 1 or qkv.shape[1] < n_heads * head_dim or positions.dtype != torch.long:
-            raise ValueError("rope_ needs row-contiguous qkv and long positions")
-        if not (freq.is_contiguous() and freq.dtype == torch.float32 and freq.shape == (half,)):
-            raise ValueError("rope_ needs contiguous float32 [head_dim / 2] inverse frequencies")
+        if qkv.stride(1) != 1 or qkv.shape[1] < n_heads * head_dim:
+            raise ValueError("rope_ needs row-contiguous qkv")
+        if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape == (T, half)):
+            raise ValueError("rope_ needs contiguous [T, head_dim / 2] cos/sin rows")
         # 16-byte kernels for many rows (prefill); at decode the scalar ones spread a row over
         # more CTAs, which is what a latency-bound launch wants (measured: 1.5 vs 1.9 us).
-        if (self.vector and T >= VECTOR_MIN_ROWS and half % 8 == 0 and half <= ROPE_MAX_HALF and _aligned16(qkv)
+        if (self.vector and T >= VECTOR_MIN_ROWS and half % 8 == 0 and _aligned16(qkv, cos, sin)
                 and (qkv.stride(0) * qkv.element_size()) % 16 == 0):
             threads = min(512, -(-n_heads * half // 8 // 32) * 32)
             launch(self._k("ls_rope_v8"), (T,), (threads,),
-                   (ptr(qkv), i64(qkv.stride(0)), ptr(positions), ptr(freq), f32(scale), i32(half), i32(n_heads)))
+                   (ptr(qkv), i64(qkv.stride(0)), ptr(cos), ptr(sin), i32(half), i32(n_heads)))
             return
         launch(self._k("ls_rope"), (T, n_heads), (min(128, half),),
-               (ptr(qkv), i64(qkv.stride(0)), ptr(positions), ptr(freq), f32(scale), i32(half)))
+               (ptr(qkv), i64(qkv.stride(0)), ptr(cos), ptr(sin), i32(half)))
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of ``gu`` = [gate | up] [T, 2I] -> [T, I]."""
@@ -171,15 +168,15 @@ class FusedOps:
         if not (torch.equal(h, ref_h) and torch.allclose(out.float(), ref.float(), **tol)):
             return "add_rmsnorm"
         qkv = rnd(T, (n_heads + 1) * head_dim)
-        # positions up to 10M (large angles: sin/cos's long argument reduction), an attention factor
+        # each row's cos/sin (positions up to 10M, an attention factor), as Rope.cos_sin gives them
         pos = torch.randint(0, 10_000_000, (T,), generator=g, device=device)
-        pos[0] = 0
         freq = (1.0 / 500000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)).contiguous()
         ang = pos.to(torch.float32)[:, None] * freq[None, :]
         x = qkv[:, : n_heads * head_dim].view(T, n_heads, head_dim)
-        ref = Rope.apply(x, ang.cos().mul_(1.1), ang.sin().mul_(1.1))
+        cos, sin = ang.cos().mul_(1.1), ang.sin().mul_(1.1)
+        ref = Rope.apply(x, cos, sin)
         tail = qkv[:, n_heads * head_dim:].clone()
-        self.rope_(qkv, n_heads, head_dim, pos, freq, 1.1)
+        self.rope_(qkv, n_heads, head_dim, cos, sin)
         if not (torch.allclose(x.float(), ref.float(), **tol) and torch.equal(qkv[:, n_heads * head_dim:], tail)):
             return "rope"
         gu = rnd(T, 2 * intermediate)

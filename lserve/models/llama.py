@@ -159,7 +159,7 @@ class LlamaModel:
         hq, D = cfg.num_heads, cfg.head_dim
         if self.fused is not None and not (self.rope.dynamic and (max_len is None or
                                                                   max_len > cfg.max_position_embeddings)):
-            return self._forward_fused(input_ids, positions, plan, backend, logits_index, max_len, hidden_index)
+            return self._forward_fused(input_ids, positions, plan, backend, logits_index, hidden_index)
         cos, sin = self.rope.cos_sin(positions, seq_lens, max_len)
         h = self.embed[input_ids]  # [T, H]
         for i, L in enumerate(self.layers):
@@ -196,13 +196,13 @@ class LlamaModel:
         """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""
         return F.linear(x, self.lm_head).float()
 
-    def _forward_fused(self, input_ids, positions, plan, backend, logits_index, max_len, hidden_index=None):
+    def _forward_fused(self, input_ids, positions, plan, backend, logits_index, hidden_index=None):
         """:meth:`forward` with the elementwise steps in :mod:`lserve.models.fused` kernels (the
         residual add folds into the next RMSNorm)."""
         cfg, f = self.cfg, self.fused
         T = input_ids.shape[0]
         hq, hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        freq, rope_scale = self.rope.freq(), self.rope.scale  # cos/sin computed in the kernel
+        cos, sin = self.rope.cos_sin(positions)  # float32 [T, D/2], once for every layer
         h = self.embed[input_ids]  # [T, H], our own copy: updated in place
         x = torch.empty_like(h)
         delta = None
@@ -215,7 +215,7 @@ class LlamaModel:
                 qk = qkv[:, : (hq + hkv) * D].view(T, hq + hkv, D)
                 qk[:, :hq] = rms_norm(qk[:, :hq], L.qn, eps)
                 qk[:, hq:] = rms_norm(qk[:, hq:], L.kn, eps)
-            f.rope_(qkv, hq + hkv, D, positions, freq, rope_scale)
+            f.rope_(qkv, hq + hkv, D, cos, sin)
             q = qkv[:, : hq * D].view(T, hq, D)
             k = qkv[:, hq * D: (hq + hkv) * D].view(T, hkv, D)
             v = qkv[:, (hq + hkv) * D:].view(T, hkv, D)
