@@ -261,8 +261,7 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
 
     if min(grid) <= 0:
         return
-    if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
-        kernel.max_dynamic_shared_size_bytes = shared_mem
+    opt_in_shared(kernel, shared_mem)
     import torch
 
     dev = torch.cuda.current_device()
@@ -274,6 +273,16 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
             return
         with torch_stream():
             kernel(grid, block, args, shared_mem=shared_mem)
+
+
+def opt_in_shared(kernel, shared_mem: int) -> None:
+    """Raise ``kernel``'s dynamic shared-memory limit to ``shared_mem`` bytes where the launch needs it.
+
+    A CTA whose static plus dynamic shared memory exceeds 48 KiB needs the opt-in: the dynamic part
+    alone can be under 48 KiB and still fail the launch (``CUDA_ERROR_INVALID_VALUE``).
+    """
+    if shared_mem + kernel.shared_size_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
 
 
 def ptr(t) -> np.uint64:

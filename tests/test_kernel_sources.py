@@ -142,3 +142,18 @@ def test_cupy_cache_key_covers_the_included_headers(tmp_path, monkeypatch):
     with open(tmp_path / "common.cuh", "a") as f:
         f.write("\n// edited\n")
     assert loader.nvrtc_source(var) != before
+
+
+def test_shared_memory_opt_in_counts_the_static_part():
+    # The estimate's mass kernel holds 132 B of static shared memory: at a 786k-token row its
+    # 48 KiB of block sums failed to launch until the opt-in counted both parts (H100, 1M context).
+    from types import SimpleNamespace
+
+    from lserve.kernels.loader import opt_in_shared
+
+    kern = SimpleNamespace(shared_size_bytes=132, max_dynamic_shared_size_bytes=48 * 1024 - 132)
+    opt_in_shared(kern, 48 * 1024)
+    assert kern.max_dynamic_shared_size_bytes == 48 * 1024
+    small = SimpleNamespace(shared_size_bytes=132, max_dynamic_shared_size_bytes=0)
+    opt_in_shared(small, 1024)  # under 48 KiB in all: no opt-in, the default limit serves
+    assert small.max_dynamic_shared_size_bytes == 0

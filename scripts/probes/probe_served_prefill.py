@@ -21,6 +21,7 @@ step, the engine's own TTFT for the same prompts). Writes ``probe_served_prefill
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import json
@@ -73,6 +74,15 @@ def busy_seconds(events) -> float:
     return total / 1e6
 
 
+def kernel_seconds(events, top: int = 25) -> dict:
+    """GPU seconds per kernel name (the ``top`` longest in total), to compare chunked and one-step runs."""
+    per = collections.Counter()
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            per[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1e6
+    return {name: round(sec, 4) for name, sec in per.most_common(top)}
+
+
 def ttft(eng: LLMEngine, n: int, seed: int, profiled: bool = False) -> dict:
     """Time one prompt of ``n`` tokens to its first token; ``profiled``: under torch.profiler's
     CUDA activity trace, adding the seconds the GPU was busy and the rest (``host_gap_s``: the
@@ -99,7 +109,8 @@ def ttft(eng: LLMEngine, n: int, seed: int, profiled: bool = False) -> dict:
            "chunk_kernels": {k: v for k, v in kernels.items() if v}}
     if profiled:
         busy = busy_seconds(trace.events())
-        row.update(profiled=True, gpu_busy_s=round(busy, 3), host_gap_s=round(t - busy, 3))
+        row.update(profiled=True, gpu_busy_s=round(busy, 3), host_gap_s=round(t - busy, 3),
+                   kernel_s=kernel_seconds(trace.events()))
     return row
 
 
@@ -145,6 +156,8 @@ def main() -> None:
                 gap = f" (profiled: GPU busy {r['gpu_busy_s']} s, host gap {r['host_gap_s']} s)" if r.get("profiled") else ""
                 print(f"{tag} {n} seed {seed}: TTFT {r['ttft_s']} s in {r['steps']} steps, "
                       f"chunks {r['chunks'][:6]}...{r['chunks'][-3:]} kernels {r['chunk_kernels']}{gap}", flush=True)
+                for name, sec in list(r.get("kernel_s", {}).items())[:12]:
+                    print(f"    {sec:8.3f} s  {name}", flush=True)
         del eng
         gc.collect()
         torch.cuda.empty_cache()
