@@ -8,7 +8,8 @@ fits beside the weights; both prefill alike (``--prefill-sparsity``: block-spars
 "auto" the engine's default; rows carry the kept fraction of causal tiles where it ran). Rows carry
 decode ms/token, TTFT, H2D bytes and the hit rate; the report also holds the longest context one
 request can hold with the tier (its virtual pages) against all-GPU. Writes
-``OUT/host_tier_h200.json`` after every run and ``OUT/host_tier_h200.png``. Runs go shortest
+``OUT/NAME.json`` after every run and ``OUT/NAME.png`` (``--name``, default ``host_tier_h200``;
+``--modes tier`` or ``gpu`` runs one of the two). Runs go shortest
 context first (tier, then all-GPU), so a cut loses the longest; a run whose estimated time
 (:mod:`lserve.bench.host_tier_time`) would pass the deadline is listed as skipped, and one that
 passes it while prefilling is aborted and kept as a ``cut`` row (tokens prefilled, seconds).
@@ -33,16 +34,16 @@ from lserve.config import KV_QUANT_CHOICES, ConfigError, parse_prefill_sparsity
 
 
 def plan_runs(contexts, gpu_bytes: float, bytes_per_token: float, host_bytes: float, resident_tokens: int,
-              margin: float = 1.1, decode_steps: int = DECODE_STEPS) -> list[dict]:
+              margin: float = 1.1, decode_steps: int = DECODE_STEPS, modes=("tier", "gpu")) -> list[dict]:
     """The runs to make: per context a tier run (where the host holds it) and an all-GPU run (where
-    its pool fits ``gpu_bytes``), each with the host GiB it needs (0 all-GPU)."""
+    its pool fits ``gpu_bytes``), each with the host GiB it needs (0 all-GPU); ``modes`` keeps those named."""
     runs = []
     for ctx in sorted(contexts):  # shortest first: a deadline cuts the longest
         need = (ctx + decode_steps + 1024) * bytes_per_token * margin
-        if need <= host_bytes:
+        if "tier" in modes and need <= host_bytes:
             runs.append({"mode": "tier", "context": ctx, "host_kv_gib": round(need / 2**30, 6),
                          "resident_tokens": resident_tokens})
-        if need <= gpu_bytes:
+        if "gpu" in modes and need <= gpu_bytes:
             runs.append({"mode": "gpu", "context": ctx, "host_kv_gib": 0.0, "resident_tokens": 0})
     return runs
 
@@ -97,9 +98,9 @@ def run(settings: Settings, out_dir: str | Path) -> dict:
     st = setup(settings)
     s, sizes = settings, st.sizes
     report = {**header(), **st.header(), "rows": [], "skipped": []}
-    path = out / "host_tier_h200.json"
+    path = out / f"{s.name}.json"
     runs = plan_runs(s.contexts, st.gpu_bytes, sizes.device_per_token, st.host_bytes, s.resident_tokens,
-                     decode_steps=s.decode_steps)
+                     decode_steps=s.decode_steps, modes=s.modes)
     for r in runs:
         r["prefill_sparsity"] = st.prefill_tau
         elapsed = time.perf_counter() - t0
@@ -126,7 +127,7 @@ def run(settings: Settings, out_dir: str | Path) -> dict:
     # the same with the resident set as large as the device allows (key statistics stay on it)
     report["max_context_tier_full_device"] = max_context(sizes, st.gpu_bytes, st.host_bytes, s.max_batched_tokens)["tier"]
     write_json(path, report)
-    plot(report, out / "host_tier_h200.png")
+    plot(report, out / f"{s.name}.png")
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)
     return report
 
@@ -195,12 +196,15 @@ def parse_args(argv=None) -> tuple[Settings, str]:
     p.add_argument("--decode-steps", type=int, default=DECODE_STEPS, help="decode steps timed per run")
     p.add_argument("--model", default="llama3-8b", help="a preset (random weights)")
     p.add_argument("--device", default="cuda", help="cuda (cupy backend) or cpu (torch backend)")
+    p.add_argument("--modes", default="tier,gpu", help="single mode: which runs per context (tier, gpu or both)")
+    p.add_argument("--name", default="host_tier_h200", help="single mode: the report's file stem under OUT")
     a = p.parse_args(argv)
     try:
         contexts = tuple(int(c) for c in a.contexts.split(","))
         s = Settings(contexts, a.resident_tokens, a.deadline, parse_prefill_sparsity(a.prefill_sparsity),
                      a.max_batched_tokens, a.kv_quant, a.gpu_kv_gib, a.host_kv_gib, decode_steps=a.decode_steps,
-                     concurrency=a.concurrency, capacity=a.capacity, model=a.model, device=a.device)
+                     concurrency=a.concurrency, capacity=a.capacity, model=a.model, device=a.device,
+                     modes=tuple(m for m in a.modes.split(",") if m), name=a.name)
     except ValueError as e:  # ConfigError too
         p.error(str(e) if isinstance(e, ConfigError) else f"--contexts must be integers, got {a.contexts!r}")
     return s, a.out

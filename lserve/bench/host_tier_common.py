@@ -3,6 +3,7 @@ the engines they build (:mod:`lserve.bench.host_tier`, :mod:`lserve.bench.host_t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,6 +41,8 @@ class Settings:
     capacity: bool = False
     model: str = "llama3-8b"
     device: str = "cuda"
+    modes: tuple[str, ...] = ("tier", "gpu")
+    name: str = "host_tier_h200"
 
     def __post_init__(self) -> None:
         require(bool(self.contexts) and all(c > 0 for c in self.contexts), f"contexts must be > 0, got {self.contexts}")
@@ -52,6 +55,9 @@ class Settings:
         require(self.gpu_kv_gib >= 0 and self.host_kv_gib >= 0 and self.reserve_gib >= 0,
                 "--gpu-kv-gib, --host-kv-gib and the reserve must be >= 0")
         require(self.decode_steps >= 2, f"--decode-steps must be >= 2, got {self.decode_steps}")
+        require(bool(self.modes) and set(self.modes) <= {"tier", "gpu"},
+                f"--modes must name tier and/or gpu, got {','.join(self.modes)}")
+        require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), f"--name must be a file stem, got {self.name!r}")
         require(not (self.concurrency and self.capacity), "--concurrency and --capacity are separate runs: give one")
         require(self.device.startswith("cuda") or self.gpu_kv_gib > 0,
                 "--gpu-kv-gib is needed off a GPU (the KV memory of the device being modelled)")
