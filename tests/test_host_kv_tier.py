@@ -8,6 +8,7 @@ virtual pages, so both schedule (and preempt) the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -202,6 +203,35 @@ def test_mirrored_fetch_of_stale_picks_counts_streamed_reads(tiny, mirrored):
     st = tier.stats()
     assert st.misses - before.misses == 2 and st.streamed - before.streamed == 2
     assert all(tier.is_resident(0, v) for v in offloaded[:2]) and not tier.is_resident(0, free)
+    tier.check()
+
+
+def test_streamed_picks_cost_the_picking_heads_parts_of_a_page(tiny, mirrored):
+    """A decode kernel reads only its own head's part of a page on the host: misses picked by
+    one head cost one part each, a page picked by every head the whole page."""
+    dense = dataclasses.replace(SPARSE, static_sparsity=0.0)  # both of tiny's KV heads dense: 2 parts a page
+    cc = CacheConfig(page_size=16, logical_page_size=4, num_pages=PINNED, host_kv_gib=_gib(tiny, "tiny", 80))
+    on = LLMEngine(EngineConfig(model="tiny", sparsity=dense, cache=cc, max_num_seqs=2, max_batched_tokens=64), tiny)
+    on.generate([DOC[:400]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    tier = on.cache.host_tier
+    pool = on.cache.dense[0]
+    assert pool.num_heads == 2
+    offloaded = [v for v in sorted(tier.held_pages()) if not tier.is_resident(0, v)]
+    assert len(offloaded) >= 3
+    a, b, c = offloaded[:3]
+    part = pool.page_bytes() // pool.num_heads
+    before = tier.stats()
+    # head 0 picks a and b, head 1 picks b, every head picks c: 2 + 1 + num_heads parts
+    pages = [a, b, b] + [c] * pool.num_heads
+    heads = [0, 0, 1] + list(range(pool.num_heads))
+    tier.fetch(0, np.array(pages), streamed=True, heads=np.array(heads))
+    st = tier.stats()
+    assert st.streamed - before.streamed == 3 and st.misses - before.misses == 3
+    installs = (st.fetched - before.fetched) * pool.page_bytes()  # whole pages copied into the resident set
+    assert st.bytes_h2d - before.bytes_h2d == (3 + pool.num_heads) * part + installs
+    read_only = tier.stats().bytes_h2d
+    tier.fetch(0, np.array([a]), streamed=True, heads=np.array([0]))  # a is resident now: a hit, no bytes
+    assert tier.stats().bytes_h2d == read_only
     tier.check()
 
 

@@ -70,7 +70,9 @@ class TierPicks:
             cols = [col[s] for s in kinds[kind]]
             cnt = c[layer, cols, :nd]  # [n, nd]
             pick = p[layer, cols, :nd]  # [n, nd, U]
-            self.tier.fetch(layer, pick[np.arange(pick.shape[-1]) < cnt[..., None]], streamed=True)
+            used = np.arange(pick.shape[-1]) < cnt[..., None]
+            head = np.broadcast_to(np.arange(nd)[:, None], pick.shape[1:])
+            self.tier.fetch(layer, pick[used], streamed=True, heads=np.broadcast_to(head, pick.shape)[used])
 
     def after_plan(self, st) -> None:
         """A step's tables are planned: remember its selecting slots, count its decode scans."""

@@ -193,6 +193,7 @@ class HostTier:
         self._spilled_to: dict[int, int] = {}  # seq_id -> pages below this index were considered
         self._protected: dict[int, list[int]] = {}  # seq_id (prefilling) -> its pages protected so far
         self._page_bytes = [p.page_bytes() for p in resident]
+        self._head_bytes = [p.page_bytes() // max(p.num_heads, 1) for p in resident]  # one head's part of a page
         self._stats = HostKVStats(resident_slots=self.num_slots * self.num_layers, host_pages=self.num_host)
         self.mirror = mirror
         self._phases: list[_Phase] = []  # queued copies (mirror), in an order that keeps them exact
@@ -255,14 +256,16 @@ class HostTier:
             self._spilled_to[s.seq_id] = max(lo, i)
         self.flush()
 
-    def fetch(self, layer: int, pages, streamed: bool = False) -> None:
+    def fetch(self, layer: int, pages, streamed: bool = False, heads=None) -> None:
         """Install the selected ``pages`` (tensor or array, any shape) of ``layer`` into its
         resident set, as far as free slots and clean, unpinned, unselected victims allow; the rest
         stays on the host.
 
         ``streamed``: the picks of a step that already ran (the cupy backend fetches a step's
         selection for the steps after it): its misses were read from the host, and pages freed
-        since are skipped."""
+        since are skipped. ``heads`` (same shape as ``pages``): the dense head of each pick; a
+        kernel reads only its own head's part of a page, so a missed page cost the host link the
+        parts of the heads that picked it, not the whole page (without ``heads``: the whole page)."""
         pages = pages.detach().cpu().numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
         want = np.unique(pages)
         res = self._res[layer]
@@ -273,7 +276,12 @@ class HostTier:
         st.hits += len(want) - len(miss)
         st.misses += len(miss)
         if streamed and len(miss):
-            self._count_streamed(layer, len(miss))
+            parts = None
+            if heads is not None:
+                missed = np.isin(pages, miss)
+                pairs = np.unique(np.stack([pages[missed], np.asarray(heads)[missed]]), axis=1)
+                parts = pairs.shape[1]
+            self._count_streamed(layer, len(miss), parts)
         needed = set(want.tolist())
         for v in miss.tolist():
             slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned and p not in needed)
@@ -476,10 +484,14 @@ class HostTier:
             pol.protect(new)
         prot += new
 
-    def _count_streamed(self, layer: int, n: int) -> None:
-        """``n`` pages of ``layer`` read from the host without entering the resident set."""
+    def _count_streamed(self, layer: int, n: int, head_parts: int | None = None) -> None:
+        """``n`` pages of ``layer`` read from the host without entering the resident set: whole
+        pages, or ``head_parts`` single heads' parts of them."""
         self._stats.streamed += n
-        self._count_h2d(n * self._page_bytes[layer])
+        if head_parts is None:
+            self._count_h2d(n * self._page_bytes[layer])
+        else:
+            self._count_h2d(head_parts * self._head_bytes[layer])
 
     def _where(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Resident slots, host slots and "resident" of ``layer``'s pages ``ids`` (any shape),
