@@ -141,3 +141,21 @@ def test_capacity_retries_smaller_after_running_out_of_device_memory(tmp_path, m
     assert rows["gpu"]["attempts"] == 2 and rows["tier"]["attempts"] == 1
     assert calls[1] < calls[0]  # the retry sized a smaller pool
     assert rows["gpu"]["held_sequences"] == 1 and "error" not in rows["gpu"]
+
+
+def test_overhead_parts_name_the_lserve_lines_that_allocated_most():
+    from lserve.bench.host_tier_capacity import top_allocations
+
+    def blk(size, state, *files):
+        return {"size": size, "state": state,
+                "frames": [{"filename": f, "line": 7, "name": "fn"} for f in files]}
+
+    snap = {"segments": [{"blocks": [
+        blk(300, "active_allocated", "/x/torch/nn/functional.py", "/w/lserve/models/llama.py"),
+        blk(200, "active_allocated", "/w/lserve/models/llama.py"),
+        blk(900, "inactive", "/w/lserve/engine/cuda_graphs.py"),  # freed: not the engine's
+        blk(100, "active_allocated", "/x/torch/cuda/graphs.py"),
+        blk(50, "active_allocated", "/w/lserve/cache/kv_cache.py"),
+    ]}]}
+    assert top_allocations(snap) == {"models/llama.py:7 fn": 500, "other": 100, "cache/kv_cache.py:7 fn": 50}
+    assert list(top_allocations(snap, top=1)) == ["models/llama.py:7 fn"]

@@ -15,7 +15,9 @@ and selection buffers; RoPE tables for the whole length until session 24): on th
 it was more than the 8 GiB reserve, and the first all-GPU engine sized from the cache's bytes alone
 ran out of memory. So on a GPU that overhead is measured first, by building the engine at the
 mode's length with a small pool, and taken from the device budget before sizing the pool; a
-build that still runs out of memory is recorded in its row, not raised.
+build that still runs out of memory is recorded in its row, not raised. Each row's
+``overhead_parts`` says where that overhead went (torch's allocations by the lserve line that
+made them, torch's unused reserve, CuPy's pool, the rest).
 """
 
 from __future__ import annotations
@@ -47,21 +49,62 @@ def _accepts(eng, tokens: int) -> str | None:
     return None
 
 
-def overhead_bytes(st, max_len: int) -> float:
+def top_allocations(snapshot: dict, top: int = 12) -> dict[str, int]:
+    """Bytes of the live allocations in a ``torch.cuda.memory._snapshot()``, by the innermost
+    ``lserve`` frame that made them (``file:line function``; "other" without one), largest first."""
+    per: dict[str, int] = {}
+    for seg in snapshot.get("segments", []):
+        for blk in seg.get("blocks", []):
+            if blk.get("state") != "active_allocated":
+                continue
+            where = next((f"{f['filename'].rsplit('/lserve/', 1)[-1]}:{f['line']} {f['name']}"
+                          for f in blk.get("frames", []) if "/lserve/" in f.get("filename", "")), "other")
+            per[where] = per.get(where, 0) + int(blk["size"])
+    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:top])
+
+
+def overhead_bytes(st, max_len: int) -> tuple[float, dict]:
     """Device bytes an engine of ``max_len`` tokens takes beyond its KV cache (0 off a GPU): one is
-    built with a small pool and the device's free memory read before and after."""
+    built with a small pool and the device's free memory read before and after. Also where they
+    went: torch's allocations (the largest by the lserve line that made them, from torch's memory
+    history), what torch's allocator holds besides, CuPy's pool, and the rest (modules, library
+    workspaces outside both allocators)."""
     if not torch.cuda.is_available() or not st.settings.device.startswith("cuda"):
-        return 0.0
+        return 0.0, {}
+    import cupy
+
     free_memory()
     before = torch.cuda.mem_get_info()[0]
-    eng = make_engine(st, PROBE_POOL, 0.0, 1, max_len)
-    used = before - torch.cuda.mem_get_info()[0] - sum(eng.cache.nbytes().values())
+    alloc0, res0, cp0 = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(),
+                         cupy.get_default_memory_pool().total_bytes())
+    try:  # a private torch API: without it the parts lack the largest allocations, nothing else
+        torch.cuda.memory._record_memory_history(max_entries=200000)
+        history = True
+    except (AttributeError, RuntimeError, TypeError):
+        history = False
+    try:
+        eng = make_engine(st, PROBE_POOL, 0.0, 1, max_len)
+        snap = torch.cuda.memory._snapshot() if history else {}
+    finally:
+        if history:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    cache = sum(eng.cache.nbytes().values())
+    used = before - torch.cuda.mem_get_info()[0] - cache
+    gib = 2**30
+    allocated = torch.cuda.memory_allocated() - alloc0 - cache
+    reserved = torch.cuda.memory_reserved() - res0
+    cupy_pool = cupy.get_default_memory_pool().total_bytes() - cp0
+    parts = {"torch_allocated_gib": round(allocated / gib, 3),
+             "torch_reserved_unused_gib": round((reserved - allocated - cache) / gib, 3),
+             "cupy_pool_gib": round(cupy_pool / gib, 3),
+             "rest_gib": round((used - reserved + cache - cupy_pool) / gib, 3),
+             "largest_gib": {k: round(v / gib, 3) for k, v in top_allocations(snap).items()}}
     del eng
     free_memory()
-    return float(max(used, 0))
+    return float(max(used, 0)), parts
 
 
-def _build(st, mode: str, gpu_bytes: float, over: float) -> dict:
+def _build(st, mode: str, gpu_bytes: float, over: float, parts: dict) -> dict:
     """One mode's row: its engine sized from ``gpu_bytes`` of the device, built and checked."""
     sz, mbt = st.sizes, st.settings.max_batched_tokens
     tokens = max_context(sz, gpu_bytes, st.host_bytes, mbt)[mode] - DECODE_ROOM - sz.page_size
@@ -69,7 +112,7 @@ def _build(st, mode: str, gpu_bytes: float, over: float) -> dict:
     print(f"{mode}: building an engine for {tokens} tokens (pool {pool} tokens, host {host_gib:.2f} GiB, "
           f"{over / 2**30:.2f} GiB of the device beside the cache)", flush=True)
     row = {"mode": mode, "tokens": tokens, "pool_tokens": pool, "host_kv_gib": round(host_gib, 3),
-           "gpu_kv_bytes": gpu_bytes, "overhead_gib": round(over / 2**30, 3)}
+           "gpu_kv_bytes": gpu_bytes, "overhead_gib": round(over / 2**30, 3), "overhead_parts": parts}
     t0 = time.perf_counter()
     try:
         eng = make_engine(st, pool, host_gib, 1, tokens + DECODE_ROOM)
@@ -95,10 +138,10 @@ def run(settings, out_dir: str | Path) -> dict:
     path = Path(out_dir) / "host_tier_capacity.json"
     for mode in ("gpu", "tier"):
         # the overhead at the length sized without it: a shorter engine takes no more
-        over = overhead_bytes(st, mx[mode] + DECODE_ROOM)
+        over, parts = overhead_bytes(st, mx[mode] + DECODE_ROOM)
         for attempt in range(ATTEMPTS):  # what the probe missed (memory that grows with the pool): 5% less a time
             gpu_bytes = (st.gpu_bytes - over) * (1 - SHRINK * attempt)
-            row = {**_build(st, mode, gpu_bytes, over), "attempts": attempt + 1}
+            row = {**_build(st, mode, gpu_bytes, over, parts), "attempts": attempt + 1}
             if "error" not in row:
                 break
         report["rows"].append(row)
