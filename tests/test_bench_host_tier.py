@@ -85,16 +85,21 @@ def test_cli_skips_runs_estimated_past_the_deadline(tmp_path, capsys):
     assert all(r["estimate_s"] >= 1 for r in report["skipped"]) and "skip tier 1024" in capsys.readouterr().out
 
 
-def test_cli_runs_one_mode_under_its_own_name(tmp_path):
+def test_cli_runs_one_mode_under_its_own_name(tmp_path, monkeypatch):
     # Two resident sets at one context in one device call: each run its own report, no all-GPU rerun.
-    assert _cli(tmp_path, "--deadline", "0.5", "--modes", "tier", "--name", "host_tier_r640") == 0
+    from lserve.cache import tier_policy
+
+    monkeypatch.setattr(tier_policy, "ADMIT_ON_REPEAT", True)  # restored after: the bench sets it
+    assert _cli(tmp_path, "--deadline", "0.5", "--modes", "tier", "--name", "host_tier_r640", "--admission", "all") == 0
     report = json.loads((tmp_path / "host_tier_r640.json").read_text())
     assert [r["mode"] for r in report["skipped"]] == ["tier"] and not (tmp_path / "host_tier_h200.json").exists()
+    assert report["admission"] == "all" and tier_policy.ADMIT_ON_REPEAT is False
 
 
 @pytest.mark.parametrize("bad, why", [(["--prefill-sparsity", "2"], "prefill"), (["--prefill-sparsity", "x"], "prefill"),
                                       (["--contexts", "12k"], "contexts"), (["--max-batched-tokens", "0"], "batched"),
-                                      (["--modes", "cpu"], "modes"), (["--name", "a/b"], "name")])
+                                      (["--modes", "cpu"], "modes"), (["--name", "a/b"], "name"),
+                                      (["--admission", "lfu"], "admission")])
 def test_cli_refuses_bad_settings_with_one_error_line(tmp_path, capsys, bad, why):
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path), "--device", "cpu", "--gpu-kv-gib", "1", *bad])

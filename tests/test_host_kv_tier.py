@@ -206,9 +206,12 @@ def test_mirrored_fetch_of_stale_picks_counts_streamed_reads(tiny, mirrored):
     tier.check()
 
 
-def test_streamed_picks_cost_the_picking_heads_parts_of_a_page(tiny, mirrored):
+def test_streamed_picks_cost_the_picking_heads_parts_and_repeats_enter(tiny, mirrored, monkeypatch):
     """A decode kernel reads only its own head's part of a page on the host: misses picked by
-    one head cost one part each, a page picked by every head the whole page."""
+    one head cost one part each, a page picked by every head the whole page. Pages picked by two
+    or more heads enter the resident set at once, those one head picked when picked again."""
+    from lserve.cache import tier_policy
+
     dense = dataclasses.replace(SPARSE, static_sparsity=0.0)  # both of tiny's KV heads dense: 2 parts a page
     cc = CacheConfig(page_size=16, logical_page_size=4, num_pages=PINNED, host_kv_gib=_gib(tiny, "tiny", 80))
     on = LLMEngine(EngineConfig(model="tiny", sparsity=dense, cache=cc, max_num_seqs=2, max_batched_tokens=64), tiny)
@@ -217,21 +220,24 @@ def test_streamed_picks_cost_the_picking_heads_parts_of_a_page(tiny, mirrored):
     pool = on.cache.dense[0]
     assert pool.num_heads == 2
     offloaded = [v for v in sorted(tier.held_pages()) if not tier.is_resident(0, v)]
-    assert len(offloaded) >= 3
-    a, b, c = offloaded[:3]
+    assert len(offloaded) >= 4
+    a, b, c, d = offloaded[:4]
     part = pool.page_bytes() // pool.num_heads
-    before = tier.stats()
-    # head 0 picks a and b, head 1 picks b, every head picks c: 2 + 1 + num_heads parts
-    pages = [a, b, b] + [c] * pool.num_heads
-    heads = [0, 0, 1] + list(range(pool.num_heads))
-    tier.fetch(0, np.array(pages), streamed=True, heads=np.array(heads))
-    st = tier.stats()
-    assert st.streamed - before.streamed == 3 and st.misses - before.misses == 3
-    installs = (st.fetched - before.fetched) * pool.page_bytes()  # whole pages copied into the resident set
-    assert st.bytes_h2d - before.bytes_h2d == (3 + pool.num_heads) * part + installs
-    read_only = tier.stats().bytes_h2d
-    tier.fetch(0, np.array([a]), streamed=True, heads=np.array([0]))  # a is resident now: a hit, no bytes
-    assert tier.stats().bytes_h2d == read_only
+
+    def fetch(pages, heads):
+        before = tier.stats()
+        tier.fetch(0, np.array(pages), streamed=True, heads=np.array(heads))
+        st = tier.stats()
+        installs = (st.fetched - before.fetched) * pool.page_bytes()  # whole pages copied in
+        return st.bytes_h2d - before.bytes_h2d - installs, st.misses - before.misses, st.deferred - before.deferred
+
+    # head 0 picks a and b, head 1 picks b, both pick c: 1 + 2 + 2 parts read
+    assert fetch([a, b, b, c, c], [0, 0, 1, 0, 1]) == (5 * part, 3, 1)
+    assert not tier.is_resident(0, a) and tier.is_resident(0, b) and tier.is_resident(0, c)
+    assert fetch([a], [1]) == (part, 1, 0) and tier.is_resident(0, a)  # picked again: it enters
+    assert fetch([a], [0]) == (0, 0, 0)  # a hit
+    monkeypatch.setattr(tier_policy, "ADMIT_ON_REPEAT", False)
+    assert fetch([d], [0]) == (part, 1, 0) and tier.is_resident(0, d)  # the switch off: every miss enters
     tier.check()
 
 

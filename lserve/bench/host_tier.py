@@ -27,7 +27,17 @@ from pathlib import Path
 
 import torch
 
-from lserve.bench.host_tier_common import CONTEXTS, DECODE_STEPS, Settings, Setup, free_memory, host_kv_row, make_engine, setup
+from lserve.bench.host_tier_common import (
+    ADMISSIONS,
+    CONTEXTS,
+    DECODE_STEPS,
+    Settings,
+    Setup,
+    free_memory,
+    host_kv_row,
+    make_engine,
+    setup,
+)
 from lserve.bench.host_tier_sizes import max_context
 from lserve.bench.report import header, write_json
 from lserve.config import KV_QUANT_CHOICES, ConfigError, parse_prefill_sparsity
@@ -198,13 +208,15 @@ def parse_args(argv=None) -> tuple[Settings, str]:
     p.add_argument("--device", default="cuda", help="cuda (cupy backend) or cpu (torch backend)")
     p.add_argument("--modes", default="tier,gpu", help="single mode: which runs per context (tier, gpu or both)")
     p.add_argument("--name", default="host_tier_h200", help="single mode: the report's file stem under OUT")
+    p.add_argument("--admission", default="repeat", choices=ADMISSIONS,
+                   help="which missed picks enter the tier's resident set: repeat (picked by 2+ heads or again), all")
     a = p.parse_args(argv)
     try:
         contexts = tuple(int(c) for c in a.contexts.split(","))
         s = Settings(contexts, a.resident_tokens, a.deadline, parse_prefill_sparsity(a.prefill_sparsity),
                      a.max_batched_tokens, a.kv_quant, a.gpu_kv_gib, a.host_kv_gib, decode_steps=a.decode_steps,
                      concurrency=a.concurrency, capacity=a.capacity, model=a.model, device=a.device,
-                     modes=tuple(m for m in a.modes.split(",") if m), name=a.name)
+                     modes=tuple(m for m in a.modes.split(",") if m), name=a.name, admission=a.admission)
     except ValueError as e:  # ConfigError too
         p.error(str(e) if isinstance(e, ConfigError) else f"--contexts must be integers, got {a.contexts!r}")
     return s, a.out

@@ -15,6 +15,7 @@ from lserve.sparsity.prefill_blocks import estimate_share
 
 CONTEXTS = (131072, 524288, 1048576)
 DECODE_STEPS = 32
+ADMISSIONS = ("repeat", "all")  # the tier's admission of missed picks (lserve.cache.tier_policy.ADMIT_ON_REPEAT)
 HOST_SHARE = 0.8  # of the host's available memory the tier may take by default
 
 
@@ -43,6 +44,7 @@ class Settings:
     device: str = "cuda"
     modes: tuple[str, ...] = ("tier", "gpu")
     name: str = "host_tier_h200"
+    admission: str = "repeat"
 
     def __post_init__(self) -> None:
         require(bool(self.contexts) and all(c > 0 for c in self.contexts), f"contexts must be > 0, got {self.contexts}")
@@ -58,6 +60,7 @@ class Settings:
         require(bool(self.modes) and set(self.modes) <= {"tier", "gpu"},
                 f"--modes must name tier and/or gpu, got {','.join(self.modes)}")
         require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), f"--name must be a file stem, got {self.name!r}")
+        require(self.admission in ADMISSIONS, f"--admission must be one of {ADMISSIONS}, got {self.admission!r}")
         require(not (self.concurrency and self.capacity), "--concurrency and --capacity are separate runs: give one")
         require(self.device.startswith("cuda") or self.gpu_kv_gib > 0,
                 "--gpu-kv-gib is needed off a GPU (the KV memory of the device being modelled)")
@@ -87,7 +90,8 @@ class Setup:
 
     def header(self) -> dict:
         s = self.settings
-        return {"model": s.model, "kv_quant": s.kv_quant, "sparsity": "lserve", "decode_steps": s.decode_steps,
+        return {"model": s.model, "kv_quant": s.kv_quant, "sparsity": "lserve", "admission": s.admission,
+                "decode_steps": s.decode_steps,
                 "prefill_sparsity": self.prefill_tau, "prefill_sparsity_min_len": self.prefill_min_len,
                 "max_batched_tokens": s.max_batched_tokens, "kv_bytes_per_token": self.sizes.device_per_token,
                 "host_kv_bytes_per_token": self.sizes.host_per_token, "host_bytes_available": self.host_bytes,
@@ -95,7 +99,11 @@ class Setup:
 
 
 def setup(s: Settings) -> Setup:
-    """Load the model, resolve the prefill tau as the engine will, and size the device and host."""
+    """Load the model, resolve the prefill tau as the engine will, and size the device and host;
+    set the tier's admission rule for the engines built after."""
+    from lserve.cache import tier_policy
+
+    tier_policy.ADMIT_ON_REPEAT = s.admission == "repeat"
     from lserve.bench.e2e import CONFIGS
     from lserve.engine.llm_engine import build_layout, resolve_prefill, step_alpha
     from lserve.models.loader import load_model
@@ -147,6 +155,7 @@ def host_kv_row(eng) -> dict:
         return {}
     eng.cache.host_tier.check()
     return {"hit_rate": st.hit_rate, "h2d_bytes_total": st.bytes_h2d, "h2d_bytes_last_step": st.step_bytes_h2d,
-            "d2h_bytes_total": st.bytes_d2h, "fetched": st.fetched, "streamed": st.streamed, "spilled": st.spilled,
+            "d2h_bytes_total": st.bytes_d2h, "fetched": st.fetched, "deferred": st.deferred, "streamed": st.streamed,
+            "spilled": st.spilled,
             "prefill_streamed": st.prefill_streamed, "prefill_bytes_h2d": st.prefill_bytes_h2d,
             "h2d_copies": st.h2d_copies, "virtual_tokens": eng.cache.dense_alloc.num_pages * eng.cache.page_size}

@@ -41,8 +41,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from lserve.cache import tier_policy
 from lserve.cache.paged_pool import PagedPool
-from lserve.cache.tier_policy import RecencyPolicy
+from lserve.cache.tier_policy import RecencyPolicy, RepeatAdmission
 
 
 class Scan(NamedTuple):
@@ -74,8 +75,9 @@ class HostKVStats:
     ``resident_slots_used`` / ``resident_slots``: occupied / all resident slots over every layer;
     ``pages_on_host`` / ``host_pages``: host slots in use / all; ``hot_pages``: pages only on the
     device. ``hits`` / ``misses``: selected pages found resident / not, per layer and fetch;
-    ``fetched``: pages (per layer) copied into the resident set; ``streamed``: pages (per layer)
-    read from the host without entering it; ``spilled``: pages copied to the host (all layers).
+    ``fetched``: pages (per layer) copied into the resident set; ``deferred``: missed picks the
+    admission rule left on the host (:class:`~lserve.cache.tier_policy.RepeatAdmission`);
+    ``streamed``: pages (per layer) read from the host without entering it; ``spilled``: pages copied to the host (all layers).
     ``prefill_streamed`` / ``prefill_bytes_h2d``: the share of ``streamed`` / ``bytes_h2d`` that
     prefill chunks read of their past; ``h2d_copies``: bulk copies (runs of consecutive host
     slots, per layer) that scans read the host with.
@@ -90,6 +92,7 @@ class HostKVStats:
     hits: int = 0
     misses: int = 0
     fetched: int = 0
+    deferred: int = 0
     streamed: int = 0
     spilled: int = 0
     prefill_streamed: int = 0
@@ -188,6 +191,7 @@ class HostTier:
         self._host_nfree = self.num_host
         self._host_views = host_views or [h.tensors() for h in host]
         self._policy = [policy() for _ in range(self.num_layers)]
+        self._admission = [RepeatAdmission() for _ in range(self.num_layers)]
         self._pinned: set[int] = set()
         self._keep_new: set[int] = set()  # pages a prefilling sequence writes this step
         self._spilled_to: dict[int, int] = {}  # seq_id -> pages below this index were considered
@@ -275,15 +279,20 @@ class HostTier:
         st = self._stats
         st.hits += len(want) - len(miss)
         st.misses += len(miss)
+        install = miss
         if streamed and len(miss):
             parts = None
             if heads is not None:
                 missed = np.isin(pages, miss)
                 pairs = np.unique(np.stack([pages[missed], np.asarray(heads)[missed]]), axis=1)
                 parts = pairs.shape[1]
+                if tier_policy.ADMIT_ON_REPEAT:
+                    _, per_page = np.unique(pairs[0], return_counts=True)  # heads per missed page, in miss's order
+                    install = miss[self._admission[layer].admit(miss, per_page)]
+                    st.deferred += len(miss) - len(install)
             self._count_streamed(layer, len(miss), parts)
         needed = set(want.tolist())
-        for v in miss.tolist():
+        for v in install.tolist():
             slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned and p not in needed)
             if slot is None:
                 break

@@ -1,9 +1,39 @@
-"""Eviction order of one layer's resident dense pages (the host KV tier's GPU page cache)."""
+"""The host KV tier's GPU page cache: which of one layer's missed pages enter the resident set
+(:class:`RepeatAdmission`), and in which order resident pages leave it (:class:`RecencyPolicy`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+
+import numpy as np
+
+ADMIT_ON_REPEAT = True
+"""Whether a selection's misses enter the resident set only as :class:`RepeatAdmission` says
+(else all of them, as far as slots allow). A switch for the host-tier bench to compare."""
+
+
+class RepeatAdmission:
+    """Which of a layer's missed picks a plan-time fetch installs (the cupy backend's decode).
+
+    A decode kernel reads only its own head's part of a page on the host, and a selection is
+    reused for ``reuse_interval`` (C) steps: a page one of a layer's n dense heads picked costs the
+    host link C head parts if it stays on the host, and the one or two parts read before its fetch
+    lands plus n parts (the whole page) if it is installed. So a page enters when at least two heads
+    picked it, or when the layer's previous selection missed it too (a page the selector keeps
+    coming back to: a trained model's picks repeat, random weights' barely do); the others stay on
+    the host and are remembered for the next selection.
+    """
+
+    def __init__(self) -> None:
+        self._last: set[int] = set()  # pages the previous selection missed and left on the host
+
+    def admit(self, miss: np.ndarray, heads: np.ndarray) -> np.ndarray:
+        """Mask over ``miss`` (missed pages) of those to install; ``heads``: how many heads picked each."""
+        again = np.fromiter((int(v) in self._last for v in miss), dtype=bool, count=len(miss))
+        ok = (np.asarray(heads) >= 2) | again
+        self._last = set(miss[~ok].tolist())
+        return ok
 
 
 class RecencyPolicy:

@@ -146,6 +146,8 @@ class EngineMetrics:
             "misses": counter("host_kv_misses", "Host KV tier: selected pages (per layer) not resident."),
             "fetched": counter("host_kv_pages_fetched",
                                "Host KV tier: pages (per layer) copied from the host into the resident set."),
+            "deferred": counter("host_kv_pages_deferred",
+                                "Host KV tier: missed picks (per layer) the admission rule left on the host."),
             "streamed": counter("host_kv_pages_streamed",
                                 "Host KV tier: pages (per layer) read from the host without entering the resident set."),
             "spilled": counter("host_kv_pages_spilled", "Host KV tier: pages copied to the host (all layers)."),
