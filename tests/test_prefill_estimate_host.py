@@ -80,3 +80,24 @@ def test_bad_row_groups_or_splits_are_refused(emulated):
     for bad in (dict(groups=0), dict(splits=0), dict(splits=9)):  # q_block 64 / stride 8 = 8 query groups a row
         with pytest.raises(pe.KernelError, match="splits"):
             pe.antidiagonal_masses(q, k, 0, 16, 64, 1.0, 8, **bad)
+
+
+def test_two_passes_launch_their_kernel_with_both_arrays_and_fall_back_where_they_do_not_fit(emulated, monkeypatch):
+    launches = []
+
+    def record(kern, grid, block, args, shared_mem=0):
+        launches.append((kern, shared_mem))
+        _emulated_kernel(grid, block, args)
+
+    monkeypatch.setattr(pe, "launch", record)
+    q, k = torch.randn(4, 256, 8), torch.randn(1, 256, 8)
+    ref = estimate_masses(q, k, 0, 16, 1.0, "antidiagonal", 8, 64)
+    got = pe.antidiagonal_masses(q, k, 0, 16, 64, 1.0, 8, passes=2)
+    assert torch.allclose(got, ref, atol=1e-5)
+    assert set(launches) == {("ls_antidiag_mass2", 2 * 16 * 4)}  # 16 key blocks: acc and part
+    launches.clear()
+    monkeypatch.setattr(pe, "MAX_SHARED", 16 * 4)  # one row's sums fit, two arrays do not: three passes
+    pe.antidiagonal_masses(q, k, 0, 16, 64, 1.0, 8, passes=2)
+    assert set(launches) == {("ls_antidiag_mass", 16 * 4)}
+    with pytest.raises(pe.KernelError, match="passes"):
+        pe.antidiagonal_masses(q, k, 0, 16, 64, 1.0, 8, passes=1)

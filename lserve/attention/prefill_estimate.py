@@ -5,8 +5,9 @@ query row of ``q_block`` positions it runs a score GEMM and then six elementwise
 causal mask, softmax, block sums, mean over the row's query groups), i.e. ~10 launches per row and
 the scores read and written several times in fp32. Here the GEMM stays in cuBLAS, once per group
 of rows (bounded by ``max_bytes`` of scores), and ``ls_antidiag_mass`` (``kernels/prefill_estimate.cu``)
-does the rest in one pass over the 16-bit scores: the same softmax and the same sums, so the
-masses agree with the oracle to float32 rounding.
+does the rest in one launch over the 16-bit scores (three passes per query group, or two with
+``ls_antidiag_mass2``): the same softmax and the same sums, so the masses agree with the oracle to
+float32 rounding.
 """
 
 from __future__ import annotations
@@ -26,17 +27,23 @@ DEVICE_TYPE = "cuda"  # where the kernel runs (a CPU test swaps in an emulation 
 # 16 x 8 2.11 / 6.20 / 20.17: 8 x 4 is fastest at 128k, where the estimate's 5% target is set.
 GEMM_GROUPS = 8
 SPLITS = 4
-MAX_SHARED = 200 * 1024  # block sums of one row in shared memory: nkb * 4 bytes
+MAX_SHARED = 200 * 1024  # block sums of one row in shared memory: nkb * 4 bytes (x 2 with two passes)
+# Passes of the mass kernel over a query group's scores: 3 (max; sum; block sums: ls_antidiag_mass)
+# or 2 (max; block sums and their total, one exp2 a score: ls_antidiag_mass2, twice the shared
+# memory). 3 is what the GPU tests and benchmarks have measured; 2 is timed beside it by the bench.
+PASSES = 3
+KERNELS = {3: "ls_antidiag_mass", 2: "ls_antidiag_mass2"}
 
 
-def fits(length: int, block: int) -> bool:
-    """Whether one row's block sums (``ceil(length / block)`` floats) fit the kernel's shared memory."""
-    return -(-length // block) * 4 <= MAX_SHARED
+def fits(length: int, block: int, passes: int = 3) -> bool:
+    """Whether one row's block sums (``ceil(length / block)`` floats, twice that with two passes)
+    fit the kernel's shared memory."""
+    return -(-length // block) * 4 * (2 if passes == 2 else 1) <= MAX_SHARED
 
 
 def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int, q_block: int, scale: float,
                         stride: int, max_bytes: int = 1 << 29, groups: int = GEMM_GROUPS,
-                        splits: int = SPLITS) -> torch.Tensor:
+                        splits: int = SPLITS, passes: int | None = None) -> torch.Tensor:
     """Per query head, the antidiagonal estimate of each causal tile's share of attention mass.
 
     Parameters
@@ -53,6 +60,9 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
     groups, splits : int
         About how many GEMMs score the chunk's rows (memory permitting), and how many CTAs of the
         mass kernel share one (row, query head) (:data:`GEMM_GROUPS`, :data:`SPLITS`).
+    passes : int or None
+        The mass kernel's passes over the scores, 3 or 2 (None: :data:`PASSES`; 2 falls back to 3
+        where its shared memory does not fit).
 
     Returns
     -------
@@ -70,14 +80,19 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
                           f"length {L} = start {start} + {lq} do not fit")
     g, S = hq // h, stride
     nkb = -(-L // block)
+    passes = PASSES if passes is None else passes
+    if passes not in KERNELS:
+        raise KernelError(f"antidiagonal estimate: passes must be 3 or 2, got {passes}")
     if not fits(L, block):
         raise KernelError(f"antidiagonal estimate: {nkb} key blocks exceed one row's shared memory")
+    if not fits(L, block, passes):
+        passes = 3
     b0 = start // q_block
     R = (L - 1) // q_block - b0 + 1
     gpr, kpb = q_block // S, block // S
     kg = pad_positions(k, 0, nkb * block, 0).view(h, -1, S, d).flip(2).reshape(h, -1, S * d)  # [Hkv, nkb*B/S, S*D]
     out = torch.zeros(hq, R, nkb, dtype=torch.float32, device=q.device)
-    kern = get_kernel(Variant("prefill_estimate", dtype_name(q.dtype), 128), "ls_antidiag_mass")
+    kern = get_kernel(Variant("prefill_estimate", dtype_name(q.dtype), 128), KERNELS[passes])
     # A GEMM spans its rows up to the last one's causal extent: fewer rows per GEMM waste fewer
     # FLOPs above the diagonal (~1/(2 * GEMM_GROUPS) of the causal work), more rows fewer launches.
     per_row = hq * gpr * (nkb * kpb) * q.element_size()
@@ -92,5 +107,5 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
         launch(kern, (r1 - r0, hq, splits), (THREADS,),
                (ptr(s), i32((r1 - r0) * gpr), i32(nkg), i32((b0 + r0) * gpr), i32(gpr), i32(kpb),
                 i32(-(-L // S)), i32(S), i32(start), i32(L), i32(q_block), i32(block), f32(scale / S * LOG2E),
-                ptr(out), i32(R), i32(nkb), i32(r0)), shared_mem=nkb * 4)
+                ptr(out), i32(R), i32(nkb), i32(r0)), shared_mem=nkb * 4 * (2 if passes == 2 else 1))
     return out

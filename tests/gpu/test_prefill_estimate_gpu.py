@@ -21,8 +21,9 @@ CASES = [  # (dtype, hkv, group, D, start, n, block, q_block, stride, max_bytes,
 ]
 
 
+@pytest.mark.parametrize("passes", [3, 2])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{str(c[0])[6:]}-h{c[1]}g{c[2]}d{c[3]}-s{c[4]}n{c[5]}-g{c[10]}z{c[11]}")
-def test_fused_estimate_matches_torch(case):
+def test_fused_estimate_matches_torch(case, passes):
     dt, hkv, g, d, start, n, B, QB, S, mb, groups, splits = case
     gen = torch.Generator(device="cuda").manual_seed(start + n)
     L = start + n
@@ -30,7 +31,7 @@ def test_fused_estimate_matches_torch(case):
     k = torch.randn(hkv, L, d, device="cuda", generator=gen).to(dt)
     scale = d ** -0.5
     ref = estimate_masses(q, k, start, B, scale, "antidiagonal", S, QB)
-    got = antidiagonal_masses(q, k, start, B, QB, scale, S, max_bytes=mb, groups=groups, splits=splits)
+    got = antidiagonal_masses(q, k, start, B, QB, scale, S, max_bytes=mb, groups=groups, splits=splits, passes=passes)
     assert got.shape == ref.shape and torch.isfinite(got).all()
     assert torch.allclose(got.sum(-1), torch.ones_like(got[..., 0]), atol=1e-4)  # rows are distributions
     assert (got - ref).abs().max().item() < 2e-3, (got - ref).abs().max().item()
