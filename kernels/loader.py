@@ -43,7 +43,7 @@ FAMILIES = {
     "bsp_prefill_ws": ("bsp_prefill_ws.cu", ("ls_bsp_prefill_ws",)),  # warp-specialized wgmma (sm_90a, D 128)
     "bsp_prefill_ws4": ("bsp_prefill_ws4.cu", ("ls_bsp_prefill_ws4",)),  # v4: 128 keys a step, Q in smem
     "bsp_prefill_v5": ("bsp_prefill_v5.cu", ("ls_bsp_prefill_v5",)),  # v5: v3 with pool K/V by TMA (tensor_map.py)
-    "prefill_estimate": ("prefill_estimate.cu", ("ls_antidiag_mass",)),  # block masses of a prefill chunk
+    "prefill_estimate": ("prefill_estimate.cu", ("ls_antidiag_mass", "ls_antidiag_mass2")),  # block masses of a prefill chunk
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }
