@@ -224,9 +224,9 @@ def test_streamed_picks_cost_the_picking_heads_parts_and_repeats_enter(tiny, mir
     a, b, c, d = offloaded[:4]
     part = pool.page_bytes() // pool.num_heads
 
-    def fetch(pages, heads):
+    def fetch(pages, heads):  # a selection read by 2 steps: installing pays for pages both heads picked
         before = tier.stats()
-        tier.fetch(0, np.array(pages), streamed=True, heads=np.array(heads))
+        tier.fetch(0, np.array(pages), streamed=True, heads=np.array(heads), reads=2)
         st = tier.stats()
         installs = (st.fetched - before.fetched) * pool.page_bytes()  # whole pages copied in
         return st.bytes_h2d - before.bytes_h2d - installs, st.misses - before.misses, st.deferred - before.deferred
@@ -331,3 +331,20 @@ def test_policy_evicts_unprotected_pages_first():
     pol.forget(11)
     pol.forget(3)
     assert 11 not in pol and 3 not in pol and len(pol) == 3
+
+
+def test_admission_weighs_heads_and_reads_against_the_whole_page():
+    from lserve.cache.tier_policy import RepeatAdmission
+
+    miss = np.array([3, 5, 8])
+    adm = RepeatAdmission()
+    # 4 dense heads, a selection read by 4 steps: a page enters when 2+ heads picked it
+    assert adm.admit(miss, np.array([1, 2, 4]), n_heads=4, reads=4).tolist() == [False, True, True]
+    # the next selection misses 3 again (left on the host last time): it enters now; 9 is new
+    assert adm.admit(np.array([3, 9]), np.array([1, 1]), n_heads=4, reads=4).tolist() == [True, False]
+    # one dense head: the whole page is the head's part, so any pick read twice or more enters
+    assert RepeatAdmission().admit(miss, np.array([1, 1, 1]), n_heads=1, reads=2).all()
+    # a selection read once: only repeats enter
+    once = RepeatAdmission()
+    assert not once.admit(miss, np.array([4, 4, 4]), n_heads=4, reads=1).any()
+    assert once.admit(miss, np.array([1, 1, 1]), n_heads=4, reads=1).all()

@@ -183,7 +183,8 @@ class CupyBackend(AttentionBackend):
         # Host tables of each step (and the per-sequence slots / last-selection page counts).
         self.table_planner = CupyPlanner(PlanGeometry.of(self, self.gq, self.dtype != torch.float32))
         # Plan-time fetches of the tier's page cache (the picks of earlier steps)
-        self._tier_picks = TierPicks(self.tier, self.table_planner.geometry.layer_kinds) if self.tier else None
+        self._tier_picks = (TierPicks(self.tier, self.table_planner.geometry.layer_kinds, self.sp.reuse_interval)
+                            if self.tier else None)
         # Budget kind of each layer (0: the mean budget; j: adaptive ratio j of the geometry).
         self.budget_kind = tuple(k for _, _, k in self.table_planner.geometry.layer_kinds)
         # Selection state (logical page indices) per (layer, slot, dense head).

@@ -29,11 +29,14 @@ class TierPicks:
         The cache's tier (``mirror``).
     layer_kinds : sequence of (n_dense, selects, budget kind)
         Per layer, as :attr:`~lserve.attention.cupy_plan.PlanGeometry.layer_kinds`.
+    reads : int
+        Decode steps that read one selection (the reuse interval): what a fetch's admission weighs.
     """
 
-    def __init__(self, tier: HostTier, layer_kinds) -> None:
+    def __init__(self, tier: HostTier, layer_kinds, reads: int = 1) -> None:
         self.tier = tier
         self.layer_kinds = tuple(layer_kinds)
+        self.reads = reads
         self._last: list[list[int]] | None = None  # selection slots per budget kind of the last planned step
         self._copies: deque = deque()  # (event, pages [L, S, H, U], counts [L, S, H], slots, per-kind slots)
 
@@ -72,7 +75,8 @@ class TierPicks:
             pick = p[layer, cols, :nd]  # [n, nd, U]
             used = np.arange(pick.shape[-1]) < cnt[..., None]
             head = np.broadcast_to(np.arange(nd)[:, None], pick.shape[1:])
-            self.tier.fetch(layer, pick[used], streamed=True, heads=np.broadcast_to(head, pick.shape)[used])
+            self.tier.fetch(layer, pick[used], streamed=True, heads=np.broadcast_to(head, pick.shape)[used],
+                            reads=self.reads)
 
     def after_plan(self, st) -> None:
         """A step's tables are planned: remember its selecting slots, count its decode scans."""

@@ -260,7 +260,7 @@ class HostTier:
             self._spilled_to[s.seq_id] = max(lo, i)
         self.flush()
 
-    def fetch(self, layer: int, pages, streamed: bool = False, heads=None) -> None:
+    def fetch(self, layer: int, pages, streamed: bool = False, heads=None, reads: int = 1) -> None:
         """Install the selected ``pages`` (tensor or array, any shape) of ``layer`` into its
         resident set, as far as free slots and clean, unpinned, unselected victims allow; the rest
         stays on the host.
@@ -269,7 +269,9 @@ class HostTier:
         selection for the steps after it): its misses were read from the host, and pages freed
         since are skipped. ``heads`` (same shape as ``pages``): the dense head of each pick; a
         kernel reads only its own head's part of a page, so a missed page cost the host link the
-        parts of the heads that picked it, not the whole page (without ``heads``: the whole page)."""
+        parts of the heads that picked it, not the whole page (without ``heads``: the whole page);
+        with ``heads``, the misses that enter are those :class:`RepeatAdmission` admits, ``reads``
+        being how many steps read the selection."""
         pages = pages.detach().cpu().numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
         want = np.unique(pages)
         res = self._res[layer]
@@ -288,7 +290,8 @@ class HostTier:
                 parts = pairs.shape[1]
                 if tier_policy.ADMIT_ON_REPEAT:
                     _, per_page = np.unique(pairs[0], return_counts=True)  # heads per missed page, in miss's order
-                    install = miss[self._admission[layer].admit(miss, per_page)]
+                    n = self.resident[layer].num_heads
+                    install = miss[self._admission[layer].admit(miss, per_page, n, reads)]
                     st.deferred += len(miss) - len(install)
             self._count_streamed(layer, len(miss), parts)
         needed = set(want.tolist())

@@ -16,22 +16,24 @@ ADMIT_ON_REPEAT = True
 class RepeatAdmission:
     """Which of a layer's missed picks a plan-time fetch installs (the cupy backend's decode).
 
-    A decode kernel reads only its own head's part of a page on the host, and a selection is
-    reused for ``reuse_interval`` (C) steps: a page one of a layer's n dense heads picked costs the
-    host link C head parts if it stays on the host, and the one or two parts read before its fetch
-    lands plus n parts (the whole page) if it is installed. So a page enters when at least two heads
-    picked it, or when the layer's previous selection missed it too (a page the selector keeps
-    coming back to: a trained model's picks repeat, random weights' barely do); the others stay on
-    the host and are remembered for the next selection.
+    A decode kernel reads only its own head's part of a page on the host, and a selection is read
+    for ``reads`` steps (the reuse interval C). A page k of the layer's n dense heads picked costs
+    the host link k x C head parts if it stays on the host, and about k parts (read before the
+    fetch lands) plus n (the whole page) if installed: installing pays when k x (C - 1) >= n (with
+    4 dense heads and C = 4: two heads or more; with one dense head: always). A page the layer's
+    previous selection missed too enters as well (one the selector keeps coming back to: a trained
+    model's picks repeat, random weights' barely do); the others stay on the host and are
+    remembered for the next selection.
     """
 
     def __init__(self) -> None:
         self._last: set[int] = set()  # pages the previous selection missed and left on the host
 
-    def admit(self, miss: np.ndarray, heads: np.ndarray) -> np.ndarray:
-        """Mask over ``miss`` (missed pages) of those to install; ``heads``: how many heads picked each."""
+    def admit(self, miss: np.ndarray, heads: np.ndarray, n_heads: int, reads: int) -> np.ndarray:
+        """Mask over ``miss`` (missed pages) of those to install; ``heads``: how many of the layer's
+        ``n_heads`` dense heads picked each; ``reads``: steps that read the selection."""
         again = np.fromiter((int(v) in self._last for v in miss), dtype=bool, count=len(miss))
-        ok = (np.asarray(heads) >= 2) | again
+        ok = (np.asarray(heads) * (reads - 1) >= n_heads) | again
         self._last = set(miss[~ok].tolist())
         return ok
 
