@@ -210,13 +210,14 @@ class CupyBackend(AttentionBackend):
         self.bsp_cost = (bsp.PathCost(kernel_rate=bsp.MEASURED_RATE[self.bsp_shape.impl])
                          if bsp.supported(self.dtype, self.D) else None)
         #: Dense heads of chunks with cached past through the paged prefill kernel, every causal
-        #: block, in one launch per layer for all of a step's chunks (bsp.PAGED_DENSE_CHUNKS): no
-        #: gathered copy of the past, no LSE merge, no grid. Needs the chunks' keys in the pool
-        #: before attention (one_call) and pages the kernel addresses directly (no host tier).
+        #: block, in one launch per layer for all of a step's chunks (bsp.PAGED_DENSE_CHUNKS; prompts
+        #: up to bsp.PAGED_CHUNKS_MAX_PROMPT tokens, :meth:`paged_prompt`): no gathered copy of the
+        #: past, no LSE merge, no grid. Needs the chunks' keys in the pool before attention
+        #: (one_call) and pages the kernel addresses directly (no host tier).
         self.paged_chunks = (bsp.PAGED_DENSE_CHUNKS and self.bsp_cost is not None and self.bsp_shape.impl == bsp.V5
                              and self.one_call and self.tier is None)
-        # Chunks of long prompts on this grid run cuDNN (chunked.chunk_impl); the engine aligns them.
-        self.chunk_grid = 0 if self.paged_chunks else chunk_grid(self.device, self.dtype, self.D)
+        # Chunks of longer prompts on this grid run cuDNN (chunked.chunk_impl); the engine aligns them.
+        self.chunk_grid = chunk_grid(self.device, self.dtype, self.D)
         if self.chunk_grid % self.cache.page_size:  # the past's grid pieces are gathered by whole pages
             self.chunk_grid = 0
         #: Dense-head attention calls of chunks with cached past, by kernel ("paged": the paged
@@ -224,20 +225,30 @@ class CupyBackend(AttentionBackend):
         #: ("bsp": the paged_prefill kernel, "gathered": sparse_prefill).
         self.chunk_kernels: Counter = Counter()
 
+    def paged_prompt(self, prompt_tokens: int) -> bool:
+        """Whether the chunks of a prompt of ``prompt_tokens`` tokens (0: unknown) run the paged
+        prefill kernel (:attr:`paged_chunks`)."""
+        return self.paged_chunks and 0 < prompt_tokens <= bsp.PAGED_CHUNKS_MAX_PROMPT
+
     def chunk_align(self, prompt_tokens: int) -> int:
         """:data:`~lserve.attention.chunked.CUDNN_CHUNK_GRID` for prompts whose later chunks reach
-        cuDNN's length (:func:`~lserve.attention.chunked.chunk_impl`), else 0."""
+        cuDNN's length (:func:`~lserve.attention.chunked.chunk_impl`) and do not run the paged
+        kernel (:meth:`paged_prompt`: no grid), else 0."""
+        if self.paged_prompt(prompt_tokens):
+            return 0
         return self.chunk_grid if prompt_tokens >= CUDNN_MIN_TOKENS else 0
 
     def warm_up(self, max_len: int, max_chunk: int) -> int:
-        """cuDNN's plans for every grid-aligned chunk shape (:func:`~lserve.attention.chunked.warm_chunk_plans`),
-        or the paged prefill kernel where it runs the chunks (:attr:`paged_chunks`; one shape)."""
+        """The paged prefill kernel where it runs chunks (:attr:`paged_chunks`; one shape), and cuDNN's
+        plans for every grid-aligned chunk shape (:func:`~lserve.attention.chunked.warm_chunk_plans`)
+        where prompts up to ``max_len`` reach the grid."""
+        n = 0
         if self.paged_chunks:
             bsp.kernel(self.bsp_shape, self.dtype, self.D)
-            return 1
-        if not self.chunk_grid:
-            return 0
-        return warm_chunk_plans(self.device, self.dtype, self.D, self.group, self.cache.n_dense, max_len, max_chunk)
+            n = 1
+        if not self.chunk_grid or (self.paged_chunks and max_len <= bsp.PAGED_CHUNKS_MAX_PROMPT):
+            return n
+        return n + warm_chunk_plans(self.device, self.dtype, self.D, self.group, self.cache.n_dense, max_len, max_chunk)
 
     def _check_device(self) -> None:
         from lserve.kernels.loader import KernelError
@@ -771,7 +782,7 @@ class CupyBackend(AttentionBackend):
                     pool = self.cache.dense[layer] if self.one_call and self.tier is None else None
                     self.block_sparse(sp, blocks, q, k, v, out, qd, kd, vd, pool, st.c_pages[off: off + npg])
                     continue
-                if self.paged_chunks:
+                if self.paged_prompt(sp.step.prefill_end):
                     paged.append(j)
                     continue
                 # cuDNN on the chunk grid (past and chunk merged by LSE: its plans repeat there),

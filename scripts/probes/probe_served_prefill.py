@@ -1,7 +1,7 @@
 """A served engine's prefill without Ray or HTTP: TTFT of long prompts under ``lserve serve``'s step budget.
 
     python scripts/probes/probe_served_prefill.py OUT_DIR [--contexts 32768 131072] [--configs lserve lserve-sparse]
-        [--grids 2048 0] [--paged 1 0] [--variants served "max_batched_tokens=16384,step_time_target=0.5" one-step]
+        [--grids 2048 0] [--paged 1 0 -1] [--variants served "max_batched_tokens=16384,step_time_target=0.5" one-step]
 
 The engine is built from :class:`lserve.serve.settings.ServeSettings` as a served replica builds
 it (chunked prefill under the time-targeted step budget), with the served configurations' flags
@@ -11,9 +11,10 @@ tokens), and the steps and chunk sizes it took. Against ``lserve bench e2e``'s
 one-step TTFT this separates what chunking costs from what Ray and HTTP add; ``--gpu-busy`` splits
 a third prompt's TTFT into GPU-busy seconds and the host gap (a CUDA activity trace). ``--grids`` runs
 each configuration once per ``lserve.attention.chunked.CUDNN_CHUNK_GRID`` (0: every chunk on
-flash), recording which kernels ran the chunks and each step's seconds; ``--paged`` once per value of
-``lserve.attention.paged_prefill.PAGED_DENSE_CHUNKS`` (1: dense chunks with cached past on the paged
-prefill kernel where it is v5, which makes the grid moot; 0: the gathered cuDNN / flash paths). ``--variants`` runs each
+flash), recording which kernels ran the chunks and each step's seconds; ``--paged`` once per setting of
+the paged chunks (``lserve.attention.paged_prefill``: 1, dense chunks with cached past of every prompt
+on the paged prefill kernel where it is v5, which makes the grid moot; 0, the gathered cuDNN / flash
+paths; -1, as shipped: prompts up to ``PAGED_CHUNKS_MAX_PROMPT`` paged, longer ones on the grid). ``--variants`` runs each
 once per set of ServeSettings overrides (``served``: none; ``key=value,...``; ``one-step``: the whole prompt in one
 step, the engine's own TTFT for the same prompts). Writes ``probe_served_prefill_h200.json``.
 """
@@ -120,7 +121,9 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--configs", nargs="+", default=["lserve-sparse", "lserve"], choices=list(CONFIG_FLAGS))
     ap.add_argument("--grids", type=int, nargs="+", default=[chunked.CUDNN_CHUNK_GRID])
-    ap.add_argument("--paged", type=int, nargs="+", default=[int(bsp.PAGED_DENSE_CHUNKS)], choices=[0, 1])
+    ap.add_argument("--paged", type=int, nargs="+", default=[-1], choices=[-1, 0, 1],
+                    help="chunks with a past on the paged prefill kernel: 1 every prompt, 0 none, -1 as shipped "
+                         "(prompts up to paged_prefill.PAGED_CHUNKS_MAX_PROMPT tokens)")
     ap.add_argument("--variants", nargs="+", default=["served"])
     ap.add_argument("--max-cache-tokens", type=int, default=None,
                     help="KV pool size (default: the longest context + 4096; the serve bench's server holds 4x that)")
@@ -131,12 +134,14 @@ def main() -> None:
     loaded = load_model("llama3-8b", dtype=torch.bfloat16, device="cuda")
     rows, path = [], Path(a.out, "probe_served_prefill_h200.json")
     path.parent.mkdir(parents=True, exist_ok=True)
+    shipped_max = bsp.PAGED_CHUNKS_MAX_PROMPT
     runs = ((c, g, pg, v) for c in a.configs for g in a.grids for pg in a.paged for v in a.variants)
     for config, grid, paged, variant in runs:
         if variant == "one-step" and (grid, paged) != (a.grids[0], a.paged[0]):
             continue  # one step runs no chunk with a past: neither setting changes it
         chunked.CUDNN_CHUNK_GRID = grid  # both read when the backend is built
-        bsp.PAGED_DENSE_CHUNKS = bool(paged)
+        bsp.PAGED_DENSE_CHUNKS = paged != 0
+        bsp.PAGED_CHUNKS_MAX_PROMPT = max(a.contexts) if paged == 1 else shipped_max
         over = _variant(variant, max(a.contexts))
         st = ServeSettings(model="llama3-8b", device="cuda", backend="cupy", max_model_len=max(a.contexts) + 256,
                            max_cache_tokens=a.max_cache_tokens or max(a.contexts) + 4096, max_num_seqs=4,
