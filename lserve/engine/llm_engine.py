@@ -258,7 +258,8 @@ class LLMEngine:
         """
         if self._sparse_prefill(seq):
             return ChunkRule(self.sparsity.prefill_q_block, sparse=True)
-        return ChunkRule(0 if decoding else self.backend.chunk_align(len(seq.prompt_ids)))
+        # the tokens this prefill covers (a recomputed sequence's outputs too): SeqStep.prefill_end
+        return ChunkRule(0 if decoding else self.backend.chunk_align(seq.num_tokens))
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None, chat: bool = False, arrival: float | None = None) -> str:
