@@ -38,12 +38,17 @@ __device__ __forceinline__ bool holds_query(int qg, int S, int start, int L) {
     return qg * S + S > start && qg * S < L;
 }
 
-extern "C" __global__ void __launch_bounds__(EST_THREADS)
-ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr, int kpb,
-                 int nkg_valid, int S, int start, int L, int q_block, int block, float c,
-                 float* __restrict__ out, int R, int nkb, int r0) {
-    extern __shared__ float acc[];  // [nkb] block sums of this row
-    __shared__ float red[33];
+// One (row, query head, split) CTA of the estimate. PASSES 3: max; sum; block sums normalized.
+// PASSES 2: max; each thread sums its own blocks' exponentials (the blocks it owns in the third
+// pass) into part[] and their total into l, and once l is reduced adds part[kb] / l to acc[kb]:
+// one read of the scores and one exp2 a score fewer. part[] is per-thread in effect (no thread
+// reads another's entries), so only the reduction synchronizes; it takes nkb more floats.
+template <int PASSES>
+__device__ __forceinline__ void antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr,
+                                              int kpb, int nkg_valid, int S, int start, int L, int q_block,
+                                              int block, float c, float* __restrict__ out, int R, int nkb, int r0,
+                                              float* acc, float* red) {
+    float* part = acc + nkb;  // PASSES 2 only
     const int rl = blockIdx.x, hq = blockIdx.y, r = r0 + rl;
     const int rs = (qg0 / gpr + rl) * q_block;  // first position of the row (rows align to q_block)
     const int re = min(L, rs + q_block);
@@ -61,16 +66,26 @@ ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr,
         float m = LS_NEG_INF;
         for (int j = threadIdx.x; j <= kmax; j += EST_THREADS) m = fmaxf(m, act2f(row[j]));
         m = block_reduce(m, red, true);
-        float l = 0.f;
-        for (int j = threadIdx.x; j <= kmax; j += EST_THREADS) l += exp2f((act2f(row[j]) - m) * c);
-        l = block_reduce(l, red, false);
-        const float inv = 1.f / l;
+        float l = 0.f, inv = 0.f;
+        if (PASSES == 3) {
+            for (int j = threadIdx.x; j <= kmax; j += EST_THREADS) l += exp2f((act2f(row[j]) - m) * c);
+            inv = 1.f / block_reduce(l, red, false);
+        }
         // Thread t owns blocks t, t + T, ...: kpb adjacent key groups each, no two threads share one.
         for (int kb = threadIdx.x; kb * kpb <= kmax; kb += EST_THREADS) {
             float p = 0.f;
             const int j1 = min(kmax, kb * kpb + kpb - 1);
             for (int j = kb * kpb; j <= j1; ++j) p += exp2f((act2f(row[j]) - m) * c);
-            acc[kb] += p * inv;
+            if (PASSES == 3) {
+                acc[kb] += p * inv;
+            } else {
+                part[kb] = p;
+                l += p;
+            }
+        }
+        if (PASSES == 2) {
+            inv = 1.f / block_reduce(l, red, false);
+            for (int kb = threadIdx.x; kb * kpb <= kmax; kb += EST_THREADS) acc[kb] += part[kb] * inv;
         }
     }
     __syncthreads();
@@ -82,51 +97,19 @@ ls_antidiag_mass(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr,
     }
 }
 
-// The same masses in two passes over a query group's scores instead of three, and one exp2 per
-// score instead of two: after the max, each thread sums its own blocks' exponentials (the blocks
-// it owns in the third pass above) into part[] and their total into l; once l is reduced, it adds
-// part[kb] / l to acc[kb]. part[] is per-thread in effect (no thread reads another's entries), so
-// only the reduction synchronizes. Dynamic shared memory: 2 * nkb floats (acc, then part).
-extern "C" __global__ void __launch_bounds__(EST_THREADS)
-ls_antidiag_mass2(const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr, int kpb,
-                  int nkg_valid, int S, int start, int L, int q_block, int block, float c,
-                  float* __restrict__ out, int R, int nkb, int r0) {
-    extern __shared__ float acc[];  // [nkb] block sums of this row, then [nkb] one group's block sums
-    float* part = acc + nkb;
+#define EST_ARGS const act_t* __restrict__ s, int ng, int nkg, int qg0, int gpr, int kpb, int nkg_valid, int S, \
+    int start, int L, int q_block, int block, float c, float* __restrict__ out, int R, int nkb, int r0
+#define EST_PASS s, ng, nkg, qg0, gpr, kpb, nkg_valid, S, start, L, q_block, block, c, out, R, nkb, r0
+
+// Dynamic shared memory: nkb floats (three passes), 2 * nkb (two).
+extern "C" __global__ void __launch_bounds__(EST_THREADS) ls_antidiag_mass(EST_ARGS) {
+    extern __shared__ float acc[];
     __shared__ float red[33];
-    const int rl = blockIdx.x, hq = blockIdx.y, r = r0 + rl;
-    const int rs = (qg0 / gpr + rl) * q_block;
-    const int re = min(L, rs + q_block);
-    const int nb = (re - 1) / block + 1;
-    for (int i = threadIdx.x; i < nb; i += EST_THREADS) acc[i] = 0.f;
-    __syncthreads();
-    const int a1 = min(ng, (rl + 1) * gpr);
-    int n_valid = 0;
-    for (int a = rl * gpr; a < a1; ++a) n_valid += holds_query(qg0 + a, S, start, L);
-    for (int a = rl * gpr + blockIdx.z; a < a1; a += gridDim.z) {
-        const int qg = qg0 + a;
-        if (!holds_query(qg, S, start, L)) continue;
-        const act_t* row = s + ((long long)hq * ng + a) * nkg;
-        const int kmax = min(qg, nkg_valid - 1);
-        float m = LS_NEG_INF;
-        for (int j = threadIdx.x; j <= kmax; j += EST_THREADS) m = fmaxf(m, act2f(row[j]));
-        m = block_reduce(m, red, true);
-        float l = 0.f;
-        for (int kb = threadIdx.x; kb * kpb <= kmax; kb += EST_THREADS) {
-            float p = 0.f;
-            const int j1 = min(kmax, kb * kpb + kpb - 1);
-            for (int j = kb * kpb; j <= j1; ++j) p += exp2f((act2f(row[j]) - m) * c);
-            part[kb] = p;
-            l += p;
-        }
-        const float inv = 1.f / block_reduce(l, red, false);
-        for (int kb = threadIdx.x; kb * kpb <= kmax; kb += EST_THREADS) acc[kb] += part[kb] * inv;
-    }
-    __syncthreads();
-    const float w = n_valid ? 1.f / n_valid : 0.f;
-    float* o = out + ((long long)hq * R + r) * nkb;
-    for (int i = threadIdx.x; i < nb; i += EST_THREADS) {
-        if (gridDim.z == 1) o[i] = acc[i] * w;
-        else atomicAdd(o + i, acc[i] * w);
-    }
+    antidiag_mass<3>(EST_PASS, acc, red);
+}
+
+extern "C" __global__ void __launch_bounds__(EST_THREADS) ls_antidiag_mass2(EST_ARGS) {
+    extern __shared__ float acc[];
+    __shared__ float red[33];
+    antidiag_mass<2>(EST_PASS, acc, red);
 }
