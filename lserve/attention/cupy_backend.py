@@ -246,7 +246,7 @@ class CupyBackend(AttentionBackend):
         if self.paged_chunks:
             bsp.kernel(self.bsp_shape, self.dtype, self.D)
             n = 1
-        if not self.chunk_grid or (self.paged_chunks and max_len <= bsp.PAGED_CHUNKS_MAX_PROMPT):
+        if not self.chunk_grid or self.paged_prompt(max_len):  # no prompt reaches the grid
             return n
         return n + warm_chunk_plans(self.device, self.dtype, self.D, self.group, self.cache.n_dense, max_len, max_chunk)
 

@@ -74,9 +74,8 @@ class TierPicks:
             cnt = c[layer, cols, :nd]  # [n, nd]
             pick = p[layer, cols, :nd]  # [n, nd, U]
             used = np.arange(pick.shape[-1]) < cnt[..., None]
-            head = np.broadcast_to(np.arange(nd)[:, None], pick.shape[1:])
-            self.tier.fetch(layer, pick[used], streamed=True, heads=np.broadcast_to(head, pick.shape)[used],
-                            reads=self.reads)
+            head = np.broadcast_to(np.arange(nd)[:, None], pick.shape)  # each pick's dense head
+            self.tier.fetch(layer, pick[used], streamed=True, heads=head[used], reads=self.reads)
 
     def after_plan(self, st) -> None:
         """A step's tables are planned: remember its selecting slots, count its decode scans."""

@@ -35,10 +35,15 @@ PASSES = 3
 KERNELS = {3: "ls_antidiag_mass", 2: "ls_antidiag_mass2"}
 
 
+def shared_bytes(length: int, block: int, passes: int = 3) -> int:
+    """Dynamic shared memory of the mass kernel: one row's block sums (``ceil(length / block)``
+    floats), twice that with two passes."""
+    return -(-length // block) * 4 * (2 if passes == 2 else 1)
+
+
 def fits(length: int, block: int, passes: int = 3) -> bool:
-    """Whether one row's block sums (``ceil(length / block)`` floats, twice that with two passes)
-    fit the kernel's shared memory."""
-    return -(-length // block) * 4 * (2 if passes == 2 else 1) <= MAX_SHARED
+    """Whether the mass kernel's shared memory (:func:`shared_bytes`) fits."""
+    return shared_bytes(length, block, passes) <= MAX_SHARED
 
 
 def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int, q_block: int, scale: float,
@@ -107,5 +112,5 @@ def antidiagonal_masses(q: torch.Tensor, k: torch.Tensor, start: int, block: int
         launch(kern, (r1 - r0, hq, splits), (THREADS,),
                (ptr(s), i32((r1 - r0) * gpr), i32(nkg), i32((b0 + r0) * gpr), i32(gpr), i32(kpb),
                 i32(-(-L // S)), i32(S), i32(start), i32(L), i32(q_block), i32(block), f32(scale / S * LOG2E),
-                ptr(out), i32(R), i32(nkb), i32(r0)), shared_mem=nkb * 4 * (2 if passes == 2 else 1))
+                ptr(out), i32(R), i32(nkb), i32(r0)), shared_mem=shared_bytes(L, block, passes))
     return out

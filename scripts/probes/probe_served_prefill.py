@@ -109,9 +109,10 @@ def ttft(eng: LLMEngine, n: int, seed: int, profiled: bool = False) -> dict:
     row = {"ttft_s": round(t, 3), "steps": len(chunks), "chunks": chunks, "step_s": secs,
            "chunk_kernels": {k: v for k, v in kernels.items() if v}}
     if profiled:
-        busy = busy_seconds(trace.events())
+        events = trace.events()
+        busy = busy_seconds(events)
         row.update(profiled=True, gpu_busy_s=round(busy, 3), host_gap_s=round(t - busy, 3),
-                   kernel_s=kernel_seconds(trace.events()))
+                   kernel_s=kernel_seconds(events))
     return row
 
 
