@@ -236,6 +236,34 @@ def test_a_dropped_engine_is_freed_at_once(smol):
         gc.enable()
 
 
+def test_an_engine_that_loads_its_model_keeps_no_checkpoint_copies(monkeypatch):
+    """The model fuses q/k/v, gate/up and o into copies of its own: an engine that loaded the
+    checkpoint drops it (on a GPU, Llama-3-8B's originals were 9.5 GiB kept for nothing); one
+    handed a loaded model leaves the caller's weights alone."""
+    import lserve.engine.llm_engine as le
+
+    seen = {}
+
+    def load(*a, **kw):
+        loaded = real(*a, **kw)
+        seen["q"] = weakref.ref(loaded.weights["model.layers.0.self_attn.q_proj.weight"])
+        seen["gate"] = weakref.ref(loaded.weights["model.layers.0.mlp.gate_proj.weight"])
+        return loaded
+
+    real = le.load_model
+    monkeypatch.setattr(le, "load_model", load)
+    cfg = EngineConfig(model="tiny", cache=SMALL_PAGES)
+    eng = LLMEngine(cfg)
+    gc.collect()
+    assert eng.loaded.weights == {} and seen["q"]() is None and seen["gate"]() is None
+    assert eng.loaded.config.name and eng.tokenizer is eng.loaded.tokenizer
+    ids = eng.generate([[1, 2, 3, 4]], GREEDY)[0].token_ids
+    shared = real("tiny")
+    again = LLMEngine(cfg, shared)
+    assert again.loaded is shared and len(shared.weights) > 10
+    assert again.generate([[1, 2, 3, 4]], GREEDY)[0].token_ids == ids  # same seed, same weights
+
+
 def test_sequence_tokens_slices_prompt_and_output():
     """Token ranges inside the prompt, across its end and inside the output (decode steps read
     the output alone, without copying the prompt)."""

@@ -18,16 +18,23 @@ mode's length with a small pool, and taken from the device budget before sizing 
 build that still runs out of memory is recorded in its row, not raised. Each row's
 ``overhead_parts`` says where that overhead went (torch's allocations by the lserve line that
 made them, torch's unused reserve, CuPy's pool, the rest).
+
+Each engine loads its own weights and keeps only those its model uses, as a served replica does;
+the bench holds none. (Until session 26 the engines shared the bench's loaded checkpoint and added
+their fused q/k/v, gate/up and o copies beside it: 9.5 GiB of Llama-3-8B counted as overhead.)
+So the overhead measured here includes the weights, and the device budget is what is free with
+nothing loaded, less the reserve.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from lserve.bench.host_tier_common import free_memory, make_engine, setup
+from lserve.bench.host_tier_common import device_kv_bytes, free_memory, make_engine, setup
 from lserve.bench.host_tier_concurrency import admits
 from lserve.bench.host_tier_sizes import engine_pools, max_context
 from lserve.bench.report import header, write_json
@@ -64,8 +71,9 @@ def top_allocations(snapshot: dict, top: int = 12) -> dict[str, int]:
 
 
 def overhead_bytes(st, max_len: int) -> tuple[float, dict]:
-    """Device bytes an engine of ``max_len`` tokens takes beyond its KV cache (0 off a GPU): one is
-    built with a small pool and the device's free memory read before and after. Also where they
+    """Device bytes an engine of ``max_len`` tokens takes beyond its KV cache, its weights included
+    (0 off a GPU): one is built with a small pool, loading its own weights, and the device's free
+    memory read before and after (the checkpoint's tensors it fused, dropped, given back). Also where they
     went: torch's allocations (the largest by the lserve line that made them, from torch's memory
     history), what torch's allocator holds besides, CuPy's pool, and the rest (modules, library
     workspaces outside both allocators)."""
@@ -83,7 +91,8 @@ def overhead_bytes(st, max_len: int) -> tuple[float, dict]:
     except (AttributeError, RuntimeError, TypeError):
         history = False
     try:
-        eng = make_engine(st, PROBE_POOL, 0.0, 1, max_len)
+        eng = make_engine(st, PROBE_POOL, 0.0, 1, max_len, own_weights=True)
+        torch.cuda.empty_cache()
         snap = torch.cuda.memory._snapshot() if history else {}
     finally:
         if history:
@@ -110,12 +119,12 @@ def _build(st, mode: str, gpu_bytes: float, over: float, parts: dict) -> dict:
     tokens = max_context(sz, gpu_bytes, st.host_bytes, mbt)[mode] - DECODE_ROOM - sz.page_size
     pool, host_gib = engine_pools(sz, gpu_bytes, st.host_bytes, 1, mbt, tier=mode == "tier")
     print(f"{mode}: building an engine for {tokens} tokens (pool {pool} tokens, host {host_gib:.2f} GiB, "
-          f"{over / 2**30:.2f} GiB of the device beside the cache)", flush=True)
+          f"{over / 2**30:.2f} GiB of the device beside the cache, weights included)", flush=True)
     row = {"mode": mode, "tokens": tokens, "pool_tokens": pool, "host_kv_gib": round(host_gib, 3),
            "gpu_kv_bytes": gpu_bytes, "overhead_gib": round(over / 2**30, 3), "overhead_parts": parts}
     t0 = time.perf_counter()
     try:
-        eng = make_engine(st, pool, host_gib, 1, tokens + DECODE_ROOM)
+        eng = make_engine(st, pool, host_gib, 1, tokens + DECODE_ROOM, own_weights=True)
     except torch.OutOfMemoryError as e:
         row["error"] = f"out of device memory: {str(e).splitlines()[0]}"
         print(f"    {row['error']}", flush=True)
@@ -132,6 +141,10 @@ def _build(st, mode: str, gpu_bytes: float, over: float, parts: dict) -> dict:
 def run(settings, out_dir: str | Path) -> dict:
     """Both modes; returns the report written."""
     st = setup(settings)
+    # engines load their own weights (the bench holds none): the budget is measured without them
+    st = replace(st, loaded=replace(st.loaded, weights={}))
+    free_memory()
+    st = replace(st, gpu_bytes=device_kv_bytes(settings))
     sz, mbt = st.sizes, settings.max_batched_tokens
     mx = max_context(sz, st.gpu_bytes, st.host_bytes, mbt)
     report = {**header(), **st.header(), "mode": "capacity", "max_context": mx, "rows": []}

@@ -114,10 +114,7 @@ def setup(s: Settings) -> Setup:
     sp = replace(CONFIGS["lserve"], prefill_sparsity=s.prefill_sparsity)
     resolved, _, _ = resolve_prefill(sp, s.device, mc, dtype)
     sizes = kv_sizes(s.model, mc, sp, s.kv_quant, dtype)
-    if s.gpu_kv_gib:
-        gpu = s.gpu_kv_gib * 2**30
-    else:
-        gpu = torch.cuda.mem_get_info()[0] - s.reserve_gib * 2**30
+    gpu = device_kv_bytes(s)
     host = s.host_kv_gib * 2**30 if s.host_kv_gib else available_host_bytes() * HOST_SHARE
     layout = build_layout(EngineConfig(model=s.model, sparsity=sp), mc)
     tm = TimeModel(step_alpha(mc, layout), sizes.host_per_token, s.max_batched_tokens,
@@ -125,10 +122,20 @@ def setup(s: Settings) -> Setup:
     return Setup(s, loaded, sp, resolved.prefill_sparsity, resolved.prefill_sparsity_min_len, sizes, gpu, host, tm)
 
 
-def make_engine(st: Setup, pool_tokens: int, host_kv_gib: float, max_num_seqs: int, max_len: int):
+def device_kv_bytes(s: Settings) -> float:
+    """Device memory the runs may give KV: ``--gpu-kv-gib``, else what is free now less the reserve."""
+    if s.gpu_kv_gib:
+        return s.gpu_kv_gib * 2**30
+    return torch.cuda.mem_get_info()[0] - s.reserve_gib * 2**30
+
+
+def make_engine(st: Setup, pool_tokens: int, host_kv_gib: float, max_num_seqs: int, max_len: int,
+                own_weights: bool = False):
     """An engine of the bench's model and settings: a dense pool of ``pool_tokens`` tokens (the
     resident set with the tier), ``host_kv_gib`` of host pages, no prefix cache (every prompt's
-    pages are its own)."""
+    pages are its own). ``own_weights``: the engine loads the model itself (the same seed, so the
+    same weights) and holds only what its model uses, as a served replica does; else it shares
+    ``st.loaded`` and adds its fused copies beside it."""
     from lserve.engine.llm_engine import LLMEngine
 
     s = st.settings
@@ -136,7 +143,7 @@ def make_engine(st: Setup, pool_tokens: int, host_kv_gib: float, max_num_seqs: i
     cfg = EngineConfig(model=s.model, sparsity=st.sparsity, cache=cache, device=s.device, backend=s.backend,
                        max_num_seqs=max_num_seqs, max_batched_tokens=s.max_batched_tokens, max_model_len=max_len,
                        allow_long_max_model_len=True, prefix_cache=False)
-    return LLMEngine(cfg, st.loaded)
+    return LLMEngine(cfg, None if own_weights else st.loaded)
 
 
 def free_memory() -> None:

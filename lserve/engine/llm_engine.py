@@ -156,7 +156,11 @@ class LLMEngine:
     ----------
     config : EngineConfig
     loaded : LoadedModel, optional
-        Reuse weights already in memory (tests, several engines over one model).
+        Reuse weights already in memory (tests, several engines over one model); the caller keeps
+        them. Without it the engine loads the model itself and keeps only the weights its model
+        holds (:attr:`loaded` then has none): the checkpoint's own copies of the tensors the model
+        fuses would otherwise stay in memory beside the fused ones (on a GPU with a preset
+        Llama-3-8B, 9.5 GiB).
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
@@ -173,6 +177,8 @@ class LLMEngine:
             raise ConfigError("INT4 KV needs an even head_dim")
         self.layout = build_layout(config, mc)
         self.model = LlamaModel(mc, self.loaded.weights, self.layout, dtype, config.device)
+        if loaded is None:  # the model holds what it needs (fused copies of q/k/v, gate/up, o): drop the rest
+            self.loaded = replace(self.loaded, weights={})
         sparsity, self.prefill_threshold_source, prefill_off = resolve_prefill(config.sparsity, config.device, mc, dtype)
         #: the sparsity settings in effect (``config.sparsity`` with its "auto" values resolved)
         self.sparsity = sparsity

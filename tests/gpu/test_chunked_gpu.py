@@ -93,6 +93,9 @@ def test_cupy_engine_long_prompt_chunks_run_cudnn(seed):
     assert rel < 0.05, (rel, dict(kernels))
 
 
+NEAR_TIE = 0.15  # nats between a path's top two tokens where another bf16 kernel may pick the second
+
+
 def _tiny_d128(seed: int):
     """The tiny preset with head dim 128 (the paged prefill kernel's v5 shape), random bf16 weights."""
     from dataclasses import replace
@@ -145,14 +148,23 @@ def test_cupy_engine_chunks_run_the_paged_kernel(seed, monkeypatch):
 
     prefix = [rng.randrange(256) for _ in range(3000)]
     tails = [[rng.randrange(256) for _ in range(n)] for n in (700, 1300)]
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    tokens = {}
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    runs = {}
     for paged in (True, False):
         eng = engine(4096, paged)
         eng.generate([prefix + [7]], [greedy])  # caches the prefix's pages
         outs = eng.generate([prefix + t for t in tails], [greedy] * 2)
         assert eng.stats().prefix_cache_hits >= 2 * 2992  # both continued after the cached prefix
-        tokens[paged] = [o.token_ids for o in outs]
+        runs[paged] = [(o.token_ids, o.logprobs) for o in outs]
         if paged:
             assert eng.backend.chunk_kernels["paged"] >= 2
-    assert tokens[True] == tokens[False]
+    # bf16 kernels that round differently may flip a greedy pick only where the top two are close
+    # (session 26: one seed diverged at the 10th of 16 tokens): tokens agree up to a divergence,
+    # and there both paths have both tokens as their top two, NEAR_TIE nats apart
+    for (a, la), (b, lb) in zip(runs[False], runs[True]):
+        p = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if p is None:
+            continue
+        for lps, first, second in ((la, a[p], b[p]), (lb, b[p], a[p])):
+            top = dict(lps[p][2])
+            assert second in top and top[first] - top[second] < NEAR_TIE, (p, a, b, lps[p])
