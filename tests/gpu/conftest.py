@@ -23,8 +23,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def seed() -> int:
-    """A fresh seed per test (printed, so a failure can be replayed)."""
-    s = int.from_bytes(os.urandom(4), "little")
+    """A fresh seed per test (printed, so a failure can be replayed: ``LSERVE_TEST_SEED=<seed>``)."""
+    s = int(os.environ.get("LSERVE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(s)
     print(f"seed={s}")
     return s
