@@ -41,6 +41,7 @@ def test_measure_prints_each_chunk_and_cuts_at_the_deadline(capsys):
     run = {"mode": "gpu", "context": 256}
     row = _measure(eng, run, time.perf_counter(), deadline_s=600)
     assert row["prefill_chunks"] >= 4 and row["ttft_s"] > 0 and row["decode_ms_per_token"] > 0
+    assert row["decode_steps_run"] >= 32 and "profiled_steps" not in row
     assert capsys.readouterr().out.count(" chunk ") == row["prefill_chunks"]
     cut = _measure(eng, run, time.perf_counter() - 1, deadline_s=0)
     assert cut["cut"] and cut["prefill_chunks"] == 1 and cut["prefilled_tokens"] == 64
@@ -99,7 +100,8 @@ def test_cli_runs_one_mode_under_its_own_name(tmp_path, monkeypatch):
 @pytest.mark.parametrize("bad, why", [(["--prefill-sparsity", "2"], "prefill"), (["--prefill-sparsity", "x"], "prefill"),
                                       (["--contexts", "12k"], "contexts"), (["--max-batched-tokens", "0"], "batched"),
                                       (["--modes", "cpu"], "modes"), (["--name", "a/b"], "name"),
-                                      (["--admission", "lfu"], "admission")])
+                                      (["--admission", "lfu"], "admission"), (["--profile-steps", "-1"], "profile"),
+                                      (["--profile-steps", "8"], "profile")])
 def test_cli_refuses_bad_settings_with_one_error_line(tmp_path, capsys, bad, why):
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path), "--device", "cpu", "--gpu-kv-gib", "1", *bad])

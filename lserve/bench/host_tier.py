@@ -58,17 +58,20 @@ def plan_runs(contexts, gpu_bytes: float, bytes_per_token: float, host_bytes: fl
     return runs
 
 
-def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: int = DECODE_STEPS) -> dict:
+def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: int = DECODE_STEPS,
+             profile_steps: int = 0) -> dict:
     """Prefill one random prompt of the run's context chunk by chunk (a progress line each), then
     decode: TTFT, median decode ms/token, prefill chunks and, where block-sparse prefill ran, the
     kept fraction of its causal tiles; a ``cut`` row (tokens prefilled, seconds) when the
-    deadline passes during the prefill."""
+    deadline passes during the prefill. ``profile_steps``: that many decode steps more, after the
+    timed ones, under a CUDA trace (:func:`_profile_decode`)."""
     from lserve.engine import SamplingParams
 
     ctx = run["context"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, eng.model_config.vocab_size - 2, (ctx,), generator=g).tolist()
-    rid = eng.add_request(ids, SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
+    rid = eng.add_request(ids, SamplingParams(max_tokens=decode_steps + 1 + profile_steps, temperature=0,
+                                              ignore_eos=True))
     tiles0 = list(eng.backend.prefill_tiles)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -93,12 +96,41 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: in
     ttft = time.perf_counter() - t0
     kept = eng.backend.prefill_kept_since(tiles0)
     steps = []
-    while eng.has_unfinished():
+    while eng.has_unfinished() and len(steps) < decode_steps:
         t1 = time.perf_counter()
         eng.step()
         steps.append(time.perf_counter() - t1)
+    prof = _profile_decode(eng, profile_steps) if profile_steps and eng.has_unfinished() else {}
+    rest = 0
+    while eng.has_unfinished():
+        eng.step()
+        rest += 1
+    # the decode's share of the tier's counters (h2d_bytes_total less prefill_bytes_h2d) is over these
+    decode_steps_run = len(steps) + prof.get("profiled_steps", 0) + rest
     return {"ttft_s": ttft, "decode_ms_per_token": statistics.median(steps) * 1e3, "prefill_chunks": chunks,
-            **({"prefill_kept_fraction": kept} if kept is not None else {})}
+            "decode_steps_run": decode_steps_run,
+            **({"prefill_kept_fraction": kept} if kept is not None else {}), **prof}
+
+
+def _profile_decode(eng, n: int) -> dict:
+    """``n`` decode steps under a CUDA trace: wall and GPU-busy ms a step (the difference is the
+    GPU waiting for the host: the tier's plan-time work shows there) and GPU ms a step per kernel,
+    to set against the all-GPU row's (the decode kernels' reads of host pages show there)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lserve.bench.gpu_trace import busy_seconds, kernel_seconds
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = trace.events()
+    return {"profiled_steps": n, "profiled_wall_ms_per_step": round(wall / n * 1e3, 3),
+            "profiled_gpu_busy_ms_per_step": round(busy_seconds(events) / n * 1e3, 3),
+            "profiled_kernel_ms_per_step": {k: round(v / n * 1e3, 4) for k, v in kernel_seconds(events, 15).items()}}
 
 
 def run(settings: Settings, out_dir: str | Path) -> dict:
@@ -123,7 +155,7 @@ def run(settings: Settings, out_dir: str | Path) -> dict:
               flush=True)
         t_run = time.perf_counter()
         eng = _engine(st, r)
-        row = {**r, **_measure(eng, r, t0, s.deadline_s, s.decode_steps), **host_kv_row(eng)}
+        row = {**r, **_measure(eng, r, t0, s.deadline_s, s.decode_steps, s.profile_steps), **host_kv_row(eng)}
         row.update(estimate_s=round(est, 1), wall_s=round(time.perf_counter() - t_run, 1))
         report["rows"].append(row)
         _print_row(row)
@@ -152,6 +184,10 @@ def _print_row(row: dict) -> None:
     if row.get("cut"):
         print(f"    cut at the deadline: {row['prefilled_tokens']} tokens in {row['prefill_s']:.1f} s", flush=True)
         return
+    if row.get("profiled_steps"):
+        top = ", ".join(f"{k[:40]} {v:.3f}" for k, v in list(row["profiled_kernel_ms_per_step"].items())[:5])
+        print(f"    profiled {row['profiled_steps']} decode steps: wall {row['profiled_wall_ms_per_step']:.2f} ms, "
+              f"GPU busy {row['profiled_gpu_busy_ms_per_step']:.2f} ms a step; GPU ms a step: {top}", flush=True)
     kept = row.get("prefill_kept_fraction")
     print(f"    decode {row['decode_ms_per_token']:.2f} ms/token, ttft {row['ttft_s']:.1f} s"
           + (f", kept {kept:.3f} of causal tiles" if kept is not None else "")
@@ -208,6 +244,8 @@ def parse_args(argv=None) -> tuple[Settings, str]:
     p.add_argument("--device", default="cuda", help="cuda (cupy backend) or cpu (torch backend)")
     p.add_argument("--modes", default="tier,gpu", help="single mode: which runs per context (tier, gpu or both)")
     p.add_argument("--name", default="host_tier_h200", help="single mode: the report's file stem under OUT")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="single mode: decode steps traced after the timed ones (GPU busy vs wall, GPU ms per kernel)")
     p.add_argument("--admission", default="repeat", choices=ADMISSIONS,
                    help="which missed picks enter the tier's resident set: repeat (picked by 2+ heads or again), all")
     a = p.parse_args(argv)
@@ -216,7 +254,8 @@ def parse_args(argv=None) -> tuple[Settings, str]:
         s = Settings(contexts, a.resident_tokens, a.deadline, parse_prefill_sparsity(a.prefill_sparsity),
                      a.max_batched_tokens, a.kv_quant, a.gpu_kv_gib, a.host_kv_gib, decode_steps=a.decode_steps,
                      concurrency=a.concurrency, capacity=a.capacity, model=a.model, device=a.device,
-                     modes=tuple(m for m in a.modes.split(",") if m), name=a.name, admission=a.admission)
+                     modes=tuple(m for m in a.modes.split(",") if m), name=a.name, admission=a.admission,
+                     profile_steps=a.profile_steps)
     except ValueError as e:  # ConfigError too
         p.error(str(e) if isinstance(e, ConfigError) else f"--contexts must be integers, got {a.contexts!r}")
     return s, a.out

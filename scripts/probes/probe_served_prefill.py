@@ -22,7 +22,6 @@ step, the engine's own TTFT for the same prompts). Writes ``probe_served_prefill
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import gc
 import json
@@ -30,11 +29,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from lserve.attention import chunked
 from lserve.attention import paged_prefill as bsp
+from lserve.bench.gpu_trace import busy_seconds, kernel_seconds
 from lserve.bench.report import header
 from lserve.bench.serve import CONFIG_FLAGS
 from lserve.engine.llm_engine import LLMEngine
@@ -62,26 +61,6 @@ def _variant(spec: str, longest: int) -> dict:
         return {}
     pairs = (item.split("=") for item in spec.split(","))
     return {key: type(getattr(ServeSettings, key))(value) for key, value in pairs}
-
-
-def busy_seconds(events) -> float:
-    """Seconds in which at least one GPU activity of a profile ran (the union of their spans)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
-    total, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total / 1e6
-
-
-def kernel_seconds(events, top: int = 25) -> dict:
-    """GPU seconds per kernel name (the ``top`` longest in total), to compare chunked and one-step runs."""
-    per = collections.Counter()
-    for e in events:
-        if e.device_type == DeviceType.CUDA:
-            per[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1e6
-    return {name: round(sec, 4) for name, sec in per.most_common(top)}
 
 
 def ttft(eng: LLMEngine, n: int, seed: int, profiled: bool = False) -> dict:
