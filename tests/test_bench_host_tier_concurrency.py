@@ -127,12 +127,12 @@ def test_capacity_retries_smaller_after_running_out_of_device_memory(tmp_path, m
 
     real, calls = cap.make_engine, []
 
-    def flaky(st, pool, host_gib, n, max_len, own_weights=False):
+    def flaky(st, pool, host_gib, n, max_len):
         calls.append(pool)
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 338.00 MiB")
-        assert own_weights  # capacity engines load their own weights, as a replica does
-        return real(st, pool, host_gib, n, max_len, own_weights)
+        assert st.loaded is None  # capacity engines load their own weights, as a replica does
+        return real(st, pool, host_gib, n, max_len)
 
     monkeypatch.setattr(cap, "make_engine", flaky)
     args = ["--capacity", "--model", "tiny", "--device", "cpu", "--kv-quant", "none", "--gpu-kv-gib", "0.005",

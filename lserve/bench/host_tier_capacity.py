@@ -91,7 +91,7 @@ def overhead_bytes(st, max_len: int) -> tuple[float, dict]:
     except (AttributeError, RuntimeError, TypeError):
         history = False
     try:
-        eng = make_engine(st, PROBE_POOL, 0.0, 1, max_len, own_weights=True)
+        eng = make_engine(st, PROBE_POOL, 0.0, 1, max_len)
         torch.cuda.empty_cache()
         snap = torch.cuda.memory._snapshot() if history else {}
     finally:
@@ -124,7 +124,7 @@ def _build(st, mode: str, gpu_bytes: float, over: float, parts: dict) -> dict:
            "gpu_kv_bytes": gpu_bytes, "overhead_gib": round(over / 2**30, 3), "overhead_parts": parts}
     t0 = time.perf_counter()
     try:
-        eng = make_engine(st, pool, host_gib, 1, tokens + DECODE_ROOM, own_weights=True)
+        eng = make_engine(st, pool, host_gib, 1, tokens + DECODE_ROOM)
     except torch.OutOfMemoryError as e:
         row["error"] = f"out of device memory: {str(e).splitlines()[0]}"
         print(f"    {row['error']}", flush=True)
@@ -142,7 +142,7 @@ def run(settings, out_dir: str | Path) -> dict:
     """Both modes; returns the report written."""
     st = setup(settings)
     # engines load their own weights (the bench holds none): the budget is measured without them
-    st = replace(st, loaded=replace(st.loaded, weights={}))
+    st = replace(st, loaded=None)
     free_memory()
     st = replace(st, gpu_bytes=device_kv_bytes(settings))
     sz, mbt = st.sizes, settings.max_batched_tokens

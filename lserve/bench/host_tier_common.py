@@ -79,7 +79,7 @@ class Setup:
     """The model under test and what the runs are sized from."""
 
     settings: Settings
-    loaded: object
+    loaded: object  # None: each engine loads its own (make_engine)
     sparsity: object  # SparsityConfig as given (its prefill tau unresolved)
     prefill_tau: float  # resolved by the engine's rule (0: off; -1: per-layer calibrated taus)
     prefill_min_len: int
@@ -133,13 +133,12 @@ def device_kv_bytes(s: Settings) -> float:
     return torch.cuda.mem_get_info()[0] - s.reserve_gib * 2**30
 
 
-def make_engine(st: Setup, pool_tokens: int, host_kv_gib: float, max_num_seqs: int, max_len: int,
-                own_weights: bool = False):
+def make_engine(st: Setup, pool_tokens: int, host_kv_gib: float, max_num_seqs: int, max_len: int):
     """An engine of the bench's model and settings: a dense pool of ``pool_tokens`` tokens (the
     resident set with the tier), ``host_kv_gib`` of host pages, no prefix cache (every prompt's
-    pages are its own). ``own_weights``: the engine loads the model itself (the same seed, so the
-    same weights) and holds only what its model uses, as a served replica does; else it shares
-    ``st.loaded`` and adds its fused copies beside it."""
+    pages are its own). It shares ``st.loaded`` and adds its fused copies beside it; with
+    ``st.loaded`` None it loads the model itself (the same seed, so the same weights) and holds
+    only what its model uses, as a served replica does."""
     from lserve.engine.llm_engine import LLMEngine
 
     s = st.settings
@@ -147,7 +146,7 @@ def make_engine(st: Setup, pool_tokens: int, host_kv_gib: float, max_num_seqs: i
     cfg = EngineConfig(model=s.model, sparsity=st.sparsity, cache=cache, device=s.device, backend=s.backend,
                        max_num_seqs=max_num_seqs, max_batched_tokens=s.max_batched_tokens, max_model_len=max_len,
                        allow_long_max_model_len=True, prefix_cache=False)
-    return LLMEngine(cfg, None if own_weights else st.loaded)
+    return LLMEngine(cfg, st.loaded)
 
 
 def free_memory() -> None:
