@@ -10,7 +10,8 @@ def _run(tmp_path, name, config_rows, engine, hol, by_config=None):
              "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "itl_p50_ms": 5.0, "itl_p99_ms": 7.0, "completed": 4, "failed": 0}
             for c, ctx, conc, tps in config_rows]
     report = {"command": f"run {name}", "date": "2026-12-01", "device": "H200", "wall_s": 100.0, "output_len": 128,
-              "rows": rows, "engine_ttft_s": engine, "hol": hol, "steps": {"lserve": {"graph": 3}},
+              "rows": rows, "engine_ttft_s": engine, "hol": hol, "hol_repeat": hol and {**hol, "repeat": True},
+              "steps": {"lserve": {"graph": 3}},
               "startup_s": {"lserve": 30.0}, "engine_ttft_by_config": by_config or {}}
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(report))
@@ -28,6 +29,7 @@ def test_merge_joins_rows_and_keeps_the_long_run_figures(tmp_path):
     assert out["engine_ttft_s"] == {"32768": 1.2}
     assert out["engine_ttft_by_config"] == {"lserve": {"32768": 1.2}, "lserve-sparse": {"131072": 5.0, "32768": 1.1}}
     assert out["hol"] == {"short_ttft_s": 0.3}
+    assert out["hol_repeat"] == {"short_ttft_s": 0.3, "repeat": True}
     assert [r["command"] for r in out["runs"]] == ["run short", "run long"]
     assert set(out["steps"]) == {"lserve@0", "lserve@1"}
     assert (tmp_path / "joined.png").stat().st_size > 0

@@ -20,7 +20,8 @@ Also, per run:
   of that batch (:mod:`lserve.bench.decode_step`, timed before any server starts; only points
   with ``C >= --decode-step-min-c``), the ``d`` of each row's ``bound_tok_s``;
 * ``hol``: a short request sent while the LServe server prefills a long prompt, against the same
-  short request alone (head-of-line blocking);
+  short request alone (head-of-line blocking); ``hol_repeat``: the same probe again on that server
+  (the first probe is the first long prompt the server prefills);
 * ``prefix_cache`` (``--prefix-contexts``): per context, the TTFT of a first and a second question
   on one document and the prompt tokens the second got from the prefix cache (also written as
   the ``rows`` of ``<prefix_name>.json``);
@@ -442,7 +443,7 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
     slos = {"ttft": slo_ttft_ms, "itl": slo_itl_ms}
     report = {**header(), "model": model, "backend": backend, "output_len": default_out, "server_flags": common,
               "config_flags": CONFIG_FLAGS, "point_time_s": point_time_s, "requests_per_c": requests_per_c,
-              "slo_ms": slos, "rows": [], "engine_ttft_s": {}, "hol": None, "steps": {}, "startup_s": {},
+              "slo_ms": slos, "rows": [], "engine_ttft_s": {}, "hol": None, "hol_repeat": None, "steps": {}, "startup_s": {},
               "itl_sweep": []}
 
     def save():
@@ -498,6 +499,9 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
             if probes and size.hol_context and config == "lserve":
                 report["hol"] = hol_probe(srv.base_url, tok, size.hol_context, delay_s=1.0)
                 _log(f"hol: {report['hol']}")
+                # again on the same server: a first-use cost shows as the first probe's excess alone
+                report["hol_repeat"] = hol_probe(srv.base_url, tok, size.hol_context, delay_s=1.0, seed=17)
+                _log(f"hol again: {report['hol_repeat']}")
                 save()
             for wl, ctx, concs, out in pts:
                 for c in concs:
@@ -569,6 +573,7 @@ def merge_reports(paths: list[str | Path], out_dir: str | Path, name: str) -> di
             for ctx, by_c in by_ctx.items():
                 report["decode_step_ms"].setdefault(config, {}).setdefault(ctx, {}).update(by_c)
     report["hol"] = next((r["hol"] for r in parts if r.get("hol")), None)
+    report["hol_repeat"] = next((r["hol_repeat"] for r in parts if r.get("hol_repeat")), None)
     path = Path(out_dir) / f"{name}.json"
     bound_tok_s(report["rows"] + report["itl_sweep"], report["engine_ttft_by_config"], report["decode_step_ms"])
     write_json(path, report)
