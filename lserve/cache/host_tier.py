@@ -285,12 +285,13 @@ class HostTier:
         if streamed and len(miss):
             parts = None
             if heads is not None:
-                missed = np.isin(pages, miss)
-                pairs = np.unique(np.stack([pages[missed], np.asarray(heads)[missed]]), axis=1)
-                parts = pairs.shape[1]
+                n = self.resident[layer].num_heads
+                missed = (res[pages] < 0) & (self._host[pages] >= 0)  # the picks of pages in miss
+                # (page, head) pairs as one sorted key: the pages come out in miss's (sorted) order
+                pairs = np.unique(pages[missed] * n + np.asarray(heads)[missed])
+                parts = len(pairs)
                 if tier_policy.ADMIT_ON_REPEAT:
-                    _, per_page = np.unique(pairs[0], return_counts=True)  # heads per missed page, in miss's order
-                    n = self.resident[layer].num_heads
+                    per_page = np.diff(np.flatnonzero(np.diff(pairs // n, prepend=-1, append=-1)))  # heads a page
                     install = miss[self._admission[layer].admit(miss, per_page, n, reads)]
                     st.deferred += len(miss) - len(install)
             self._count_streamed(layer, len(miss), parts)

@@ -27,14 +27,14 @@ class RepeatAdmission:
     """
 
     def __init__(self) -> None:
-        self._last: set[int] = set()  # pages the previous selection missed and left on the host
+        self._last = np.zeros(0, dtype=np.int64)  # pages the previous selection missed and left on the host
 
     def admit(self, miss: np.ndarray, heads: np.ndarray, n_heads: int, reads: int) -> np.ndarray:
         """Mask over ``miss`` (missed pages) of those to install; ``heads``: how many of the layer's
         ``n_heads`` dense heads picked each; ``reads``: steps that read the selection."""
-        again = np.fromiter((int(v) in self._last for v in miss), dtype=bool, count=len(miss))
-        ok = (np.asarray(heads) * (reads - 1) >= n_heads) | again
-        self._last = set(miss[~ok].tolist())
+        miss = np.asarray(miss, dtype=np.int64)
+        ok = (np.asarray(heads) * (reads - 1) >= n_heads) | np.isin(miss, self._last, kind="table")
+        self._last = miss[~ok]
         return ok
 
 
