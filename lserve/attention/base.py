@@ -21,7 +21,7 @@ from lserve.sparsity.adaptive_budget import layer_pages, resolve_ratios
 from lserve.sparsity.kv_read import KVReadMeter, ring_tokens, selected_tokens, step_read
 from lserve.sparsity.layer_select import resolve_select_layers
 from lserve.sparsity.plan import SeqPlan, SeqStep, StepPlan, StepPlanner, layer_budget
-from lserve.sparsity.prefill_blocks import PrefillBlocks, causal_tile_count, estimate_masses, prefill_blocks
+from lserve.sparsity.prefill_blocks import PrefillBlocks, causal_tile_count, cut_blocks, estimate_masses, prefill_blocks
 from lserve.sparsity.prefill_taus import resolve_layer_taus
 
 
@@ -162,6 +162,12 @@ class AttentionBackend(ABC):
         the torch code every backend can run; a backend with a faster exact path overrides it)."""
         return estimate_masses(q, k, start, block, scale, estimator, stride, q_block)
 
+    def cut_blocks(self, mass: torch.Tensor, group: int, tau: float, start: int, length: int, block: int,
+                   q_block: int | None, dense_from: int | None) -> PrefillBlocks:
+        """A prefill chunk's block list from its estimated masses (:func:`lserve.sparsity.prefill_blocks.cut_blocks`,
+        the torch code every backend can run; a backend with a faster exact path overrides it)."""
+        return cut_blocks(mass, group, tau, start, length, block, q_block, dense_from)
+
     def sparse_prefill_blocks(self, sp: SeqPlan, layer: int, qd: torch.Tensor, kd: torch.Tensor) -> PrefillBlocks | None:
         """The dense heads' block list of a prefill chunk, or None where it runs dense
         (:meth:`prefill_tau`); rows holding the prompt's last ``prefill_q_block`` positions keep
@@ -173,7 +179,7 @@ class AttentionBackend(ABC):
         blocks = prefill_blocks(qd, kd, sp.step.start, self.sp.prefill_block, self.scale, tau,
                                 self.sp.prefill_estimator, self.sp.prefill_stride, self.sp.prefill_q_block,
                                 dense_from=end - self.sp.prefill_q_block if end else None,
-                                estimate=self.estimate_masses)
+                                estimate=self.estimate_masses, cut=self.cut_blocks)
         self.prefill_tiles[0] += blocks.indices.numel()
         self.prefill_tiles[1] += blocks.causal_tiles() * kd.shape[0]
         return blocks

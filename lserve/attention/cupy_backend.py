@@ -78,6 +78,8 @@ from lserve.attention.cupy_plan import (
 )
 from lserve.attention.cupy_tier import TierPicks
 from lserve.attention.cupy_tuning import CupyTuning
+from lserve.attention.prefill_cut import fits as cut_fits
+from lserve.attention.prefill_cut import mass_cut
 from lserve.attention.prefill_estimate import antidiagonal_masses
 from lserve.attention.prefill_estimate import fits as estimate_fits
 from lserve.attention.torch_backend import TorchBackend
@@ -86,6 +88,9 @@ from lserve.kernels.pdl import available as pdl_available
 from lserve.sparsity.plan import SeqStep, StepPlan
 
 TOPK_THREADS = 512
+# Block-sparse prefill cuts its estimated masses with kernels/prefill_cut.cu (two launches) instead
+# of the torch cut (~30 ops). Off until its GPU test (tests/gpu/test_prefill_cut_gpu.py) has passed.
+USE_MASS_CUT = False
 SCORE_PAGES_MAX = 128  # PPB_MAX in kernels/selector.cu
 
 
@@ -732,6 +737,13 @@ class CupyBackend(AttentionBackend):
         if estimator == "antidiagonal" and q.is_cuda and estimate_fits(k.shape[1], block):
             return antidiagonal_masses(q, k, start, block, q_block or block, scale, stride)
         return super().estimate_masses(q, k, start, block, scale, estimator, stride, q_block)
+
+    def cut_blocks(self, mass, group, tau, start, length, block, q_block, dense_from):
+        """The cut in two kernels (:func:`lserve.attention.prefill_cut.mass_cut`) where
+        :data:`USE_MASS_CUT` and the rows' tiles fit its shared memory; else torch."""
+        if USE_MASS_CUT and mass.is_cuda and mass.dtype == torch.float32 and cut_fits(length, block):
+            return mass_cut(mass, group, tau, start, length, block, q_block, dense_from)
+        return super().cut_blocks(mass, group, tau, start, length, block, q_block, dense_from)
 
     def bsp_faster(self, blocks) -> bool:
         """Whether :mod:`lserve.attention.paged_prefill`'s kernel runs this block list faster than

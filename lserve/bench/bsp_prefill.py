@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from lserve.attention import paged_prefill as bsp
 from lserve.attention.block_sparse_prefill import sparse_prefill
+from lserve.attention.prefill_cut import mass_cut
 from lserve.attention.prefill_estimate import antidiagonal_masses
 from lserve.bench.kernels import median_events
 from lserve.bench.report import header, write_json
@@ -257,6 +258,16 @@ def _estimate_row(qd: torch.Tensor, kd: torch.Tensor, group: int, scale: float, 
         return select_blocks(combine_group(masses, group), 0.5, 0, L, B, QB)
 
     r["fused_and_cut_ms"] = median_events(lambda: cut(antidiagonal_masses(qd, kd, 0, B, QB, scale, S)), iters)
+
+    def gpu_cut(masses):  # the same cut in two kernels (kernels/prefill_cut.cu)
+        return mass_cut(masses, group, 0.5, 0, L, B, QB)
+
+    r["torch_cut_ms"] = median_events(lambda: cut(fused), iters)
+    r["gpu_cut_ms"] = median_events(lambda: gpu_cut(fused), iters)
+    a, b = cut(fused), gpu_cut(fused)
+    r["gpu_cut_equal"] = bool(torch.equal(a.indptr, b.indptr) and torch.equal(a.indices, b.indices))
+    r["fused_and_gpu_cut_ms"] = median_events(lambda: gpu_cut(antidiagonal_masses(qd, kd, 0, B, QB, scale, S)), iters)
+    r["fused_and_gpu_cut_vs_sdpa_dense"] = r["fused_and_gpu_cut_ms"] / sdpa_ms
     r["speedup"] = r["torch_ms"] / r["fused_ms"]
     r["fused_and_cut_vs_sdpa_dense"] = r["fused_and_cut_ms"] / sdpa_ms
     # the fused path's other launch shapes (GEMMs per chunk x mass-kernel CTAs per row): ms, largest diff
@@ -362,7 +373,9 @@ def main(argv=None) -> None:
               f"{e['max_abs_diff']:.1e}), fused + cut {e['fused_and_cut_ms']:.2f} ms = "
               f"{100 * e['fused_and_cut_vs_sdpa_dense']:.1f}% of SDPA on the dense heads; two passes "
               f"{e['fused_2pass_ms']:.2f} ms (max |diff| {e['fused_2pass_max_abs_diff']:.1e}), + cut "
-              f"{100 * e['fused_2pass_and_cut_vs_sdpa_dense']:.1f}%")
+              f"{100 * e['fused_2pass_and_cut_vs_sdpa_dense']:.1f}%; cut torch {e['torch_cut_ms']:.3f} / GPU "
+              f"{e['gpu_cut_ms']:.3f} ms (equal: {e['gpu_cut_equal']}), fused + GPU cut {e['fused_and_gpu_cut_ms']:.2f} ms = "
+              f"{100 * e['fused_and_gpu_cut_vs_sdpa_dense']:.2f}%")
         for f in r["fractions"]:
             print(f"  kept {f['kept_fraction']:.3f}: bsp dense {f['bsp_dense_ms']:.1f} ms ({f['bsp_tflops']:.0f} TF/s, "
                   f"{f['bsp_vs_cudnn_tflops']:.2f}x cuDNN), gathered {f['gathered_cudnn_ms']:.1f} ms, all heads "

@@ -136,7 +136,7 @@ def pad_positions(x: torch.Tensor, lo: int, hi: int, first: int) -> torch.Tensor
 def causal_tile_count(start: int, length: int, block: int, q_block: int) -> int:
     """Causal (query row, KV block) tiles of one head of a chunk of positions ``start .. length - 1``
     (rows of ``q_block`` positions, KV blocks of ``block`` keys)."""
-    b0, R = _rows(start, length, q_block)
+    b0, R = chunk_rows(start, length, q_block)
     return sum((min(length, (b0 + r + 1) * q_block) - 1) // block + 1 for r in range(R))
 
 
@@ -147,7 +147,7 @@ def estimate_share(estimator: str, stride: int) -> float:
     return {"antidiagonal": 1 / (2 * stride), "bound": 0.0, "oracle": 0.5}[estimator]
 
 
-def _rows(start: int, length: int, q_block: int) -> tuple[int, int]:
+def chunk_rows(start: int, length: int, q_block: int) -> tuple[int, int]:
     """(absolute id of the first query row, rows R) of a chunk."""
     b0 = start // q_block
     return b0, (length - 1) // q_block - b0 + 1
@@ -155,7 +155,7 @@ def _rows(start: int, length: int, q_block: int) -> tuple[int, int]:
 
 def _tail_rows(start: int, length: int, q_block: int, dense_from: int | None, device=None) -> torch.Tensor:
     """bool [R]: rows of a chunk that end after ``dense_from`` (the prompt's tail: every causal tile kept)."""
-    b0, R = _rows(start, length, q_block)
+    b0, R = chunk_rows(start, length, q_block)
     if dense_from is None:
         return torch.zeros(R, dtype=torch.bool, device=device)
     return ((torch.arange(R, device=device) + b0 + 1) * q_block).clamp(max=length) > dense_from
@@ -167,7 +167,7 @@ def _oracle(q, k, start, B, QB, scale, chunk=512):
     hq, lq, _ = q.shape
     L = k.shape[1]
     nkb = -(-L // B)
-    b0, R = _rows(start, L, QB)
+    b0, R = chunk_rows(start, L, QB)
     acc = torch.zeros(hq, R, nkb, dtype=torch.float32, device=q.device)
     cnt = torch.zeros(R, dtype=torch.float32, device=q.device)
     kpos = torch.arange(L, device=q.device)
@@ -196,7 +196,7 @@ def _antidiagonal(q, k, start, B, QB, scale, S):
     h, L, _ = k.shape
     g = hq // h
     nkb = -(-L // B)
-    b0, R = _rows(start, L, QB)
+    b0, R = chunk_rows(start, L, QB)
     dt = q.dtype if q.is_cuda else torch.float32
     kg = pad_positions(k.to(dt), 0, nkb * B, 0).reshape(h, -1, S, d).flip(2).reshape(h, -1, S * d)  # [Hkv, nkb*B/S, S*D]
     out = torch.zeros(hq, R, nkb, dtype=torch.float32, device=q.device)
@@ -225,7 +225,7 @@ def _bound(q, k, start, B, QB, scale):
     hq, lq, d = q.shape
     h, L, _ = k.shape
     nkb = -(-L // B)
-    b0, R = _rows(start, L, QB)
+    b0, R = chunk_rows(start, L, QB)
     qf = q.float()
     r = torch.arange(start, L, device=q.device) // QB - b0
     qsum = torch.zeros(hq, R, d, device=q.device).index_add_(1, r, qf)
@@ -294,7 +294,7 @@ def mandatory_tiles(start: int, length: int, block: int, q_block: int | None = N
     """(always kept [R, nkb], causal [R, nkb]) bool: sink block 0, the blocks of the row's own span
     and the block before it."""
     qb = q_block or block
-    b0, R = _rows(start, length, qb)
+    b0, R = chunk_rows(start, length, qb)
     nkb = -(-length // block)
     rs = (torch.arange(R, device=device) + b0) * qb
     first = (rs // block)[:, None]  # the row's first own block
@@ -350,7 +350,7 @@ def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block
     if tau >= 1.0:
         return _to_list(causal[None].expand(h, -1, -1), block, start, length, qb)
     prio = mass.masked_fill(~causal[None], -1.0).masked_fill(must[None], 2.0)  # mandatory first
-    order = prio.argsort(dim=-1, descending=True)
+    order = prio.argsort(dim=-1, descending=True, stable=True)  # ties: lower tile first (as the GPU cut)
     m_sorted = mass.masked_fill(~causal[None], 0.0).gather(-1, order)
     before = m_sorted.cumsum(-1) - m_sorted  # mass held before each tile is added
     need = ((before < tau).sum(-1)).clamp(min=must.sum(-1)[None])  # [H, R]: tiles to reach tau
@@ -360,19 +360,27 @@ def select_blocks(mass: torch.Tensor, tau: float, start: int, length: int, block
     return _to_list(_keep_top(order, n, causal), block, start, length, qb)
 
 
+def cut_blocks(mass: torch.Tensor, group: int, tau: float, start: int, length: int, block: int,
+               q_block: int | None = None, dense_from: int | None = None) -> PrefillBlocks:
+    """The block list of per-query-head masses [H_kv * G, R, nkb]: :func:`select_blocks` of
+    :func:`combine_group` (the torch cut every backend can run)."""
+    return select_blocks(combine_group(mass, group), tau, start, length, block, q_block, dense_from)
+
+
 def prefill_blocks(q: torch.Tensor, k: torch.Tensor, start: int, block: int, scale: float, tau: float,
                    estimator: str = "antidiagonal", stride: int = 8, q_block: int | None = None,
-                   dense_from: int | None = None, estimate=estimate_masses) -> PrefillBlocks:
+                   dense_from: int | None = None, estimate=estimate_masses, cut=cut_blocks) -> PrefillBlocks:
     """Estimate and cut in one call: q [H_kv * G, Lq, D], k [H_kv, L, D] -> :class:`PrefillBlocks`
     (``dense_from``: see :func:`select_blocks`; ``estimate``: a function with
-    :func:`estimate_masses`' signature and results, e.g. a backend's fused kernel)."""
+    :func:`estimate_masses`' signature and results, e.g. a backend's fused kernel; ``cut``: one with
+    :func:`cut_blocks`' signature and results)."""
     g = q.shape[0] // k.shape[0]
     qb = q_block or block
     if tau >= 1.0 or bool(_tail_rows(start, k.shape[1], qb, dense_from).all()):  # every causal tile
         _, causal = mandatory_tiles(start, k.shape[1], block, qb, q.device)
         return _to_list(causal[None].expand(k.shape[0], -1, -1), block, start, k.shape[1], qb)
-    mass = combine_group(estimate(q, k, start, block, scale, estimator, stride, q_block), g)
-    return select_blocks(mass, tau, start, k.shape[1], block, q_block, dense_from)
+    mass = estimate(q, k, start, block, scale, estimator, stride, q_block)
+    return cut(mass, g, tau, start, k.shape[1], block, q_block, dense_from)
 
 
 def oracle_at_counts(exact: torch.Tensor, blocks: PrefillBlocks) -> PrefillBlocks:
