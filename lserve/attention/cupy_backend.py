@@ -89,8 +89,9 @@ from lserve.sparsity.plan import SeqStep, StepPlan
 
 TOPK_THREADS = 512
 # Block-sparse prefill cuts its estimated masses with kernels/prefill_cut.cu (two launches) instead
-# of the torch cut (~30 ops). Off until its GPU test (tests/gpu/test_prefill_cut_gpu.py) has passed.
-USE_MASS_CUT = False
+# of the torch cut (~30 ops): the same lists (tests/gpu/test_prefill_cut_gpu.py), estimate + cut at
+# 128k 6.84 -> 6.43 ms a layer on an H100 (benchmarks/bsp_prefill/bsp_prefill_cut_h100.json).
+USE_MASS_CUT = True
 SCORE_PAGES_MAX = 128  # PPB_MAX in kernels/selector.cu
 
 

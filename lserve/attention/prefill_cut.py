@@ -2,8 +2,8 @@
 
 :func:`lserve.sparsity.prefill_blocks.select_blocks` after
 :func:`~lserve.sparsity.prefill_blocks.combine_group` is the oracle: ~30 small torch ops (a sort of
-every row's tiles, a cumulative sum, a scatter, a ``nonzero``), 0.41 ms a layer at 128k on the
-H200 (``benchmarks/bsp_prefill/bsp_prefill_notes.md``), 7% of the estimate's cost.
+every row's tiles, a cumulative sum, a scatter, a ``nonzero``), 0.58 ms a layer beside the fused
+estimate at 128k on an H100, 0.17 ms here (``benchmarks/bsp_prefill/bsp_prefill_cut_h100.json``).
 ``ls_mass_rank`` (``kernels/prefill_cut.cu``) ranks each (row, KV head)'s tiles in shared memory
 and counts what reaching ``tau`` needs; ``ls_mass_keep`` writes the BSR list. The same rule, so the
 lists are equal but where a row's mass reaches ``tau`` within float32 rounding of another sum order.

@@ -497,11 +497,13 @@ def run_serve_bench(out_dir: str | Path = "benchmarks", name: str = "serve_h200"
                                                              "server_flags": common, "rows": report["prefix_cache"]})
                 save()
             if probes and size.hol_context and config == "lserve":
-                report["hol"] = hol_probe(srv.base_url, tok, size.hol_context, delay_s=1.0)
-                _log(f"hol: {report['hol']}")
-                # again on the same server: a first-use cost shows as the first probe's excess alone
-                report["hol_repeat"] = hol_probe(srv.base_url, tok, size.hol_context, delay_s=1.0, seed=17)
-                _log(f"hol again: {report['hol_repeat']}")
+                # twice on one server: a first-use cost shows as the first probe's excess alone; the
+                # replica's steps of each (kinds, counts, ms) say where it goes
+                for key, seed in (("hol", 7), ("hol_repeat", 17)):
+                    steps0 = srv.engine_steps()
+                    report[key] = hol_probe(srv.base_url, tok, size.hol_context, delay_s=1.0, seed=seed)
+                    report[key]["step_time"] = step_time(steps0, srv.engine_steps())
+                    _log(f"{key}: {report[key]}; steps {step_line(report[key]['step_time'])}")
                 save()
             for wl, ctx, concs, out in pts:
                 for c in concs:
