@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from lserve.config import CacheConfig, ConfigError, EngineConfig, SparsityConfig
 from lserve.engine import LLMEngine, SamplingParams
@@ -204,6 +205,30 @@ def test_mirrored_fetch_of_stale_picks_counts_streamed_reads(tiny, mirrored):
     assert st.misses - before.misses == 2 and st.streamed - before.streamed == 2
     assert all(tier.is_resident(0, v) for v in offloaded[:2]) and not tier.is_resident(0, free)
     tier.check()
+
+
+def test_fetches_of_every_layer_flushed_once_equal_flushed_each(tiny, mirrored):
+    """The cupy backend fetches a selection's picks layer by layer and flushes once: the resident
+    pools and the device table end as if each fetch had flushed its own copies."""
+    def run(each: bool):
+        on = _engine(tiny, "tiny", PINNED, host_kv_gib=_gib(tiny, "tiny", 40))
+        on.generate([DOC[:400]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        tier = on.cache.host_tier
+        offloaded = [v for v in sorted(tier.held_pages()) if not tier.is_resident(0, v)]
+        assert len(offloaded) >= 3
+        for layer in range(tier.num_layers):
+            tier.fetch(layer, np.array(offloaded[:3]), streamed=True, flush=each)
+        tier.flush()
+        tier.check()
+        return ([t.clone() for layer in range(tier.num_layers) for t in tier.resident[layer].tensors()],
+                tier.slot_table.clone(), [tier.is_resident(layer, v) for layer in range(tier.num_layers)
+                                          for v in offloaded[:3]])
+
+    pools_a, table_a, res_a = run(True)
+    pools_b, table_b, res_b = run(False)
+    assert all(res_a) and res_a == res_b
+    assert torch.equal(table_a, table_b)
+    assert all(torch.equal(x, y) for x, y in zip(pools_a, pools_b))
 
 
 def test_streamed_picks_cost_the_picking_heads_parts_and_repeats_enter(tiny, mirrored, monkeypatch):

@@ -75,7 +75,8 @@ class TierPicks:
             pick = p[layer, cols, :nd]  # [n, nd, U]
             used = np.arange(pick.shape[-1]) < cnt[..., None]
             head = np.broadcast_to(np.arange(nd)[:, None], pick.shape)  # each pick's dense head
-            self.tier.fetch(layer, pick[used], streamed=True, heads=head[used], reads=self.reads)
+            self.tier.fetch(layer, pick[used], streamed=True, heads=head[used], reads=self.reads, flush=False)
+        self.tier.flush()  # every layer's installs and table entries at once
 
     def after_plan(self, st) -> None:
         """A step's tables are planned: remember its selecting slots, count its decode scans."""

@@ -260,7 +260,7 @@ class HostTier:
             self._spilled_to[s.seq_id] = max(lo, i)
         self.flush()
 
-    def fetch(self, layer: int, pages, streamed: bool = False, heads=None, reads: int = 1) -> None:
+    def fetch(self, layer: int, pages, streamed: bool = False, heads=None, reads: int = 1, flush: bool = True) -> None:
         """Install the selected ``pages`` (tensor or array, any shape) of ``layer`` into its
         resident set, as far as free slots and clean, unpinned, unselected victims allow; the rest
         stays on the host.
@@ -271,7 +271,8 @@ class HostTier:
         kernel reads only its own head's part of a page, so a missed page cost the host link the
         parts of the heads that picked it, not the whole page (without ``heads``: the whole page);
         with ``heads``, the misses that enter are those :class:`RepeatAdmission` admits, ``reads``
-        being how many steps read the selection."""
+        being how many steps read the selection. ``flush=False`` leaves the copies queued for one
+        :meth:`flush` after the fetches of every layer (fewer, larger launches)."""
         pages = pages.detach().cpu().numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
         want = np.unique(pages)
         res = self._res[layer]
@@ -302,8 +303,9 @@ class HostTier:
                 break
             self._install(layer, v, slot)
             st.fetched += 1
-        self._policy[layer].touch(v for v in want.tolist() if res[v] >= 0)
-        self.flush()
+        self._policy[layer].touch(want[res[want] >= 0].tolist())
+        if flush:
+            self.flush()
 
     def note_reads(self, pages, layers=None) -> None:
         """Count ``pages`` read by ``layers`` (None: all) from wherever they are: those not resident
@@ -369,13 +371,16 @@ class HostTier:
         if not self.mirror:
             self._dirty.clear()
             return
-        for ph in self._phases:
-            for layer, (src, dst) in ph.moves.items():
-                a, b = (self.host[layer], self.resident[layer]) if ph.kind == "h2d" else \
-                    (self.resident[layer], self.host[layer])
-                dev = b.k.device
-                si = torch.tensor(src, dtype=torch.long).to(dev, non_blocking=True)
-                di = torch.tensor(dst, dtype=torch.long).to(dev, non_blocking=True)
+        if self._phases:  # every phase's slots in one upload, then per (phase, layer) copies of its views
+            moves = [(ph.kind, layer, len(src)) for ph in self._phases for layer, (src, _) in ph.moves.items()]
+            flat = [x for ph in self._phases for src, dst in ph.moves.values() for x in (src, dst)]
+            dev = self.resident[0].k.device
+            slots = torch.from_numpy(np.concatenate(flat).astype(np.int64)).to(dev, non_blocking=True)
+            at = 0
+            for kind, layer, n in moves:
+                si, di = slots[at: at + n], slots[at + n: at + 2 * n]
+                at += 2 * n
+                a, b = (self.host[layer], self.resident[layer]) if kind == "h2d" else (self.resident[layer], self.host[layer])
                 for x, y in zip(a.tensors(), b.tensors()):
                     y.index_copy_(0, di, x.index_select(0, si))
         self._phases = []
