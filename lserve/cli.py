@@ -199,7 +199,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         run_serve_bench(a.out, name=a.name or "serve_h200", model=a.model or "llama3-8b", device=a.device or "cuda",
                         backend=a.backend or "cupy", contexts=contexts,
                         output_len=a.decode_tokens or 64, deadline_s=a.deadline, point_time_s=a.point_time,
-                        prefix_contexts=tuple(a.prefix_contexts or ()), extra_flags=tuple(a.server_flags.split()),
+                        prefix_contexts=tuple(a.prefix_contexts or ()),
+                        extra_flags=tuple(f for fl in a.server_flags for f in fl.split()),
                         configs=configs, engine_contexts=tuple(sorted(c for c in planned if c >= 32768 and a.engine_ttft)),
                         workload=a.workload, plan=tuple(a.plan or ()), requests_per_c=a.requests_per_c,
                         point_limit_s=a.point_limit, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
@@ -281,8 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "d of bound_tok_s; --no-decode-step: no bound)")
     b.add_argument("--decode-step-min-c", type=int, default=1, metavar="C",
                    help="serve: time the decode step only for points of at least this concurrency")
-    b.add_argument("--server-flags", default="",
-                   help="serve: more `lserve serve` flags for every configuration, one string (e.g. \"--itl-slo-ms 50\")")
+    b.add_argument("--server-flags", action="append", default=[],
+                   help="serve: more `lserve serve` flags for every configuration, one string (e.g. \"--itl-slo-ms 50\"); "
+                        "may be given more than once")
     b.add_argument("--point-time", type=float, default=30.0,
                    help="serve: seconds a load point sends for at least (then its requests in flight finish)")
     b.add_argument("--requests-per-c", type=int, default=8,

@@ -38,6 +38,19 @@ def test_bad_bench_flags_are_one_line_errors(capsys):
     assert "--sweep-configs: unknown configuration 'fast'" in err
 
 
+def test_server_flags_may_be_given_more_than_once(monkeypatch, tmp_path):
+    """Each ``--server-flags`` string is split into ``lserve serve`` flags; several add up (a shell
+    variable that holds the bench's arguments can carry one ``--server-flags=...`` per flag)."""
+    import lserve.bench.serve as serve_bench
+
+    seen = {}
+    monkeypatch.setattr(serve_bench, "run_serve_bench", lambda out, **kw: seen.update(kw) or {"rows": []})
+    argv = ["bench", "serve", "--plan", "doc-qa:32768:1", "--out", str(tmp_path),
+            "--server-flags=--max-batched-tokens=16384", "--server-flags", "--step-time-target 0.5"]
+    main(argv)
+    assert seen["extra_flags"] == ("--max-batched-tokens=16384", "--step-time-target", "0.5")
+
+
 def test_the_bound_is_a_round_of_prefills_and_pure_decode_steps():
     """C * n / (C * P + (n - 1) * d): P the smaller of the concurrency-1 row's TTFT and the
     engine's, d the measured pure decode step at batch C (never the row's ITL); no d, no bound."""
