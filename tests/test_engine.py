@@ -126,6 +126,34 @@ def test_request_errors_are_clear(smol):
     assert not eng.has_unfinished() and eng.cache.all_free()
 
 
+def test_async_engine_warms_up_in_the_thread_that_steps(smol, monkeypatch):
+    """The warm-up (cuDNN's plans on a GPU, kept per thread by PyTorch) runs in the engine loop's
+    thread before the constructor returns; a failing warm-up fails the constructor."""
+    import threading
+
+    seen = []
+    monkeypatch.setattr(LLMEngine, "warm_up", lambda self: seen.append(threading.current_thread().name) or 0.0)
+    engine = AsyncEngine(EngineConfig(model="default", cache=SMALL_PAGES), loaded=smol)
+    try:
+        assert seen == ["lserve-engine"]
+        out = asyncio.run(_last(engine.generate("Hi", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))))
+        assert out.finished and len(out.token_ids) == 2
+    finally:
+        engine.shutdown()
+
+    def fail(self):
+        raise RuntimeError("no plans")
+
+    monkeypatch.setattr(LLMEngine, "warm_up", fail)
+    with pytest.raises(RuntimeError, match="no plans"):
+        AsyncEngine(EngineConfig(model="default", cache=SMALL_PAGES), loaded=smol)
+
+
+async def _last(stream):
+    outs = [out async for out in stream]
+    return outs[-1]
+
+
 def test_async_engine_coalesces_what_a_slow_consumer_missed(smol):
     """A consumer that falls behind gets one snapshot per read holding every token since the last
     read (text, ids and logprobs in order), not a backlog of per-token snapshots."""

@@ -48,7 +48,6 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  engine: LLMEngine | None = None) -> None:
         self.engine = engine or LLMEngine(config, loaded)
-        self.engine.warm_up()  # before the first request: a cold long prompt would build the plans
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -57,8 +56,12 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.error: BaseException | None = None
         self.aborted = 0
+        self._warm = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="lserve-engine", daemon=True)
         self._thread.start()
+        self._warm.wait()  # the loop's warm-up is done before the first request is taken
+        if self.error is not None:
+            raise self.error
 
     # -- health -------------------------------------------------------------------------------
     @property
@@ -188,6 +191,11 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
+            # Before the first request, in this thread: cuDNN's plans live in a per-thread cache
+            # (PyTorch's), so plans built in another thread would be built again by the first
+            # long prompt (5-6 s of a fresh server's first 128k prompt on an H100).
+            self.engine.warm_up()
+            self._warm.set()
             while not self._stop.is_set():
                 self._apply_commands()
                 if not self.engine.has_unfinished():
@@ -198,6 +206,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - any crash must reach every waiting request
             log.error("engine loop crashed: %s", traceback.format_exc())
             self.error = e
+            self._warm.set()  # a failed warm-up reaches the constructor
         if self.error is not None:
             dead = EngineDeadError(f"engine loop is dead: {self.error!r}")
             for rid in list(self._streams):
