@@ -17,6 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from lserve.cache.host_memory import upload
 from lserve.cache.host_tier import HostTier
 
 
@@ -46,7 +47,7 @@ class TierPicks:
         if self._last is not None and sel_page is not None:
             kinds, self._last = self._last, None
             slots = sorted({s for ks in kinds for s in ks})
-            idx = torch.tensor(slots, dtype=torch.long).to(sel_page.device, non_blocking=True)
+            idx = upload(torch.tensor(slots, dtype=torch.long), sel_page.device)
             pages = torch.empty((sel_page.shape[0], len(slots), *sel_page.shape[2:]), dtype=torch.int32,
                                 pin_memory=True)
             counts = torch.empty((sel_cnt.shape[0], len(slots), sel_cnt.shape[2]), dtype=torch.int32, pin_memory=True)

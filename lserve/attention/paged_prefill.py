@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lserve.cache.host_memory import upload
 from lserve.sparsity.prefill_blocks import PrefillBlocks
 
 BN = 64  # key block of the kernels; block lists must use the same block
@@ -255,17 +256,8 @@ def plan(seqs: list[PrefillSeq], group: int, n_dense: int, device: torch.device 
     tiles.sort(key=lambda t: -t[2])  # causal: later tiles visit more blocks, start them first
     seq_t = torch.tensor([[s.t0, s.start, s.n_new, s.page_off] for s in seqs], dtype=torch.int32)
     tile_t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 4)
-    return BspPlan(_upload(tile_t, device), _upload(seq_t, device), torch.cat(rowptrs, 1) if rowptrs else None,
+    return BspPlan(upload(tile_t, device), upload(seq_t, device), torch.cat(rowptrs, 1) if rowptrs else None,
                    torch.cat(idx) if idx else None, n_rows, group, shape)
-
-
-def _upload(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` on ``device`` without waiting for the stream: a CUDA copy from pageable memory
-    synchronizes the stream first, which would leave the GPU idle while the host goes on
-    planning and launching the layer (pinned memory is kept until the copy has run)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p: BspPlan, n_dense: int,

@@ -80,3 +80,12 @@ class MappedAllocator:
         gpu, cpu = mapped_pair(shape, dtype, self.device)
         self.cpu.append(cpu)
         return gpu
+
+
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` (a CPU tensor) on ``device`` without waiting for the stream: a CUDA copy from pageable
+    memory synchronizes the stream first, which would leave the GPU idle while the host goes on
+    planning and launching (pinned memory is kept until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from lserve.cache import tier_policy
+from lserve.cache.host_memory import upload
 from lserve.cache.paged_pool import PagedPool
 from lserve.cache.tier_policy import RecencyPolicy, RepeatAdmission
 
@@ -375,7 +376,7 @@ class HostTier:
             moves = [(ph.kind, layer, len(src)) for ph in self._phases for layer, (src, _) in ph.moves.items()]
             flat = [x for ph in self._phases for src, dst in ph.moves.values() for x in (src, dst)]
             dev = self.resident[0].k.device
-            slots = torch.from_numpy(np.concatenate(flat).astype(np.int64)).to(dev, non_blocking=True)
+            slots = upload(torch.from_numpy(np.concatenate(flat).astype(np.int64)), dev)
             at = 0
             for kind, layer, n in moves:
                 si, di = slots[at: at + n], slots[at + n: at + 2 * n]
@@ -390,8 +391,8 @@ class HostTier:
             vals = np.where(self._res[:, v] >= 0, self._res[:, v], -1 - np.maximum(self._host[v], 0)[None, :])
             idx = (np.arange(self.num_layers)[:, None] * self._res.shape[1] + v[None, :]).reshape(-1)
             dev = self.slot_table.device
-            self.slot_table.view(-1).index_copy_(0, torch.from_numpy(idx).to(dev),
-                                                 torch.from_numpy(vals.reshape(-1).astype(np.int32)).to(dev))
+            self.slot_table.view(-1).index_copy_(0, upload(torch.from_numpy(idx), dev),
+                                                 upload(torch.from_numpy(vals.reshape(-1).astype(np.int32)), dev))
 
     def _queue(self, kind: str, layer: int, src: int, dst: int) -> None:
         """Queue one page copy (mirror): into the latest phase of its kind that no later phase
