@@ -62,10 +62,15 @@ class RecencyPolicy:
 
     def touch(self, pages: Iterable[int], protect: bool = False) -> None:
         """Mark ``pages`` (resident) as used now; ``protect``: new ones enter protected."""
+        order, kept = self._order, self._kept
         for p in pages:
-            d = self._kept if p in self._kept or (protect and p not in self._order) else self._order
-            d[p] = None
-            d.move_to_end(p)
+            if p in kept:
+                kept.move_to_end(p)
+            elif protect and p not in order:
+                kept[p] = None  # new keys enter at the end
+            else:
+                order[p] = None
+                order.move_to_end(p)
 
     def protect(self, pages: Iterable[int]) -> None:
         """Move resident ``pages`` (in this order) to the end of the protected ones."""
