@@ -42,6 +42,7 @@ def test_measure_prints_each_chunk_and_cuts_at_the_deadline(capsys):
     row = _measure(eng, run, time.perf_counter(), deadline_s=600)
     assert row["prefill_chunks"] >= 4 and row["ttft_s"] > 0 and row["decode_ms_per_token"] > 0
     assert row["decode_steps_run"] >= 32 and "profiled_steps" not in row
+    assert row["decode_ms_max"] >= row["decode_ms_mean"] > 0 and row["decode_ms_max"] >= row["decode_ms_per_token"]
     assert capsys.readouterr().out.count(" chunk ") == row["prefill_chunks"]
     cut = _measure(eng, run, time.perf_counter() - 1, deadline_s=0)
     assert cut["cut"] and cut["prefill_chunks"] == 1 and cut["prefilled_tokens"] == 64
