@@ -21,7 +21,7 @@ the torch oracle, then speed at fixed kept fractions against cuDNN in the same r
 3. ``estimate`` per context: the dense heads' antidiagonal block-mass estimate at the engine's
    default block / q_block / stride, the torch code (:func:`lserve.sparsity.prefill_blocks.estimate_masses`)
    against the fused path (:func:`lserve.attention.prefill_estimate.antidiagonal_masses`), their
-   largest mass difference, and the fused estimate plus the mass cut (``select_blocks``) as a share
+   largest mass difference, and the fused estimate plus the mass cut (``cut_blocks``; and the GPU cut, ``mass_cut``) as a share
    of SDPA on the dense heads (the issue's target: <= 5%); the fused path also at the other
    launch shapes of :data:`ESTIMATE_SHAPES` (``fused_gG_sZ_ms`` and its largest difference), and
    with the mass kernel's two-pass variant (``fused_2pass_*``).
@@ -50,7 +50,7 @@ from lserve.bench.report import header, write_json
 from lserve.config import ConfigError, SparsityConfig
 from lserve.models.presets import layer_config
 from lserve.plotting import pyplot
-from lserve.sparsity.prefill_blocks import combine_group, estimate_masses, fixed_fraction_blocks, select_blocks
+from lserve.sparsity.prefill_blocks import cut_blocks, estimate_masses, fixed_fraction_blocks
 
 CONTEXTS = (32768, 131072, 262144)
 FRACTIONS = (0.1, 0.2, 0.3, 0.5)
@@ -254,8 +254,8 @@ def _estimate_row(qd: torch.Tensor, kd: torch.Tensor, group: int, scale: float, 
     r["torch_ms"] = median_events(lambda: estimate_masses(qd, kd, 0, B, scale, "antidiagonal", S, QB), iters)
     r["fused_ms"] = median_events(lambda: antidiagonal_masses(qd, kd, 0, B, QB, scale, S), iters)
 
-    def cut(masses):  # the mass cut the engine runs on the estimate
-        return select_blocks(combine_group(masses, group), 0.5, 0, L, B, QB)
+    def cut(masses):  # the torch cut the engine runs on the estimate (off the cupy backend)
+        return cut_blocks(masses, group, 0.5, 0, L, B, QB)
 
     r["fused_and_cut_ms"] = median_events(lambda: cut(antidiagonal_masses(qd, kd, 0, B, QB, scale, S)), iters)
 
