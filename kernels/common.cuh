@@ -227,28 +227,29 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
-// Inclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024).
-// ``warp_sums`` is shared scratch of 32 ints. Contains barriers: call from every thread.
-__device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
+// Inclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024), of ints or floats.
+// ``warp_sums`` is shared scratch of 32 T. Contains barriers: call from every thread.
+template <typename T>
+__device__ __forceinline__ T block_inclusive_scan(T x, T* warp_sums) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        const T y = __shfl_up_sync(0xffffffffu, x, o);
         if (lane >= o) x += y;
     }
     if (lane == 31) warp_sums[warp] = x;
     __syncthreads();
     if (warp == 0) {
-        int s = lane < nwarps ? warp_sums[lane] : 0;
+        T s = lane < nwarps ? warp_sums[lane] : T(0);
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, s, o);
+            const T y = __shfl_up_sync(0xffffffffu, s, o);
             if (lane >= o) s += y;
         }
         if (lane < nwarps) warp_sums[lane] = s;  // inclusive totals per warp
     }
     __syncthreads();
-    const int r = x + (warp > 0 ? warp_sums[warp - 1] : 0);
+    const T r = x + (warp > 0 ? warp_sums[warp - 1] : T(0));
     __syncthreads();  // warp_sums may be reused right after
     return r;
 }

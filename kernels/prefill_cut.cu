@@ -41,32 +41,6 @@ __device__ __forceinline__ float cut_block_sum(float x, float* red) {
     return r;
 }
 
-// Exclusive prefix sum over the block of one float per thread.
-__device__ __forceinline__ float cut_block_exclusive(float x, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float inc = x;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const float y = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += y;
-    }
-    if (lane == 31) red[warp] = inc;
-    __syncthreads();
-    if (warp == 0) {
-        float s = lane < CUT_THREADS / 32 ? red[lane] : 0.f;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float y = __shfl_up_sync(0xffffffffu, s, o);
-            if (lane >= o) s += y;
-        }
-        red[lane] = s;  // inclusive totals per warp
-    }
-    __syncthreads();
-    const float r = inc - x + (warp > 0 ? red[warp - 1] : 0.f);
-    __syncthreads();
-    return r;
-}
-
 // The row's geometry: first position, causal tiles, first own tile, whether it is a tail row.
 struct CutRow {
     int nb, first;
@@ -135,7 +109,7 @@ ls_mass_rank(const float* __restrict__ mass, int G, int R, int nkb, int b0, int 
     const int seg = (P + CUT_THREADS - 1) / CUT_THREADS, a = min(P, tid * seg), e = min(P, a + seg);
     float own = 0.f;
     for (int i = a; i < e; ++i) own += i < nb ? ms[id[i]] : 0.f;
-    float before = cut_block_exclusive(own, red);
+    float before = block_inclusive_scan(own, red) - own;  // mass of the sorted tiles before this run
     int* rk = rank + ((long long)h * R + r) * nkb;
     float cnt = 0.f;
     for (int i = a; i < min(e, nb); ++i) {
