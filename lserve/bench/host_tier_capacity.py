@@ -29,12 +29,11 @@ nothing loaded, less the reserve.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from lserve.bench.host_tier_common import device_kv_bytes, free_memory, make_engine, setup
+from lserve.bench.host_tier_common import free_memory, make_engine, setup
 from lserve.bench.host_tier_concurrency import admits
 from lserve.bench.host_tier_sizes import engine_pools, max_context
 from lserve.bench.report import header, write_json
@@ -140,11 +139,7 @@ def _build(st, mode: str, gpu_bytes: float, over: float, parts: dict) -> dict:
 
 def run(settings, out_dir: str | Path) -> dict:
     """Both modes; returns the report written."""
-    st = setup(settings)
-    # engines load their own weights (the bench holds none): the budget is measured without them
-    st = replace(st, loaded=None)
-    free_memory()
-    st = replace(st, gpu_bytes=device_kv_bytes(settings))
+    st = setup(settings, keep_weights=False)  # engines load their own weights: the bench holds none
     sz, mbt = st.sizes, settings.max_batched_tokens
     mx = max_context(sz, st.gpu_bytes, st.host_bytes, mbt)
     report = {**header(), **st.header(), "mode": "capacity", "max_context": mx, "rows": []}

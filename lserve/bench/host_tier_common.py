@@ -102,9 +102,10 @@ class Setup:
                 "gpu_bytes_for_kv": self.gpu_bytes, "max_context_gpu": int(self.gpu_bytes // self.sizes.device_per_token)}
 
 
-def setup(s: Settings) -> Setup:
+def setup(s: Settings, keep_weights: bool = True) -> Setup:
     """Load the model, resolve the prefill tau as the engine will, and size the device and host;
-    set the tier's admission rule for the engines built after."""
+    set the tier's admission rule for the engines built after. ``keep_weights=False``: the engines
+    load their own (``Setup.loaded`` None), so the device is sized with no weights loaded."""
     from lserve.cache import tier_policy
 
     tier_policy.ADMIT_ON_REPEAT = s.admission == "repeat"
@@ -118,6 +119,9 @@ def setup(s: Settings) -> Setup:
     sp = replace(CONFIGS["lserve"], prefill_sparsity=s.prefill_sparsity)
     resolved, _, _ = resolve_prefill(sp, s.device, mc, dtype)
     sizes = kv_sizes(s.model, mc, sp, s.kv_quant, dtype)
+    if not keep_weights:
+        loaded = None
+        free_memory()
     gpu = device_kv_bytes(s)
     host = s.host_kv_gib * 2**30 if s.host_kv_gib else available_host_bytes() * HOST_SHARE
     layout = build_layout(EngineConfig(model=s.model, sparsity=sp), mc)
