@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from lserve.cache.host_memory import upload
 from lserve.cache.host_tier import HostTier
 from lserve.cache.paged_pool import PagedPool
 
@@ -74,7 +75,7 @@ class TieredPool:
         sc = self.tier.scan(self.layer, page_list, prefill)
         dev = self.resident.k.device
         def on_dev(a):
-            return torch.from_numpy(a).to(dev, non_blocking=True)
+            return upload(torch.from_numpy(a), dev)
         if not sc.runs:
             return read(self.resident, on_dev(sc.res_slots))
         staged = self.tier.stage(self.layer, sc.runs)
