@@ -10,8 +10,8 @@ import torch
 
 from lserve.bench.e2e import CONFIGS
 from lserve.bench.host_tier import main, parse_args
-from lserve.bench.host_tier_common import make_engine, setup
-from lserve.bench.host_tier_concurrency import admits, plan
+from lserve.bench.host_tier_common import admits, make_engine, setup
+from lserve.bench.host_tier_concurrency import plan
 from lserve.bench.host_tier_sizes import kv_sizes, max_context, seqs_all_gpu, seqs_tier, tier_split
 from lserve.models.presets import preset_config
 

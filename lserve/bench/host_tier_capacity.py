@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from lserve.bench.host_tier_common import free_memory, make_engine, setup
-from lserve.bench.host_tier_concurrency import admits
+from lserve.bench.host_tier_common import admits, free_memory, make_engine, setup
 from lserve.bench.host_tier_sizes import engine_pools, max_context
 from lserve.bench.report import header, write_json
 

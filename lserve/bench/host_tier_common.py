@@ -153,6 +153,14 @@ def make_engine(st: Setup, pool_tokens: int, host_kv_gib: float, max_num_seqs: i
     return LLMEngine(cfg, st.loaded)
 
 
+def admits(eng, tokens: int) -> int:
+    """Sequences of ``tokens`` tokens the engine's allocators hold at once (the scheduler admits
+    and grows a sequence while both its dense pages and its ring are free)."""
+    c = eng.cache
+    n = min(eng.config.max_num_seqs, c.dense_alloc.num_pages // c.pages_for(tokens))
+    return min(n, c.stream_alloc.num_pages // c.stream_pages_per_seq) if c.stream_pages_per_seq else n
+
+
 def free_memory() -> None:
     """Give a dropped engine's memory back before the next one is built (the caller drops it)."""
     import gc

@@ -16,11 +16,13 @@ Writes ``OUT/host_tier_concurrency.json`` after every run.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from lserve.bench.host_tier_common import Setup, free_memory, host_kv_row, make_engine, setup
+from lserve.bench.host_tier_capacity import overhead_bytes
+from lserve.bench.host_tier_common import Setup, admits, free_memory, host_kv_row, make_engine, setup
 from lserve.bench.host_tier_sizes import engine_pools, seqs_all_gpu, seqs_tier
 from lserve.bench.host_tier_time import prefill_chunks
 from lserve.bench.report import header, write_json
@@ -53,14 +55,6 @@ def plan(st: Setup, context: int) -> list[dict]:
         runs.append({"mode": mode, "context": context, "n_seqs": n, "seq_tokens": tokens, "pool_tokens": pool,
                      "host_kv_gib": host_gib})
     return runs
-
-
-def admits(eng, tokens: int) -> int:
-    """Sequences of ``tokens`` tokens the engine's allocators hold at once (the scheduler admits
-    and grows a sequence while both its dense pages and its ring are free)."""
-    c = eng.cache
-    n = min(eng.config.max_num_seqs, c.dense_alloc.num_pages // c.pages_for(tokens))
-    return min(n, c.stream_alloc.num_pages // c.stream_pages_per_seq) if c.stream_pages_per_seq else n
 
 
 def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_steps: int) -> dict:
@@ -114,10 +108,15 @@ def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_s
 def run(settings, out_dir: str | Path) -> dict:
     """Both modes per context (all-GPU first); returns the report written."""
     t0 = time.perf_counter()
-    st = setup(settings)
+    # engines load their own weights (the bench holds none, as a replica), and the device budget is
+    # what is free less one engine's measured overhead (weights included) at the longest context
+    st = setup(settings, keep_weights=False)
     s = settings
+    over, _ = overhead_bytes(st, max(s.contexts) + s.decode_steps + 2 + st.sizes.page_size)
+    st = replace(st, gpu_bytes=st.gpu_bytes - over)
     path = Path(out_dir) / "host_tier_concurrency.json"
     report = {**header(), **st.header(), "mode": "concurrency", "ring_bytes_per_seq": st.sizes.ring_per_seq,
+              "engine_overhead_gib": round(over / 2**30, 3),
               "rows": [], "skipped": []}
     for ctx in sorted(s.contexts):
         for r in plan(st, ctx):
