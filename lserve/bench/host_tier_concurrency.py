@@ -108,12 +108,14 @@ def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_s
 def run(settings, out_dir: str | Path) -> dict:
     """Both modes per context (all-GPU first); returns the report written."""
     t0 = time.perf_counter()
-    # engines load their own weights (the bench holds none, as a replica), and the device budget is
-    # what is free less one engine's measured overhead (weights included) at the longest context
+    # engines load their own weights (the bench holds none, as a replica); without --gpu-kv-gib the
+    # device budget is what is free less one engine's measured overhead (weights included)
     st = setup(settings, keep_weights=False)
     s = settings
-    over, _ = overhead_bytes(st, max(s.contexts) + s.decode_steps + 2 + st.sizes.page_size)
-    st = replace(st, gpu_bytes=st.gpu_bytes - over)
+    over = 0.0
+    if not s.gpu_kv_gib:
+        over, _ = overhead_bytes(st, max(s.contexts) + s.decode_steps + 2 + st.sizes.page_size)
+        st = replace(st, gpu_bytes=st.gpu_bytes - over)
     path = Path(out_dir) / "host_tier_concurrency.json"
     report = {**header(), **st.header(), "mode": "concurrency", "ring_bytes_per_seq": st.sizes.ring_per_seq,
               "engine_overhead_gib": round(over / 2**30, 3),
