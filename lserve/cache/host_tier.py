@@ -6,7 +6,9 @@ all layers, -1: no host copy) and, per layer, to a resident slot (-1: not reside
 
 * A page without a host copy is *hot*: resident in every layer (being written, or in a decoding
   sequence's sink/local window). Full pages outside the window are spilled (copied to the host
-  once); their resident copies are then clean and dropped without a copy back.
+  once); their resident copies are then clean and dropped without a copy back. The eviction
+  policy keeps each layer's hot and clean pages apart (the tier tells it which), so looking for a
+  victim walks clean pages only.
 * The pages a step writes and its decoding sequences' windows are *pinned*: made resident at
   plan time (:meth:`HostTier.prepare`) and never evicted during the step.
 * :meth:`HostTier.fetch` installs a layer's selected pages into resident slots (evicting by the
@@ -298,13 +300,17 @@ class HostTier:
                     st.deferred += len(miss) - len(install)
             self._count_streamed(layer, len(miss), parts)
         needed = set(want.tolist())
+        pol = self._policy[layer]
+        # the hits to the back first: the victim search skips them, and would walk past the old
+        # ones once per install (touched again below, so the installs end behind them as before)
+        pol.touch(want[res[want] >= 0].tolist())
         for v in install.tolist():
             slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned and p not in needed)
             if slot is None:
                 break
             self._install(layer, v, slot)
             st.fetched += 1
-        self._policy[layer].touch(want[res[want] >= 0].tolist())
+        pol.touch(want[res[want] >= 0].tolist())
         if flush:
             self.flush()
 
@@ -480,7 +486,9 @@ class HostTier:
                                    f"of {total})")
         for layer in range(self.num_layers):
             owned(self._res[layer], self._res_free[layer], self.num_slots, f"layer {layer} resident")
-            if len(self._policy[layer]) != int((self._res[layer] >= 0).sum()):
+            if len(self._policy[layer]) != int((self._res[layer] >= 0).sum()) or \
+                    set(self._policy[layer].candidates(hot=True)) != \
+                    set(np.flatnonzero((self._res[layer] >= 0) & (self._host < 0)).tolist()):
                 raise RuntimeError(f"host KV tier: layer {layer} policy out of step with its resident set")
         free = np.flatnonzero(self._host_is_free)
         owned(self._host, free.tolist(), self.num_host, "host")
@@ -523,7 +531,8 @@ class HostTier:
         return r, h, on
 
     def _slot(self, layer: int, evictable: Callable[[int], bool]) -> int | None:
-        """A free resident slot of ``layer``, evicting the policy's victim among ``evictable``."""
+        """A free resident slot of ``layer``, evicting the policy's clean victim among ``evictable``
+        (the policy walks clean pages only: hot ones are never passed)."""
         if not self._res_free[layer]:
             victim = self._policy[layer].victim(evictable)
             if victim is None:
@@ -540,7 +549,7 @@ class HostTier:
                 continue
             slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned)
             if slot is None:
-                hot = self._policy[layer].victim(lambda p: p not in self._pinned)
+                hot = self._policy[layer].victim(lambda p: p not in self._pinned, hot=True)
                 if hot is None:
                     raise RuntimeError("host KV tier: every resident slot is pinned (resident pool too small)")
                 self._spill(hot)
@@ -548,9 +557,9 @@ class HostTier:
                 slot = self._res_free[layer].pop()
             if self._host[v] >= 0:
                 self._install(layer, v, slot)
-            else:  # a fresh page: written this step
+            else:  # a fresh page: written this step, hot until spilled
                 self._res[layer, v] = slot
-                self._policy[layer].touch((v,), v in self._keep_new)
+                self._policy[layer].touch((v,), v in self._keep_new, hot=True)
                 self._dirty.add(v)
 
     def _install(self, layer: int, v: int, slot: int) -> None:
@@ -585,6 +594,7 @@ class HostTier:
                 self._queue("d2h", layer, int(self._res[layer, v]), hs)
             else:
                 _copy(self.resident[layer], int(self._res[layer, v]), self.host[layer], hs)
+            self._policy[layer].set_hot(v, False)  # clean: a victim candidate now
         self._host[v] = hs
         self._dirty.add(v)
         st = self._stats
@@ -600,7 +610,10 @@ class HostTier:
         self._dirty.add(v)
 
     def _drop_host(self, v: int) -> None:
+        """Free ``v``'s host slot; where it is resident it turns hot (out of the victim search)."""
         if self._host[v] >= 0:
+            for layer in np.flatnonzero(self._res[:, v] >= 0).tolist():
+                self._policy[layer].set_hot(v, True)
             hs = int(self._host[v])
             self._host_is_free[hs] = True
             self._host_nfree += 1

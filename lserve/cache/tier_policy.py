@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
 
 import numpy as np
 
@@ -48,48 +49,77 @@ class RecencyPolicy:
     are evicted only when no unprotected page can be, oldest first (the past's front, which then
     comes back from the host as one contiguous range). Another policy (frequency, selector
     scores) is another class with these methods.
+
+    A *hot* page (no host copy) is dropped only after a spill, so the tier looks for clean
+    victims first and says which pages are hot (:meth:`touch`'s ``hot``, :meth:`set_hot`). Hot
+    and clean pages are kept in orders of their own, so the search for a clean victim never
+    walks the hot ones: with most of the resident set hot (a full host), walking them once per
+    installed page cost a selection's fetch installs x hot pages predicate calls (10 s a decode
+    step, 16 x 128k on an H100). A page that turns clean (spilled) enters
+    as the most recent clean page: mostly one that just left a decoding window, or a prefilling
+    sequence's past in logical order.
     """
 
     def __init__(self) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()  # resident pages, least recent first
-        self._kept: OrderedDict[int, None] = OrderedDict()  # protected resident pages, oldest first
+        # least recent first: unprotected clean, unprotected hot, protected clean, protected hot
+        self._orders: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(4)]
+        self._in: dict[int, int] = {}  # resident page -> index of its order (2 x protected + hot)
 
     def __len__(self) -> int:
-        return len(self._order) + len(self._kept)
+        return len(self._in)
 
     def __contains__(self, page: int) -> bool:
-        return page in self._order or page in self._kept
+        return page in self._in
 
-    def touch(self, pages: Iterable[int], protect: bool = False) -> None:
-        """Mark ``pages`` (resident) as used now; ``protect``: new ones enter protected."""
-        order, kept = self._order, self._kept
+    def _move(self, page: int, to: int) -> None:
+        """``page`` to the end of order ``to``."""
+        del self._orders[self._in[page]][page]
+        self._orders[to][page] = None
+        self._in[page] = to
+
+    def touch(self, pages: Iterable[int], protect: bool = False, hot: bool = False) -> None:
+        """Mark ``pages`` (resident) as used now; new ones enter protected if ``protect``, and
+        hot (no host copy) if ``hot``."""
+        orders, where, new = self._orders, self._in, 2 * protect + hot
         for p in pages:
-            if p in kept:
-                kept.move_to_end(p)
-            elif protect and p not in order:
-                kept[p] = None  # new keys enter at the end
+            i = where.get(p)
+            if i is None:
+                where[p] = new
+                orders[new][p] = None  # new keys enter at the end
             else:
-                order[p] = None
-                order.move_to_end(p)
+                orders[i].move_to_end(p)
 
     def protect(self, pages: Iterable[int]) -> None:
         """Move resident ``pages`` (in this order) to the end of the protected ones."""
         for p in pages:
-            if self._order.pop(p, 0) is None:
-                self._kept[p] = None
+            i = self._in.get(p)
+            if i is not None and i < 2:
+                self._move(p, i + 2)
 
     def unprotect(self, pages: Iterable[int]) -> None:
         """Move protected ``pages`` (in this order) back among the others, as most recent."""
         for p in pages:
-            if self._kept.pop(p, 0) is None:
-                self._order[p] = None
+            i = self._in.get(p)
+            if i is not None and i >= 2:
+                self._move(p, i - 2)
+
+    def set_hot(self, page: int, hot: bool) -> None:
+        """Resident ``page`` lost its host copy (``hot``) or got one: it goes to the end of the
+        clean or hot pages (protected or not, as it was)."""
+        i = self._in[page]
+        if i % 2 != hot:
+            self._move(page, i - i % 2 + hot)
 
     def forget(self, page: int) -> None:
         """``page`` left the resident set."""
-        if self._order.pop(page, 0) is not None:
-            del self._kept[page]
+        del self._orders[self._in.pop(page)][page]
 
-    def victim(self, evictable: Callable[[int], bool]) -> int | None:
-        """The least recent unprotected resident page that ``evictable`` accepts, else the oldest
-        protected one, or None."""
-        return next((p for d in (self._order, self._kept) for p in d if evictable(p)), None)
+    def candidates(self, hot: bool = False) -> Iterator[int]:
+        """The clean (``hot``: the hot) resident pages in eviction order: unprotected least recent
+        first, then protected oldest first."""
+        return chain(self._orders[hot], self._orders[2 + hot])
+
+    def victim(self, evictable: Callable[[int], bool], hot: bool = False) -> int | None:
+        """The first of :meth:`candidates` (clean ones, or ``hot`` ones) that ``evictable`` accepts,
+        or None."""
+        return next((p for p in self.candidates(hot) if evictable(p)), None)
