@@ -305,7 +305,7 @@ class HostTier:
         # ones once per install (touched again below, so the installs end behind them as before)
         pol.touch(want[res[want] >= 0].tolist())
         for v in install.tolist():
-            slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned and p not in needed)
+            slot = self._slot(layer, lambda p: p not in self._pinned and p not in needed)
             if slot is None:
                 break
             self._install(layer, v, slot)
@@ -532,7 +532,7 @@ class HostTier:
 
     def _slot(self, layer: int, evictable: Callable[[int], bool]) -> int | None:
         """A free resident slot of ``layer``, evicting the policy's clean victim among ``evictable``
-        (the policy walks clean pages only: hot ones are never passed)."""
+        (the policy walks clean pages only, so every candidate has a host copy: :meth:`check`)."""
         if not self._res_free[layer]:
             victim = self._policy[layer].victim(evictable)
             if victim is None:
@@ -547,7 +547,7 @@ class HostTier:
             if self._res[layer, v] >= 0:
                 self._policy[layer].touch((v,), v in self._keep_new)
                 continue
-            slot = self._slot(layer, lambda p: self._host[p] >= 0 and p not in self._pinned)
+            slot = self._slot(layer, lambda p: p not in self._pinned)
             if slot is None:
                 hot = self._policy[layer].victim(lambda p: p not in self._pinned, hot=True)
                 if hot is None:
