@@ -145,7 +145,7 @@ def test_capacity_retries_smaller_after_running_out_of_device_memory(tmp_path, m
 
 
 def test_overhead_parts_name_the_lserve_lines_that_allocated_most():
-    from lserve.bench.host_tier_capacity import top_allocations
+    from lserve.bench.host_tier_common import top_allocations
 
     def blk(size, state, *files):
         return {"size": size, "state": state,

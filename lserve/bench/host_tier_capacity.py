@@ -33,12 +33,11 @@ from pathlib import Path
 
 import torch
 
-from lserve.bench.host_tier_common import admits, free_memory, make_engine, setup
+from lserve.bench.host_tier_common import admits, free_memory, make_engine, overhead_bytes, setup
 from lserve.bench.host_tier_sizes import engine_pools, max_context
 from lserve.bench.report import header, write_json
 
 DECODE_ROOM = 64  # tokens past the prompt the request may generate
-PROBE_POOL = 65536  # dense pool tokens of the engine that measures the overhead
 ATTEMPTS, SHRINK = 3, 0.05  # builds per mode, each after an out-of-memory one with this share less
 
 
@@ -52,63 +51,6 @@ def _accepts(eng, tokens: int) -> str | None:
     except RequestError as e:
         return str(e)
     return None
-
-
-def top_allocations(snapshot: dict, top: int = 12) -> dict[str, int]:
-    """Bytes of the live allocations in a ``torch.cuda.memory._snapshot()``, by the innermost
-    ``lserve`` frame that made them (``file:line function``; "other" without one), largest first."""
-    per: dict[str, int] = {}
-    for seg in snapshot.get("segments", []):
-        for blk in seg.get("blocks", []):
-            if blk.get("state") != "active_allocated":
-                continue
-            where = next((f"{f['filename'].rsplit('/lserve/', 1)[-1]}:{f['line']} {f['name']}"
-                          for f in blk.get("frames", []) if "/lserve/" in f.get("filename", "")), "other")
-            per[where] = per.get(where, 0) + int(blk["size"])
-    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:top])
-
-
-def overhead_bytes(st, max_len: int) -> tuple[float, dict]:
-    """Device bytes an engine of ``max_len`` tokens takes beyond its KV cache, its weights included
-    (0 off a GPU): one is built with a small pool, loading its own weights, and the device's free
-    memory read before and after (the checkpoint's tensors it fused, dropped, given back). Also where they
-    went: torch's allocations (the largest by the lserve line that made them, from torch's memory
-    history), what torch's allocator holds besides, CuPy's pool, and the rest (modules, library
-    workspaces outside both allocators)."""
-    if not torch.cuda.is_available() or not st.settings.device.startswith("cuda"):
-        return 0.0, {}
-    import cupy
-
-    free_memory()
-    before = torch.cuda.mem_get_info()[0]
-    alloc0, res0, cp0 = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(),
-                         cupy.get_default_memory_pool().total_bytes())
-    try:  # a private torch API: without it the parts lack the largest allocations, nothing else
-        torch.cuda.memory._record_memory_history(max_entries=200000)
-        history = True
-    except (AttributeError, RuntimeError, TypeError):
-        history = False
-    try:
-        eng = make_engine(st, PROBE_POOL, 0.0, 1, max_len)
-        torch.cuda.empty_cache()
-        snap = torch.cuda.memory._snapshot() if history else {}
-    finally:
-        if history:
-            torch.cuda.memory._record_memory_history(enabled=None)
-    cache = sum(eng.cache.nbytes().values())
-    used = before - torch.cuda.mem_get_info()[0] - cache
-    gib = 2**30
-    allocated = torch.cuda.memory_allocated() - alloc0 - cache
-    reserved = torch.cuda.memory_reserved() - res0
-    cupy_pool = cupy.get_default_memory_pool().total_bytes() - cp0
-    parts = {"torch_allocated_gib": round(allocated / gib, 3),
-             "torch_reserved_unused_gib": round((reserved - allocated - cache) / gib, 3),
-             "cupy_pool_gib": round(cupy_pool / gib, 3),
-             "rest_gib": round((used - reserved + cache - cupy_pool) / gib, 3),
-             "largest_gib": {k: round(v / gib, 3) for k, v in top_allocations(snap).items()}}
-    del eng
-    free_memory()
-    return float(max(used, 0)), parts
 
 
 def _build(st, mode: str, gpu_bytes: float, over: float, parts: dict) -> dict:

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lserve.bench.host_tier_capacity import overhead_bytes
-from lserve.bench.host_tier_common import Setup, admits, free_memory, host_kv_row, make_engine, setup
+from lserve.bench.host_tier_common import Setup, admits, free_memory, host_kv_row, make_engine, overhead_bytes, setup
 from lserve.bench.host_tier_sizes import engine_pools, seqs_all_gpu, seqs_tier
 from lserve.bench.host_tier_time import prefill_chunks
 from lserve.bench.report import header, write_json
