@@ -114,3 +114,17 @@ def test_cli_off_a_gpu_needs_the_device_memory_to_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path), "--device", "cpu"])
     assert e.value.code == 2 and "--gpu-kv-gib" in capsys.readouterr().err
+
+
+def test_cli_keeps_each_steps_kind_and_fetches_and_profiles_the_host(tmp_path, capsys):
+    assert _cli(tmp_path, "--prefill-sparsity", "0", "--modes", "tier", "--host-profile-steps", "2") == 0
+    (row,) = json.loads((tmp_path / "host_tier_h200.json").read_text())["rows"]
+    assert len(row["decode_step_kind"]) == len(row["decode_step_fetched"]) == len(row["decode_step_ms"]) == 3
+    assert set(row["decode_step_kind"]) == {"decode_eager"}  # the torch backend has no CUDA graphs
+    assert all(n >= 0 for n in row["decode_step_fetched"])
+    assert row["host_profiled_steps"] == 2 and row["decode_steps_run"] >= 3 + 2
+    own = row["host_tottime_ms_per_step"]
+    assert len(own) > 5 and all(v >= 0 for v in own.values())
+    # the step is under everything the profile saw: LLMEngine.step tops the cumulative list
+    assert any(k.endswith(":step") for k in list(row["host_cumtime_ms_per_step"])[:3])
+    assert "cProfile 2 decode steps" in capsys.readouterr().out

@@ -59,18 +59,21 @@ def plan_runs(contexts, gpu_bytes: float, bytes_per_token: float, host_bytes: fl
 
 
 def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: int = DECODE_STEPS,
-             profile_steps: int = 0) -> dict:
+             profile_steps: int = 0, host_profile_steps: int = 0) -> dict:
     """Prefill one random prompt of the run's context chunk by chunk (a progress line each), then
     decode: TTFT, median decode ms/token, prefill chunks and, where block-sparse prefill ran, the
     kept fraction of its causal tiles; a ``cut`` row (tokens prefilled, seconds) when the
     deadline passes during the prefill. ``profile_steps``: that many decode steps more, after the
-    timed ones, under a CUDA trace (:func:`_profile_decode`)."""
+    timed ones, under a CUDA trace (:func:`_profile_decode`); ``host_profile_steps``: that many more
+    under cProfile (:func:`_profile_host`). Each timed step keeps its kind (``graph``: a CUDA-graph
+    replay, ``decode_eager``) and the pages the tier installed in it."""
     from lserve.engine import SamplingParams
 
     ctx = run["context"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, eng.model_config.vocab_size - 2, (ctx,), generator=g).tolist()
-    rid = eng.add_request(ids, SamplingParams(max_tokens=decode_steps + 1 + profile_steps, temperature=0,
+    rid = eng.add_request(ids, SamplingParams(max_tokens=decode_steps + 1 + profile_steps + host_profile_steps,
+                                              temperature=0,
                                               ignore_eos=True))
     tiles0 = list(eng.backend.prefill_tiles)
     if torch.cuda.is_available():
@@ -95,18 +98,24 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: in
             return {"cut": True, "prefilled_tokens": done, "prefill_s": now - t0, "prefill_chunks": chunks}
     ttft = time.perf_counter() - t0
     kept = eng.backend.prefill_kept_since(tiles0)
-    steps = []
+    steps, kinds, fetched = [], [], []
     while eng.has_unfinished() and len(steps) < decode_steps:
+        before = _step_counts(eng)
         t1 = time.perf_counter()
         eng.step()
         steps.append(time.perf_counter() - t1)
+        kind, n = _step_counts(eng)
+        kinds.append("+".join(sorted(k for k in kind if kind[k] > before[0].get(k, 0))))
+        fetched.append(n - before[1])
     prof = _profile_decode(eng, profile_steps) if profile_steps and eng.has_unfinished() else {}
+    if host_profile_steps and eng.has_unfinished():
+        prof.update(_profile_host(eng, host_profile_steps))
     rest = 0
     while eng.has_unfinished():
         eng.step()
         rest += 1
     # the decode's share of the tier's counters (h2d_bytes_total less prefill_bytes_h2d) is over these
-    decode_steps_run = len(steps) + prof.get("profiled_steps", 0) + rest
+    decode_steps_run = len(steps) + prof.get("profiled_steps", 0) + prof.get("host_profiled_steps", 0) + rest
     # the median step is the rows' figure since session 19; the mean also counts the steps that
     # fetch a selection's picks (one in the reuse interval), which the median leaves out. The
     # first two decode steps run eager and then capture the decode graph (the longest steps,
@@ -114,9 +123,43 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: in
     return {"ttft_s": ttft, "decode_ms_per_token": statistics.median(steps) * 1e3,
             "decode_ms_mean": statistics.fmean(steps) * 1e3, "decode_ms_max": max(steps) * 1e3,
             "decode_ms_steady_mean": statistics.fmean(steps[2:] or steps) * 1e3,
-            "decode_step_ms": [round(t * 1e3, 3) for t in steps], "prefill_chunks": chunks,
+            "decode_step_ms": [round(t * 1e3, 3) for t in steps], "decode_step_kind": kinds,
+            "decode_step_fetched": fetched, "prefill_chunks": chunks,
             "decode_steps_run": decode_steps_run,
             **({"prefill_kept_fraction": kept} if kept is not None else {}), **prof}
+
+
+def _step_counts(eng) -> tuple[dict, int]:
+    """The engine's steps by kind so far and the pages its host tier has installed (0: no tier)."""
+    st = eng.stats()
+    return dict(st.step_kinds), (st.host_kv.fetched if st.host_kv else 0)
+
+
+def _profile_host(eng, n: int, top: int = 25) -> dict:
+    """``n`` decode steps under cProfile: the host's own seconds a step by function (``tottime``)
+    and, for the functions with the most time under them, ``cumtime``; where the host, not the GPU,
+    sets a step's time, the functions of the tier's plan-time work show here."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    for _ in range(n):
+        eng.step()
+    pr.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(pr).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+
+    def name(k):
+        return f"{Path(k[0]).name}:{k[1]}:{k[2]}"
+
+    def ranked(i):
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][i])[:top]
+        return {name(k): round(v[i] / n * 1e3, 4) for k, v in rows}
+
+    return {"host_profiled_steps": n, "host_profiled_wall_ms_per_step": round(wall / n * 1e3, 3),
+            "host_tottime_ms_per_step": ranked(2), "host_cumtime_ms_per_step": ranked(3)}
 
 
 def _profile_decode(eng, n: int) -> dict:
@@ -162,7 +205,8 @@ def run(settings: Settings, out_dir: str | Path) -> dict:
               flush=True)
         t_run = time.perf_counter()
         eng = _engine(st, r)
-        row = {**r, **_measure(eng, r, t0, s.deadline_s, s.decode_steps, s.profile_steps), **host_kv_row(eng)}
+        row = {**r, **_measure(eng, r, t0, s.deadline_s, s.decode_steps, s.profile_steps, s.host_profile_steps),
+               **host_kv_row(eng)}
         row.update(estimate_s=round(est, 1), wall_s=round(time.perf_counter() - t_run, 1))
         report["rows"].append(row)
         _print_row(row)
@@ -195,6 +239,10 @@ def _print_row(row: dict) -> None:
         top = ", ".join(f"{k[:40]} {v:.3f}" for k, v in list(row["profiled_kernel_ms_per_step"].items())[:5])
         print(f"    profiled {row['profiled_steps']} decode steps: wall {row['profiled_wall_ms_per_step']:.2f} ms, "
               f"GPU busy {row['profiled_gpu_busy_ms_per_step']:.2f} ms a step; GPU ms a step: {top}", flush=True)
+    if row.get("host_profiled_steps"):
+        top = ", ".join(f"{k} {v:.3f}" for k, v in list(row["host_tottime_ms_per_step"].items())[:8])
+        print(f"    cProfile {row['host_profiled_steps']} decode steps: wall {row['host_profiled_wall_ms_per_step']:.2f} ms "
+              f"a step; host ms a step (own time): {top}", flush=True)
     kept = row.get("prefill_kept_fraction")
     print(f"    decode {row['decode_ms_per_token']:.2f} ms/token (median step; mean {row['decode_ms_mean']:.2f}, "
           f"steady mean {row['decode_ms_steady_mean']:.2f}, "
@@ -255,6 +303,8 @@ def parse_args(argv=None) -> tuple[Settings, str]:
     p.add_argument("--name", default="host_tier_h200", help="single mode: the report's file stem under OUT")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="single mode: decode steps traced after the timed ones (GPU busy vs wall, GPU ms per kernel)")
+    p.add_argument("--host-profile-steps", type=int, default=0,
+                   help="single mode: decode steps run under cProfile after those (host ms a step per function)")
     p.add_argument("--admission", default="repeat", choices=ADMISSIONS,
                    help="which missed picks enter the tier's resident set: repeat (picked by 2+ heads or again), all")
     a = p.parse_args(argv)
@@ -264,7 +314,7 @@ def parse_args(argv=None) -> tuple[Settings, str]:
                      a.max_batched_tokens, a.kv_quant, a.gpu_kv_gib, a.host_kv_gib, decode_steps=a.decode_steps,
                      concurrency=a.concurrency, capacity=a.capacity, model=a.model, device=a.device,
                      modes=tuple(m for m in a.modes.split(",") if m), name=a.name, admission=a.admission,
-                     profile_steps=a.profile_steps)
+                     profile_steps=a.profile_steps, host_profile_steps=a.host_profile_steps)
     except ValueError as e:  # ConfigError too
         p.error(str(e) if isinstance(e, ConfigError) else f"--contexts must be integers, got {a.contexts!r}")
     return s, a.out

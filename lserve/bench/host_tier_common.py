@@ -46,6 +46,7 @@ class Settings:
     name: str = "host_tier_h200"
     admission: str = "repeat"
     profile_steps: int = 0
+    host_profile_steps: int = 0
 
     def __post_init__(self) -> None:
         require(bool(self.contexts) and all(c > 0 for c in self.contexts), f"contexts must be > 0, got {self.contexts}")
@@ -63,6 +64,7 @@ class Settings:
         require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), f"--name must be a file stem, got {self.name!r}")
         require(self.admission in ADMISSIONS, f"--admission must be one of {ADMISSIONS}, got {self.admission!r}")
         require(self.profile_steps >= 0, f"--profile-steps must be >= 0, got {self.profile_steps}")
+        require(self.host_profile_steps >= 0, f"--host-profile-steps must be >= 0, got {self.host_profile_steps}")
         require(self.profile_steps == 0 or self.device.startswith("cuda"),
                 "--profile-steps traces the GPU: it needs --device cuda")
         require(not (self.concurrency and self.capacity), "--concurrency and --capacity are separate runs: give one")
