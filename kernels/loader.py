@@ -45,6 +45,7 @@ FAMILIES = {
     "bsp_prefill_v5": ("bsp_prefill_v5.cu", ("ls_bsp_prefill_v5",)),  # v5: v3 with pool K/V by TMA (tensor_map.py)
     "prefill_estimate": ("prefill_estimate.cu", ("ls_antidiag_mass", "ls_antidiag_mass2")),  # block masses of a prefill chunk
     "prefill_cut": ("prefill_cut.cu", ("ls_mass_rank", "ls_mass_keep")),  # a prefill chunk's block list from its masses
+    "page_copy": ("page_copy.cu", ("ls_page_copy",)),  # the host KV tier's page moves, one launch a batch
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }
@@ -335,6 +336,7 @@ def all_variants() -> list[Variant]:
                     out.append(Variant("bsp_prefill_v5", dt, d, tuning=("LS_BSP_STAGES=3", "LS_BSP_PERSIST=1")))
             out.append(Variant("fused", dt, d))
     out.append(Variant("prefill_cut", "fp32", 128))  # float32 masses whatever the model's dtype
+    out.append(Variant("page_copy", "bf16", 128))  # bytes: one build whatever the model
     return out
 
 

@@ -77,6 +77,7 @@ from lserve.attention.cupy_plan import (
     device_units,
 )
 from lserve.attention.cupy_tier import TierPicks
+from lserve.attention.cupy_tier import bulk_copy as tier_bulk_copy
 from lserve.attention.cupy_tuning import CupyTuning
 from lserve.attention.prefill_cut import fits as cut_fits
 from lserve.attention.prefill_cut import mass_cut
@@ -154,6 +155,8 @@ class CupyBackend(AttentionBackend):
         if self.tier is not None and not self.tier.mirror:
             raise KernelError("the host KV tier on the cupy backend needs its pools in mapped host memory "
                               "(KVCache(host_device='mapped'))")
+        if self.tier is not None:  # the tier's page moves: one kernel a batch, not torch index copies
+            self.tier.use_bulk_copy(tier_bulk_copy)
         pool = self._dense_pool(0) if self.cache.dense[0].num_heads else self.cache.stream[0]
         self.device = pool.k.device
         self.dtype = pool.dtype

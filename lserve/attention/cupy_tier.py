@@ -2,9 +2,9 @@
 
 The decode kernels read a dense page wherever it is (resident slot, or the mapped host pool over
 PCIe; ``kernels/tier.cuh``), so fetching is only a cache: a selecting step's picks are copied to
-the host asynchronously after it ran and installed into the resident set at a later step's plan
-(:meth:`HostTier.fetch`, batched on the stream), for the steps that reuse or repeat the
-selection. Nothing here waits on the GPU except for picks at least one step old, which are done.
+the host asynchronously after it ran and installed into the resident set at later steps' plans
+(:meth:`HostTier.fetch`, batched on the stream; a share of the layers each step), for the steps
+that reuse or repeat the selection. Nothing here waits on the GPU except for picks at least one step old, which are done.
 Hits and misses are counted from those picks against the residency the selecting step saw;
 decode rows reading every page are counted as streamed reads at plan time (prefill chunks over a
 cached past stage it in bulk copies and are counted there: :meth:`HostTier.scan`).
@@ -32,14 +32,19 @@ class TierPicks:
         Per layer, as :attr:`~lserve.attention.cupy_plan.PlanGeometry.layer_kinds`.
     reads : int
         Decode steps that read one selection (the reuse interval): what a fetch's admission weighs.
+        A selection's fetch is spread over that many steps' plans, a share of the layers each
+        (its host time, ~15-30 ms a selection at 1M tokens, then overlaps the GPU's steps under
+        async decode instead of lengthening one step).
     """
 
     def __init__(self, tier: HostTier, layer_kinds, reads: int = 1) -> None:
         self.tier = tier
         self.layer_kinds = tuple(layer_kinds)
         self.reads = reads
+        self.layers_per_step = -(-len(self.layer_kinds) // max(reads, 1))
         self._last: list[list[int]] | None = None  # selection slots per budget kind of the last planned step
         self._copies: deque = deque()  # (event, pages [L, S, H, U], counts [L, S, H], slots, per-kind slots)
+        self._todo: deque = deque()  # [pages, counts, slots, kinds, next layer] of copied selections
 
     def begin_step(self, sel_page: torch.Tensor | None, sel_cnt: torch.Tensor | None) -> None:
         """Before a step is planned: copy the last step's picks to the host (after it in stream
@@ -61,14 +66,35 @@ class TierPicks:
             if len(self._copies) == 1 and not ev.query():
                 break  # the step just before may still run: its picks wait for the next plan
             ev.synchronize()
-            self.apply(*self._copies.popleft()[1:])
+            self.queue(*self._copies.popleft()[1:])
+        self.advance()
 
-    def apply(self, pages: torch.Tensor, counts: torch.Tensor, slots: list[int], kinds: list[list[int]]) -> None:
+    def queue(self, pages: torch.Tensor, counts: torch.Tensor, slots: list[int], kinds: list[list[int]]) -> None:
+        """A selection's picks on the host (as :meth:`apply` takes them), to fetch over the next
+        :meth:`advance` calls."""
+        self._todo.append([pages, counts, slots, kinds, 0])
+
+    def advance(self) -> None:
+        """Fetch the next :attr:`layers_per_step` layers of the queued selections, oldest first (one flush)."""
+        budget = self.layers_per_step
+        while self._todo and budget > 0:
+            job = self._todo[0]
+            end = min(job[4] + budget, len(self.layer_kinds))
+            self.apply(*job[:4], layers=range(job[4], end))
+            budget -= end - job[4]
+            job[4] = end
+            if end == len(self.layer_kinds):
+                self._todo.popleft()
+
+    def apply(self, pages: torch.Tensor, counts: torch.Tensor, slots: list[int], kinds: list[list[int]],
+              layers: range | None = None) -> None:
         """Fetch the picks ``pages[layer, j, head, :counts[layer, j, head]]`` of selection slot
-        ``slots[j]`` in each selecting layer whose budget kind ``kinds`` lists that slot under."""
+        ``slots[j]`` in each selecting layer (of ``layers``, None: all) whose budget kind ``kinds``
+        lists that slot under; one flush."""
         col = {s: j for j, s in enumerate(slots)}
         p, c = pages.numpy(), counts.numpy()
-        for layer, (nd, selects, kind) in enumerate(self.layer_kinds):
+        for layer in layers if layers is not None else range(len(self.layer_kinds)):
+            nd, selects, kind = self.layer_kinds[layer]
             if not (nd and selects and kind < len(kinds) and kinds[kind]):
                 continue
             cols = [col[s] for s in kinds[kind]]
@@ -98,3 +124,17 @@ class TierPicks:
                       if nd and (not sel or not st.kind_fields(k)["dyn"][b])]
             if layers:
                 self.tier.note_reads(s.step.dense_pages[: -(-s.length // N)], layers)
+
+
+def bulk_copy(ranges: np.ndarray) -> None:
+    """Copy the byte ranges ``ranges`` (int64 [3, n]: source, target, 16-byte words; see
+    :meth:`HostTier.use_bulk_copy`) with one ``ls_page_copy`` launch on the current stream."""
+    from lserve.kernels.loader import Variant, get_kernel, i32, launch, ptr
+
+    n = ranges.shape[1]
+    if not n:
+        return
+    dev = torch.device("cuda", torch.cuda.current_device())
+    table = upload(torch.from_numpy(np.ascontiguousarray(ranges, dtype=np.int64)), dev)
+    launch(get_kernel(Variant("page_copy", "bf16", 128), "ls_page_copy"), (n,), (256,), (ptr(table), i32(n)))
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from itertools import chain
+from itertools import chain, islice
 
 import numpy as np
 
@@ -123,3 +123,16 @@ class RecencyPolicy:
         """The first of :meth:`candidates` (clean ones, or ``hot`` ones) that ``evictable`` accepts,
         or None."""
         return next((p for p in self.candidates(hot) if evictable(p)), None)
+
+    def victims(self, n: int, evictable: Callable[[int], bool]) -> list[int]:
+        """The first ``n`` clean :meth:`candidates` that ``evictable`` accepts (fewer where there
+        are not as many): the victims of ``n`` calls of :meth:`victim` with each one forgotten, in
+        one walk of the order (a fetch's installs; each call would walk past the same refused
+        pages again)."""
+        return list(islice((p for p in self.candidates() if evictable(p)), n)) if n > 0 else []
+
+    def forget_many(self, pages: Iterable[int]) -> None:
+        """:meth:`forget` each of ``pages``."""
+        orders, where = self._orders, self._in
+        for p in pages:
+            del orders[where.pop(p)][p]

@@ -125,3 +125,36 @@ def test_cupy_long_prompt_stages_its_past_in_bulk(kv_quant):
         assert torch.equal(a, torch.cat((b[0:40], b[100:108])))
     off = _chunked_as(_cupy(tiny, on.cache.dense_alloc.num_pages, 0.0, kv_quant, True), on)
     assert off.generate([prompt], params)[0].token_ids == out.token_ids
+
+
+def test_page_copy_kernel_moves_ranges_between_device_and_mapped_host_memory():
+    """``ls_page_copy`` (the tier's page moves, one launch a batch): random pages of a device pool
+    and a mapped host pool copied both ways equal torch's index copies, bytes for bytes, and no
+    byte outside the target pages changes; ranges of different lengths (data, scales) in one batch."""
+    import numpy as np
+
+    from lserve.attention.cupy_tier import bulk_copy
+    from lserve.cache.host_memory import mapped_zeros
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.device("cuda")
+    data_d = torch.randint(0, 256, (64, 4, 64, 64), dtype=torch.uint8, device=dev, generator=g)
+    scale_d = torch.rand((64, 4, 64), device=dev, generator=g)
+    data_h = mapped_zeros((96, 4, 64, 64), torch.uint8, dev)
+    scale_h = mapped_zeros((96, 4, 64), torch.float32, dev)
+    data_h.copy_(torch.randint(0, 256, data_h.shape, dtype=torch.uint8, device=dev, generator=g))
+    scale_h.copy_(torch.rand(scale_h.shape, device=dev, generator=g))
+    rng = np.random.default_rng(1)
+    for src, dst in (((data_h, scale_h), (data_d, scale_d)), ((data_d, scale_d), (data_h, scale_h))):
+        si = rng.choice(src[0].shape[0], 23, replace=False)
+        di = rng.choice(dst[0].shape[0], 23, replace=False)
+        want = [y.clone().index_copy_(0, torch.from_numpy(di).to(dev), x.index_select(0, torch.from_numpy(si).to(dev)))
+                for x, y in zip(src, dst)]
+        cols = []
+        for x, y in zip(src, dst):
+            page = x[0].numel() * x.element_size()
+            cols.append(np.stack((x.data_ptr() + si * page, y.data_ptr() + di * page, np.full(si.size, page // 16))))
+        bulk_copy(np.concatenate(cols, axis=1).astype(np.int64))
+        torch.cuda.synchronize()
+        for w, y in zip(want, dst):
+            assert torch.equal(w, y)
