@@ -12,6 +12,7 @@ cached past stage it in bulk copies and are counted there: :meth:`HostTier.scan`
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -19,6 +20,10 @@ import torch
 
 from lserve.cache.host_memory import upload
 from lserve.cache.host_tier import HostTier
+
+FETCH_BUDGET_S = 0.002
+"""Host seconds a decode step's plan may spend installing picks (:class:`TierPicks`): below a long
+context's GPU step (5-8 ms at 128k-1M for an 8B model), so the fetch overlaps it."""
 
 
 class TierPicks:
@@ -32,19 +37,30 @@ class TierPicks:
         Per layer, as :attr:`~lserve.attention.cupy_plan.PlanGeometry.layer_kinds`.
     reads : int
         Decode steps that read one selection (the reuse interval): what a fetch's admission weighs.
-        A selection's fetch is spread over that many steps' plans, a share of the layers each
-        (its host time, ~15-30 ms a selection at 1M tokens, then overlaps the GPU's steps under
-        async decode instead of lengthening one step).
+    budget_s : float
+        Host seconds a step's plan may spend fetching (:data:`FETCH_BUDGET_S`).
+
+    A selection's fetch is spread over the steps' plans, layer by layer: at most
+    :attr:`layers_per_step` (ceil(layers / reads)) layers a step, and no more once the step's
+    fetching has taken ``budget_s`` (one layer at least). Under async decode a plan runs while the
+    GPU runs the step before, so host time within the GPU's step is free and host time beyond it
+    lengthens every step: at 1M tokens on an H100 host one layer's fetch took ~1 ms, a whole
+    selection ~30 ms. A selection not done when the next one's picks arrive is superseded (its
+    remaining layers are skipped, counted in ``HostKVStats.fetch_layers_skipped``: the newer
+    picks are the ones the next steps read); each selection starts at the layer where the last one
+    stopped, so no layer is left out for good.
     """
 
-    def __init__(self, tier: HostTier, layer_kinds, reads: int = 1) -> None:
+    def __init__(self, tier: HostTier, layer_kinds, reads: int = 1, budget_s: float | None = None) -> None:
         self.tier = tier
         self.layer_kinds = tuple(layer_kinds)
         self.reads = reads
+        self.budget_s = FETCH_BUDGET_S if budget_s is None else budget_s
         self.layers_per_step = -(-len(self.layer_kinds) // max(reads, 1))
         self._last: list[list[int]] | None = None  # selection slots per budget kind of the last planned step
         self._copies: deque = deque()  # (event, pages [L, S, H, U], counts [L, S, H], slots, per-kind slots)
-        self._todo: deque = deque()  # [pages, counts, slots, kinds, next layer] of copied selections
+        self._todo: list | None = None  # [pages, counts, slots, kinds, layers done] of the selection being fetched
+        self._cursor = 0  # the next layer to fetch (round robin over selections)
 
     def begin_step(self, sel_page: torch.Tensor | None, sel_cnt: torch.Tensor | None) -> None:
         """Before a step is planned: copy the last step's picks to the host (after it in stream
@@ -71,26 +87,34 @@ class TierPicks:
 
     def queue(self, pages: torch.Tensor, counts: torch.Tensor, slots: list[int], kinds: list[list[int]]) -> None:
         """A selection's picks on the host (as :meth:`apply` takes them), to fetch over the next
-        :meth:`advance` calls."""
-        self._todo.append([pages, counts, slots, kinds, 0])
+        :meth:`advance` calls; it supersedes one still being fetched."""
+        if self._todo is not None:
+            self.tier.count_skipped_fetches(len(self.layer_kinds) - self._todo[4])
+        self._todo = [pages, counts, slots, kinds, 0]
 
     def advance(self) -> None:
-        """Fetch the next :attr:`layers_per_step` layers of the queued selections, oldest first (one flush)."""
-        budget = self.layers_per_step
-        while self._todo and budget > 0:
-            job = self._todo[0]
-            end = min(job[4] + budget, len(self.layer_kinds))
-            self.apply(*job[:4], layers=range(job[4], end))
-            budget -= end - job[4]
-            job[4] = end
-            if end == len(self.layer_kinds):
-                self._todo.popleft()
+        """Fetch the next layers of the queued selection (class docstring: at most
+        :attr:`layers_per_step`, within ``budget_s``), each in its own flush."""
+        t0 = time.perf_counter()
+        L = len(self.layer_kinds)
+        for _ in range(self.layers_per_step):
+            job = self._todo
+            if job is None:
+                break
+            self.apply(*job[:4], layers=range(self._cursor, self._cursor + 1), flush=False)
+            self._cursor = (self._cursor + 1) % L
+            job[4] += 1
+            if job[4] == L:
+                self._todo = None
+            if time.perf_counter() - t0 >= self.budget_s:
+                break
+        self.tier.flush()
 
     def apply(self, pages: torch.Tensor, counts: torch.Tensor, slots: list[int], kinds: list[list[int]],
-              layers: range | None = None) -> None:
+              layers: range | None = None, flush: bool = True) -> None:
         """Fetch the picks ``pages[layer, j, head, :counts[layer, j, head]]`` of selection slot
         ``slots[j]`` in each selecting layer (of ``layers``, None: all) whose budget kind ``kinds``
-        lists that slot under; one flush."""
+        lists that slot under; then one flush (``flush``)."""
         col = {s: j for j, s in enumerate(slots)}
         p, c = pages.numpy(), counts.numpy()
         for layer in layers if layers is not None else range(len(self.layer_kinds)):
@@ -103,7 +127,8 @@ class TierPicks:
             used = np.arange(pick.shape[-1]) < cnt[..., None]
             head = np.broadcast_to(np.arange(nd)[:, None], pick.shape)  # each pick's dense head
             self.tier.fetch(layer, pick[used], streamed=True, heads=head[used], reads=self.reads, flush=False)
-        self.tier.flush()  # every layer's installs and table entries at once
+        if flush:
+            self.tier.flush()  # every layer's installs and table entries at once
 
     def after_plan(self, st) -> None:
         """A step's tables are planned: remember its selecting slots, count its decode scans."""

@@ -240,6 +240,6 @@ def host_kv_row(eng) -> dict:
     eng.cache.host_tier.check()
     return {"hit_rate": st.hit_rate, "h2d_bytes_total": st.bytes_h2d, "h2d_bytes_last_step": st.step_bytes_h2d,
             "d2h_bytes_total": st.bytes_d2h, "fetched": st.fetched, "deferred": st.deferred, "streamed": st.streamed,
-            "spilled": st.spilled,
+            "spilled": st.spilled, "fetch_layers_skipped": st.fetch_layers_skipped,
             "prefill_streamed": st.prefill_streamed, "prefill_bytes_h2d": st.prefill_bytes_h2d,
             "h2d_copies": st.h2d_copies, "virtual_tokens": eng.cache.dense_alloc.num_pages * eng.cache.page_size}

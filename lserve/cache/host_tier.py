@@ -85,6 +85,8 @@ class HostKVStats:
     prefill chunks read of their past; ``h2d_copies``: bulk copies (runs of consecutive host
     slots, per layer) that scans read the host with.
     ``bytes_h2d`` / ``bytes_d2h``: totals; ``step_bytes_*``: those of the latest step.
+    ``fetch_layers_skipped``: layers of a selection whose picks were not fetched because the next
+    selection arrived first (the cupy backend's per-step fetch budget, ``TierPicks``).
     """
 
     resident_slots_used: int = 0
@@ -105,6 +107,7 @@ class HostKVStats:
     bytes_d2h: int = 0
     step_bytes_h2d: int = 0
     step_bytes_d2h: int = 0
+    fetch_layers_skipped: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -216,6 +219,7 @@ class HostTier:
         self.mirror = mirror
         self._phases: list[_Phase] = []  # queued copies (mirror), in an order that keeps them exact
         self._bulk_copy: Callable[[np.ndarray], None] | None = None  # use_bulk_copy
+        self._bases: list[np.ndarray] = []  # use_bulk_copy: per layer [3, tensors] host/resident address, page bytes
         self._dirty: set[int] = set()  # pages whose table entries changed since the last flush
         self.slot_table: torch.Tensor | None = None
         self._structs: torch.Tensor | None = None
@@ -311,14 +315,10 @@ class HostTier:
                     install = miss[self._admission[layer].admit(miss, per_page, n, reads)]
                     st.deferred += len(miss) - len(install)
             self._count_streamed(layer, len(miss), parts)
-        pol = self._policy[layer]
         hits = want[res[want] >= 0].tolist()
-        # the hits to the back first: the victim search skips them (touched again below, so the
-        # installs end behind them)
-        pol.touch(hits)
-        if len(install):
+        if len(install):  # the victim search (one walk) passes over the hits: they are needed
             self._install_many(layer, install, set(want.tolist()))
-        pol.touch(hits)
+        self._policy[layer].touch(hits)  # behind the installs, as most recent
         if flush:
             self.flush()
 
@@ -353,6 +353,10 @@ class HostTier:
         self._policy[layer].touch(pages)
         self._count_h2d(len(pages) * self._page_bytes[layer])
         self._stats.fetched += len(pages)
+
+    def count_skipped_fetches(self, layers: int) -> None:
+        """``layers`` layers of a selection were not fetched (superseded by the next selection)."""
+        self._stats.fetch_layers_skipped += layers
 
     def note_reads(self, pages, layers=None) -> None:
         """Count ``pages`` read by ``layers`` (None: all) from wherever they are: those not resident
@@ -455,20 +459,24 @@ class HostTier:
                 if _page_nbytes(t) % 16 or t.data_ptr() % 16 or not t.is_contiguous():
                     raise ValueError(f"a {tuple(t.shape)} {t.dtype} pool's pages are not whole 16-byte words")
         self._bulk_copy = copy
+        # per layer: host and resident base addresses and page bytes of each storage tensor (one
+        # with pages: a layer without dense heads has none)
+        self._bases = []
+        for h, r in zip(self.host, self.resident):
+            ts = [(x.data_ptr(), y.data_ptr(), _page_nbytes(x)) for x, y in zip(h.tensors(), r.tensors()) if _page_nbytes(x)]
+            self._bases.append(np.array(ts, dtype=np.int64).reshape(-1, 3).T)  # [3, tensors]
 
     def _ranges(self, ph: _Phase) -> np.ndarray:
         """The byte ranges of one phase's page copies (:meth:`use_bulk_copy`): each page of each
         storage tensor is one contiguous range."""
         cols = []
         for layer, (src, dst) in ph.moves.items():
-            a, b = (self.host[layer], self.resident[layer]) if ph.kind == "h2d" else (self.resident[layer], self.host[layer])
+            host, res, page = self._bases[layer]
+            a, b = (host, res) if ph.kind == "h2d" else (res, host)
             si, di = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-            for x, y in zip(a.tensors(), b.tensors()):
-                page = _page_nbytes(x)
-                if not page:  # a layer without dense heads
-                    continue
-                cols.append(np.stack((x.data_ptr() + si * page, y.data_ptr() + di * page,
-                                      np.full(si.size, page // 16, dtype=np.int64))))
+            cols.append(np.stack(np.broadcast_arrays((a[:, None] + si * page[:, None]).ravel(),
+                                                     (b[:, None] + di * page[:, None]).ravel(),
+                                                     np.repeat(page // 16, si.size))))
         return np.concatenate(cols, axis=1) if cols else np.zeros((3, 0), dtype=np.int64)
 
     def _queue_many(self, kind: str, layer: int, src: list[int], dst: list[int]) -> None:

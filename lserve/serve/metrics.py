@@ -151,6 +151,9 @@ class EngineMetrics:
             "streamed": counter("host_kv_pages_streamed",
                                 "Host KV tier: pages (per layer) read from the host without entering the resident set."),
             "spilled": counter("host_kv_pages_spilled", "Host KV tier: pages copied to the host (all layers)."),
+            "fetch_layers_skipped": counter("host_kv_fetch_layers_skipped",
+                                            "Host KV tier: layers of a selection not fetched into the resident set "
+                                            "(the next selection came first; the per-step host budget)."),
             "prefill_streamed": counter("host_kv_prefill_pages_streamed",
                                         "Host KV tier: pages (per layer) prefill chunks read of their past from the host."),
             "prefill_bytes_h2d": counter("host_kv_prefill_bytes_h2d",

@@ -49,7 +49,7 @@ def test_export_host_kv_maps_snapshots_to_series():
     assert out["off"] == {}
     counters = ("hits", "misses", "pages_fetched", "pages_deferred", "pages_streamed", "pages_spilled", "bytes_h2d", "bytes_d2h",
                 "prefill_pages_streamed", "prefill_bytes_h2d", "h2d_copies")
-    assert out["on"] == {f"lserve:host_kv_{c}_total": 0.0 for c in counters}
+    assert out["on"] == {f"lserve:host_kv_{c}_total": 0.0 for c in counters + ("fetch_layers_skipped",)}
 
     p = "lserve:host_kv_"
     first = out["first"]
