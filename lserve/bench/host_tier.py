@@ -100,6 +100,9 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: in
     ttft = time.perf_counter() - t0
     kept = eng.backend.prefill_kept_since(tiles0)
     steps, kinds, fetched = [], [], []
+    graphs = getattr(eng, "graphs", None)
+    if graphs is not None:  # CUDA events around each replay: the GPU's own time of a step
+        graphs.events = []
     while eng.has_unfinished() and len(steps) < decode_steps:
         before = _step_counts(eng)
         t1 = time.perf_counter()
@@ -108,6 +111,9 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: in
         kind, n = _step_counts(eng)
         kinds.append("+".join(sorted(k for k in kind if kind[k] > before[0].get(k, 0))))
         fetched.append(n - before[1])
+    replay = graphs.replay_ms() if graphs is not None else []
+    if graphs is not None:
+        graphs.events = None
     prof = _profile_decode(eng, profile_steps) if profile_steps and eng.has_unfinished() else {}
     if host_profile_steps and eng.has_unfinished():
         prof.update(_profile_host(eng, host_profile_steps))
@@ -128,7 +134,8 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: in
             "decode_ms_mean": statistics.fmean(steps) * 1e3, "decode_ms_max": max(steps) * 1e3,
             "decode_ms_steady_mean": statistics.fmean(steady) * 1e3,
             "decode_step_ms": [round(t * 1e3, 3) for t in steps], "decode_step_kind": kinds,
-            "decode_step_fetched": fetched, "prefill_chunks": chunks,
+            "decode_step_fetched": fetched, "decode_replay_ms": [round(t, 3) for t in replay],
+            "decode_replay_ms_median": statistics.median(replay) if replay else None, "prefill_chunks": chunks,
             "decode_steps_run": decode_steps_run,
             **({"prefill_kept_fraction": kept} if kept is not None else {}), **prof}
 
@@ -250,7 +257,9 @@ def _print_row(row: dict) -> None:
     kept = row.get("prefill_kept_fraction")
     print(f"    decode {row['decode_ms_per_token']:.2f} ms/token (median step; mean {row['decode_ms_mean']:.2f}, "
           f"steady mean {row['decode_ms_steady_mean']:.2f}, "
-          f"max {row['decode_ms_max']:.2f}), ttft {row['ttft_s']:.1f} s"
+          f"max {row['decode_ms_max']:.2f}"
+          + (f"; GPU replay median {row['decode_replay_ms_median']:.2f}" if row.get("decode_replay_ms_median") else "")
+          + f"), ttft {row['ttft_s']:.1f} s"
           + (f", kept {kept:.3f} of causal tiles" if kept is not None else "")
           + (f", hit rate {row['hit_rate']:.3f}, prefill H2D {row['prefill_bytes_h2d'] / 2**30:.2f} GiB "
              f"({row['prefill_streamed']} pages, {row['h2d_copies']} copies)" if "hit_rate" in row else "")
