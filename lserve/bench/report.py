@@ -49,3 +49,14 @@ def write_json(path: str | Path, report: dict) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(report, indent=2) + "\n")
     return p
+
+
+def write_labelled_run(path: str | Path, probe: str, geometry: dict, label: str, run: dict) -> Path:
+    """Add ``run`` as ``runs[label]`` of the JSON report at ``path`` (kept: its other labels), with
+    the probe's name and geometry, so one command before and after a change leaves both runs."""
+    p = Path(path)
+    report = json.loads(p.read_text()) if p.exists() else {}
+    report.update({"probe": probe, "machine": "CPU", "geometry": geometry})
+    report.setdefault("runs", {})[label] = run
+    return write_json(p, report)
+

@@ -30,13 +30,12 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from lserve.attention.cupy_tier import TierPicks
-from lserve.bench.report import header
+from lserve.bench.report import header, write_labelled_run
 from lserve.cache.host_tier import HostTier, SeqSpan
 from lserve.cache.paged_pool import PagedPool
 
@@ -47,6 +46,9 @@ HOST = 22_050  # host slots: 24.22 GiB over a page's 1.18 MB (INT4, 4 dense head
 SINK, LOCAL = 2, 4
 HEADS, PICKS, READS = 4, 64, 4
 CHUNK = 32_768
+GEOMETRY = {"context": CONTEXT, "resident_slots_per_layer": RESIDENT, "host_slots": HOST, "page_size": PAGE,
+            "sink_pages": SINK, "local_pages": LOCAL, "dense_heads": HEADS, "picks_per_head": PICKS, "reads": READS,
+            "chunk": CHUNK}
 
 
 def build(layers: int) -> tuple[HostTier, int]:
@@ -137,15 +139,7 @@ def main() -> None:
     res = {**header(), "machine": "CPU", "wall_s": round(time.perf_counter() - t0, 1), "layers": a.layers,
            "decode_steps": a.decode_steps, "keep": a.keep, "seed": a.seed, **res}
     print(json.dumps({k: v for k, v in res.items() if k != "fetch_ms"}, indent=1))
-    path = Path(a.out)
-    report = json.loads(path.read_text()) if path.exists() else {}
-    report.update({"probe": "scripts/probes/probe_tier_fetch.py", "machine": "CPU",
-                   "geometry": {"context": CONTEXT, "resident_slots_per_layer": RESIDENT, "host_slots": HOST,
-                                "page_size": PAGE, "sink_pages": SINK, "local_pages": LOCAL, "dense_heads": HEADS,
-                                "picks_per_head": PICKS, "reads": READS, "chunk": CHUNK}})
-    report.setdefault("runs", {})[a.label] = res
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    path = write_labelled_run(a.out, "scripts/probes/probe_tier_fetch.py", GEOMETRY, a.label, res)
     print(f"wrote {path}")
 
 

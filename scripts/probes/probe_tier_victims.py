@@ -31,12 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from lserve.bench.report import header
+from lserve.bench.report import header, write_labelled_run
 from lserve.cache.host_tier import HostTier, SeqSpan, pinned_bound
 from lserve.cache.paged_pool import PagedPool
 from lserve.cache.tier_policy import RecencyPolicy
@@ -49,6 +48,9 @@ HEADS = 4  # dense KV heads per layer
 SEQS, PROMPT = 16, 131_072
 BUDGET = 32_768  # max_batched_tokens
 PICKS, READS = 64, 4  # pages a head picks (4096-token budget), steps a selection is read
+GEOMETRY = {"resident_slots_per_layer": RESIDENT, "host_slots": HOST, "page_size": PAGE, "sink_pages": SINK,
+            "local_pages": LOCAL, "dense_heads": HEADS, "seqs": SEQS, "prompt_tokens": PROMPT,
+            "max_batched_tokens": BUDGET, "picks_per_head": PICKS, "reads": READS}
 
 
 class CountingPolicy(RecencyPolicy):
@@ -170,16 +172,7 @@ def main() -> None:
     res = {**header(), "machine": "CPU", "torch_threads": torch.get_num_threads(), "wall_s": round(time.perf_counter() - t0, 1),
            "layers": a.layers, "decode_steps": a.decode_steps, "keep": a.keep, "seed": a.seed, **res}
     print(json.dumps(res, indent=1))
-    path = Path(a.out)
-    report = json.loads(path.read_text()) if path.exists() else {}
-    report.update({"probe": "scripts/probes/probe_tier_victims.py", "machine": "CPU",
-                   "geometry": {"resident_slots_per_layer": RESIDENT, "host_slots": HOST, "page_size": PAGE,
-                                "sink_pages": SINK, "local_pages": LOCAL, "dense_heads": HEADS, "seqs": SEQS,
-                                "prompt_tokens": PROMPT, "max_batched_tokens": BUDGET, "picks_per_head": PICKS,
-                                "reads": READS}})
-    report.setdefault("runs", {})[a.label] = res
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    path = write_labelled_run(a.out, "scripts/probes/probe_tier_victims.py", GEOMETRY, a.label, res)
     print(f"wrote {path}")
 
 
