@@ -19,7 +19,7 @@ does when it finishes.
 
 Reports the host milliseconds of ``prepare`` (first decode step apart: it unprotects the prefilled
 pages), of a selection's fetch into the 32 layers (median; on the CPU its flush's index copies move
-real bytes, on a GPU they are launches), the pages installed a selection and the hit rate, and of the
+real bytes; ``--bulk``: the cupy path, the flush builds the byte ranges one kernel copies, none here), the pages installed a selection and the hit rate, and of the
 finish. On the GPU host these calls run on the engine thread between launches: with async decode a
 decode step takes max(GPU, host), so a fetch longer than the GPU's step lengthens the step.
 """
@@ -51,11 +51,13 @@ GEOMETRY = {"context": CONTEXT, "resident_slots_per_layer": RESIDENT, "host_slot
             "chunk": CHUNK}
 
 
-def build(layers: int) -> tuple[HostTier, int]:
+def build(layers: int, bulk: bool) -> tuple[HostTier, int]:
     pool = lambda n: PagedPool(n, HEADS, PAGE, 2, "int4", torch.bfloat16, "cpu")  # noqa: E731
     virtual = CONTEXT // PAGE + 64
     tier = HostTier([pool(RESIDENT) for _ in range(layers)], [pool(HOST) for _ in range(layers)], virtual, PAGE,
                     SINK, LOCAL, mirror=True)
+    if bulk:  # the cupy path: flush builds each phase's byte ranges, one kernel moves them (not here)
+        tier.use_bulk_copy(lambda ranges: None)
     return tier, virtual
 
 
@@ -66,10 +68,10 @@ def pick(rng, full: int, old: np.ndarray | None, keep: float) -> np.ndarray:
     return np.concatenate((kept, fresh))
 
 
-def run(layers: int, decode_steps: int, seed: int, keep: float) -> dict:
+def run(layers: int, decode_steps: int, seed: int, keep: float, bulk: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     t_build = time.perf_counter()
-    tier, _ = build(layers)
+    tier, _ = build(layers, bulk)
     build_s = time.perf_counter() - t_build
     pages: list[int] = []
     length = 0
@@ -132,12 +134,14 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--keep", type=float, default=0.3, help="share of a head's previous picks it picks again")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bulk", action="store_true",
+                    help="the cupy path's flush: byte ranges built, no copies made (the GPU kernel's part)")
     ap.add_argument("--out", default="benchmarks/host_tier/probe_tier_fetch_cpu.json")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    res = run(a.layers, a.decode_steps, a.seed, a.keep)
+    res = run(a.layers, a.decode_steps, a.seed, a.keep, a.bulk)
     res = {**header(), "machine": "CPU", "wall_s": round(time.perf_counter() - t0, 1), "layers": a.layers,
-           "decode_steps": a.decode_steps, "keep": a.keep, "seed": a.seed, **res}
+           "decode_steps": a.decode_steps, "keep": a.keep, "seed": a.seed, "bulk": a.bulk, **res}
     print(json.dumps({k: v for k, v in res.items() if k != "fetch_ms"}, indent=1))
     path = write_labelled_run(a.out, "scripts/probes/probe_tier_fetch.py", GEOMETRY, a.label, res)
     print(f"wrote {path}")
