@@ -160,3 +160,14 @@ def test_overhead_parts_name_the_lserve_lines_that_allocated_most():
     ]}]}
     assert top_allocations(snap) == {"models/llama.py:7 fn": 500, "other": 100, "cache/kv_cache.py:7 fn": 50}
     assert list(top_allocations(snap, top=1)) == ["models/llama.py:7 fn"]
+
+
+def test_concurrency_profiles_the_host_after_the_timed_steps(tmp_path, capsys):
+    """``--host-profile-steps``: after the timed steps, more steps of all sequences under cProfile
+    (host ms a step by function), within each sequence's token slack (all still held, freed after)."""
+    assert main([str(tmp_path), *ARGS, "--host-profile-steps", "3"]) == 0
+    rows = json.loads((tmp_path / "host_tier_concurrency.json").read_text())["rows"]
+    for r in rows:
+        assert r["held_all"] and r["freed"] and r["host_profiled_steps"] == 3
+        assert any(k.endswith(":step") for k in list(r["host_cumtime_ms_per_step"])[:3])
+    assert "cProfile 3 steps" in capsys.readouterr().out

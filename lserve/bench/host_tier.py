@@ -36,6 +36,8 @@ from lserve.bench.host_tier_common import (
     free_memory,
     host_kv_row,
     make_engine,
+    profile_decode,
+    profile_host,
     setup,
 )
 from lserve.bench.host_tier_sizes import max_context
@@ -64,8 +66,8 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: in
     decode: TTFT, median decode ms/token, prefill chunks and, where block-sparse prefill ran, the
     kept fraction of its causal tiles; a ``cut`` row (tokens prefilled, seconds) when the
     deadline passes during the prefill. ``profile_steps``: that many decode steps more, after the
-    timed ones, under a CUDA trace (:func:`_profile_decode`); ``host_profile_steps``: that many more
-    under cProfile (:func:`_profile_host`). Each timed step keeps its kind (``graph``: a CUDA-graph
+    timed ones, under a CUDA trace (:func:`profile_decode`); ``host_profile_steps``: that many more
+    under cProfile (:func:`profile_host`). Each timed step keeps its kind (``graph``: a CUDA-graph
     replay, ``decode_eager``) and the pages the tier installed in it."""
     from lserve.engine import SamplingParams
 
@@ -114,9 +116,9 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: in
     replay = graphs.replay_ms() if graphs is not None else []
     if graphs is not None:
         graphs.events = None
-    prof = _profile_decode(eng, profile_steps) if profile_steps and eng.has_unfinished() else {}
+    prof = profile_decode(eng, profile_steps) if profile_steps and eng.has_unfinished() else {}
     if host_profile_steps and eng.has_unfinished():
-        prof.update(_profile_host(eng, host_profile_steps))
+        prof.update(profile_host(eng, host_profile_steps))
     rest = 0
     while eng.has_unfinished():
         eng.step()
@@ -144,54 +146,6 @@ def _step_counts(eng) -> tuple[dict, int]:
     """The engine's steps by kind so far and the pages its host tier has installed (0: no tier)."""
     st = eng.stats()
     return dict(st.step_kinds), (st.host_kv.fetched if st.host_kv else 0)
-
-
-def _profile_host(eng, n: int, top: int = 25) -> dict:
-    """``n`` decode steps under cProfile: the host's own seconds a step by function (``tottime``)
-    and, for the functions with the most time under them, ``cumtime``; where the host, not the GPU,
-    sets a step's time, the functions of the tier's plan-time work show here."""
-    import cProfile
-    import pstats
-
-    pr = cProfile.Profile()
-    t0 = time.perf_counter()
-    pr.enable()
-    for _ in range(n):
-        eng.step()
-    pr.disable()
-    wall = time.perf_counter() - t0
-    stats = pstats.Stats(pr).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
-
-    def name(k):
-        return f"{Path(k[0]).name}:{k[1]}:{k[2]}"
-
-    def ranked(i):
-        rows = sorted(stats.items(), key=lambda kv: -kv[1][i])[:top]
-        return {name(k): round(v[i] / n * 1e3, 4) for k, v in rows}
-
-    return {"host_profiled_steps": n, "host_profiled_wall_ms_per_step": round(wall / n * 1e3, 3),
-            "host_tottime_ms_per_step": ranked(2), "host_cumtime_ms_per_step": ranked(3)}
-
-
-def _profile_decode(eng, n: int) -> dict:
-    """``n`` decode steps under a CUDA trace: wall and GPU-busy ms a step (the difference is the
-    GPU waiting for the host: the tier's plan-time work shows there) and GPU ms a step per kernel,
-    to set against the all-GPU row's (the decode kernels' reads of host pages show there)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from lserve.bench.gpu_trace import busy_seconds, kernel_seconds
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            eng.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    events = trace.events()
-    return {"profiled_steps": n, "profiled_wall_ms_per_step": round(wall / n * 1e3, 3),
-            "profiled_gpu_busy_ms_per_step": round(busy_seconds(events) / n * 1e3, 3),
-            "profiled_kernel_ms_per_step": {k: round(v / n * 1e3, 4) for k, v in kernel_seconds(events, 15).items()}}
 
 
 def run(settings: Settings, out_dir: str | Path) -> dict:
@@ -315,9 +269,9 @@ def parse_args(argv=None) -> tuple[Settings, str]:
     p.add_argument("--modes", default="tier,gpu", help="single mode: which runs per context (tier, gpu or both)")
     p.add_argument("--name", default="host_tier_h200", help="single mode: the report's file stem under OUT")
     p.add_argument("--profile-steps", type=int, default=0,
-                   help="single mode: decode steps traced after the timed ones (GPU busy vs wall, GPU ms per kernel)")
+                   help="decode steps traced after the timed ones (GPU busy vs wall, GPU ms per kernel)")
     p.add_argument("--host-profile-steps", type=int, default=0,
-                   help="single mode: decode steps run under cProfile after those (host ms a step per function)")
+                   help="decode steps run under cProfile after those (host ms a step per function)")
     p.add_argument("--admission", default="repeat", choices=ADMISSIONS,
                    help="which missed picks enter the tier's resident set: repeat (picked by 2+ heads or again), all")
     a = p.parse_args(argv)

@@ -4,7 +4,9 @@ the engines they build (:mod:`lserve.bench.host_tier`, :mod:`lserve.bench.host_t
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -243,3 +245,51 @@ def host_kv_row(eng) -> dict:
             "spilled": st.spilled, "fetch_layers_skipped": st.fetch_layers_skipped,
             "prefill_streamed": st.prefill_streamed, "prefill_bytes_h2d": st.prefill_bytes_h2d,
             "h2d_copies": st.h2d_copies, "virtual_tokens": eng.cache.dense_alloc.num_pages * eng.cache.page_size}
+
+
+def profile_host(eng, n: int, top: int = 25) -> dict:
+    """``n`` decode steps under cProfile: the host's own seconds a step by function (``tottime``)
+    and, for the functions with the most time under them, ``cumtime``; where the host, not the GPU,
+    sets a step's time, the functions of the tier's plan-time work show here."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    for _ in range(n):
+        eng.step()
+    pr.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(pr).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+
+    def name(k):
+        return f"{Path(k[0]).name}:{k[1]}:{k[2]}"
+
+    def ranked(i):
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][i])[:top]
+        return {name(k): round(v[i] / n * 1e3, 4) for k, v in rows}
+
+    return {"host_profiled_steps": n, "host_profiled_wall_ms_per_step": round(wall / n * 1e3, 3),
+            "host_tottime_ms_per_step": ranked(2), "host_cumtime_ms_per_step": ranked(3)}
+
+
+def profile_decode(eng, n: int) -> dict:
+    """``n`` decode steps under a CUDA trace: wall and GPU-busy ms a step (the difference is the
+    GPU waiting for the host: the tier's plan-time work shows there) and GPU ms a step per kernel,
+    to set against the all-GPU row's (the decode kernels' reads of host pages show there)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lserve.bench.gpu_trace import busy_seconds, kernel_seconds
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = trace.events()
+    return {"profiled_steps": n, "profiled_wall_ms_per_step": round(wall / n * 1e3, 3),
+            "profiled_gpu_busy_ms_per_step": round(busy_seconds(events) / n * 1e3, 3),
+            "profiled_kernel_ms_per_step": {k: round(v / n * 1e3, 4) for k, v in kernel_seconds(events, 15).items()}}

@@ -21,7 +21,17 @@ from pathlib import Path
 
 import torch
 
-from lserve.bench.host_tier_common import Setup, admits, free_memory, host_kv_row, make_engine, overhead_bytes, setup
+from lserve.bench.host_tier_common import (
+    Setup,
+    admits,
+    free_memory,
+    host_kv_row,
+    make_engine,
+    overhead_bytes,
+    profile_decode,
+    profile_host,
+    setup,
+)
 from lserve.bench.host_tier_sizes import engine_pools, seqs_all_gpu, seqs_tier
 from lserve.bench.host_tier_time import prefill_chunks
 from lserve.bench.report import header, write_json
@@ -30,10 +40,11 @@ from lserve.bench.report import header, write_json
 def decode_slack(st: Setup, context: int, n_seqs: int, mode: str) -> int:
     """Tokens the first sequence may decode before the timed steps end: one per step while the
     others prefill (chunks as the scheduler cuts them next to up to ``n_seqs`` decodes), plus the
-    timed steps and two."""
+    timed (and profiled) steps and two."""
     alpha = 0.0 if mode == "tier" else st.time.alpha
-    chunks = len(prefill_chunks(context, st.settings.max_batched_tokens, alpha, n_decode=n_seqs))
-    return max(n_seqs - 1, 0) * (chunks + 1) + st.settings.decode_steps + 2
+    s = st.settings
+    chunks = len(prefill_chunks(context, s.max_batched_tokens, alpha, n_decode=n_seqs))
+    return max(n_seqs - 1, 0) * (chunks + 1) + s.decode_steps + s.profile_steps + s.host_profile_steps + 2
 
 
 def plan(st: Setup, context: int) -> list[dict]:
@@ -56,9 +67,12 @@ def plan(st: Setup, context: int) -> list[dict]:
     return runs
 
 
-def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_steps: int) -> dict:
+def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_steps: int,
+             profile_steps: int = 0, host_profile_steps: int = 0) -> dict:
     """Prefill ``n`` distinct random prompts (a progress line as each starts decoding), then time
-    ``decode_steps`` steps of all of them decoding together; aborts them all at the end."""
+    ``decode_steps`` steps of all of them decoding together, then run ``profile_steps`` under a
+    CUDA trace and ``host_profile_steps`` under cProfile (GPU busy against wall, host time by
+    function: what bounds a step); aborts them all at the end."""
     from lserve.engine import SamplingParams
 
     ctx, vocab = run["context"], eng.model_config.vocab_size - 2
@@ -98,6 +112,10 @@ def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_s
                held_all=row["running"] == n and stats.running == n and stats.num_preemptions == 0)
     if stats.host_kv:
         row["h2d_bytes_per_decode_step"] = (stats.host_kv.bytes_h2d - host0) / decode_steps
+    if profile_steps:
+        row.update(profile_decode(eng, profile_steps))
+    if host_profile_steps:
+        row.update(profile_host(eng, host_profile_steps))
     for r in rids:
         eng.abort(r)
     row["freed"] = eng.cache.all_free()
@@ -136,7 +154,8 @@ def run(settings, out_dir: str | Path) -> dict:
             eng = make_engine(st, r["pool_tokens"], r["host_kv_gib"], r["n_seqs"], r["seq_tokens"] + st.sizes.page_size)
             n = admits(eng, r["seq_tokens"])
             row = {**r, "n_seqs_planned": r["n_seqs"], "n_seqs": n,
-                   **_measure(eng, n, r, t0, s.deadline_s, s.decode_steps), **host_kv_row(eng)}
+                   **_measure(eng, n, r, t0, s.deadline_s, s.decode_steps, s.profile_steps, s.host_profile_steps),
+                   **host_kv_row(eng)}
             row.update(estimate_s=round(est, 1), wall_s=round(time.perf_counter() - t_run, 1))
             report["rows"].append(row)
             if not row.get("cut"):
@@ -144,6 +163,12 @@ def run(settings, out_dir: str | Path) -> dict:
                       + (f", hit rate {row['hit_rate']:.3f}, H2D {row['h2d_bytes_per_decode_step'] / 2**20:.1f} "
                          "MiB/step" if "hit_rate" in row else "")
                       + f"; held all: {row['held_all']}", flush=True)
+                if row.get("profiled_steps"):
+                    print(f"    profiled {row['profiled_steps']} steps: wall {row['profiled_wall_ms_per_step']:.1f} ms, "
+                          f"GPU busy {row['profiled_gpu_busy_ms_per_step']:.1f} ms a step", flush=True)
+                if row.get("host_profiled_steps"):
+                    top = ", ".join(f"{k} {v:.2f}" for k, v in list(row["host_cumtime_ms_per_step"].items())[:8])
+                    print(f"    cProfile {row['host_profiled_steps']} steps: host ms a step (cumulative): {top}", flush=True)
             write_json(path, report)
             del eng
             free_memory()
