@@ -94,7 +94,7 @@ class TierPicks:
 
     def advance(self) -> None:
         """Fetch the next layers of the queued selection (class docstring: at most
-        :attr:`layers_per_step`, within ``budget_s``), each in its own flush."""
+        :attr:`layers_per_step`, within ``budget_s``), then one flush."""
         t0 = time.perf_counter()
         L = len(self.layer_kinds)
         for _ in range(self.layers_per_step):

@@ -137,12 +137,6 @@ class _Phase:
         self.reads: set[tuple] = set()
         self.writes: set[tuple] = set()
 
-    def conflicts(self, reads: tuple, writes: tuple) -> bool:
-        return writes in self.reads or writes in self.writes or reads in self.writes
-
-    def add(self, layer: int, src: int, dst: int, reads: tuple, writes: tuple) -> None:
-        self.add_many(layer, [src], [dst], [reads], [writes])
-
     def conflicts_any(self, reads: set, writes: set) -> bool:
         return not (self.reads.isdisjoint(writes) and self.writes.isdisjoint(writes) and self.writes.isdisjoint(reads))
 
@@ -334,11 +328,7 @@ class HostTier:
         pinned = self._pinned
         victims = self._policy[layer].victims(len(pages) - n_free, lambda p: p not in pinned and p not in needed)
         if victims:
-            v = np.asarray(victims, dtype=np.int64)
-            slots += self._res[layer, v].tolist()
-            self._res[layer, v] = -1
-            self._policy[layer].forget_many(victims)
-            self._dirty.update(victims)
+            slots += self._evict_many(layer, np.asarray(victims, dtype=np.int64))
         pages = pages[: len(slots)].tolist()
         if not pages:
             return
@@ -463,8 +453,8 @@ class HostTier:
         # with pages: a layer without dense heads has none)
         self._bases = []
         for h, r in zip(self.host, self.resident):
-            ts = [(x.data_ptr(), y.data_ptr(), _page_nbytes(x)) for x, y in zip(h.tensors(), r.tensors()) if _page_nbytes(x)]
-            self._bases.append(np.array(ts, dtype=np.int64).reshape(-1, 3).T)  # [3, tensors]
+            ts = [(x.data_ptr(), y.data_ptr(), _page_nbytes(x)) for x, y in zip(h.tensors(), r.tensors())]
+            self._bases.append(np.array([t for t in ts if t[2]], dtype=np.int64).reshape(-1, 3).T)  # [3, tensors]
 
     def _ranges(self, ph: _Phase) -> np.ndarray:
         """The byte ranges of one phase's page copies (:meth:`use_bulk_copy`): each page of each
@@ -474,9 +464,8 @@ class HostTier:
             host, res, page = self._bases[layer]
             a, b = (host, res) if ph.kind == "h2d" else (res, host)
             si, di = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-            cols.append(np.stack(np.broadcast_arrays((a[:, None] + si * page[:, None]).ravel(),
-                                                     (b[:, None] + di * page[:, None]).ravel(),
-                                                     np.repeat(page // 16, si.size))))
+            cols.append(np.stack(((a[:, None] + si * page[:, None]).ravel(), (b[:, None] + di * page[:, None]).ravel(),
+                                  np.repeat(page // 16, si.size))))
         return np.concatenate(cols, axis=1) if cols else np.zeros((3, 0), dtype=np.int64)
 
     def _queue_many(self, kind: str, layer: int, src: list[int], dst: list[int]) -> None:
@@ -499,19 +488,8 @@ class HostTier:
         self._phases.append(ph)
 
     def _queue(self, kind: str, layer: int, src: int, dst: int) -> None:
-        """Queue one page copy (mirror): into the latest phase of its kind that no later phase
-        conflicts with, else a new phase at the end."""
-        host_side, res_side = ("h", layer, src if kind == "h2d" else dst), ("r", layer, dst if kind == "h2d" else src)
-        reads, writes = (host_side, res_side) if kind == "h2d" else (res_side, host_side)
-        for ph in reversed(self._phases):
-            if ph.kind == kind and not ph.conflicts(reads, writes):
-                ph.add(layer, src, dst, reads, writes)
-                return
-            if ph.conflicts(reads, writes):  # must stay after this phase
-                break
-        ph = _Phase(kind)
-        ph.add(layer, src, dst, reads, writes)
-        self._phases.append(ph)
+        """Queue one page copy (mirror): :meth:`_queue_many` of one."""
+        self._queue_many(kind, layer, [src], [dst])
 
     def locate(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where ``layer``'s ``pages`` (any shape) are read from: (resident slot, host slot, resident?),
@@ -541,12 +519,9 @@ class HostTier:
             return
         # page by page this was ~0.2-1.4 s for a 1M-token sequence: every layer's slots at once
         for layer in range(self.num_layers):
-            r = self._res[layer, v]
-            held = r >= 0
-            if held.any():
-                self._res_free[layer] += r[held].tolist()
-                self._res[layer, v[held]] = -1
-                self._policy[layer].forget_many(v[held].tolist())
+            held = v[self._res[layer, v] >= 0]
+            if held.size:
+                self._res_free[layer] += self._evict_many(layer, held)
         hs = self._host[v]
         on = hs >= 0
         if on.any():
@@ -718,10 +693,17 @@ class HostTier:
         st.step_bytes_d2h += n
 
     def _evict(self, layer: int, v: int) -> None:
-        self._res_free[layer].append(int(self._res[layer, v]))
-        self._res[layer, v] = -1
-        self._policy[layer].forget(v)
-        self._dirty.add(v)
+        self._res_free[layer] += self._evict_many(layer, np.array([v], dtype=np.int64))
+
+    def _evict_many(self, layer: int, pages: np.ndarray) -> list[int]:
+        """``pages`` (resident in ``layer``) leave its resident set; returns their slots (the
+        caller frees or reuses them)."""
+        slots = self._res[layer, pages].tolist()
+        self._res[layer, pages] = -1
+        pl = pages.tolist()
+        self._policy[layer].forget_many(pl)
+        self._dirty.update(pl)
+        return slots
 
     def _drop_host(self, v: int) -> None:
         """Free ``v``'s host slot; where it is resident it turns hot (out of the victim search)."""

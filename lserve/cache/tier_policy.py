@@ -112,7 +112,7 @@ class RecencyPolicy:
 
     def forget(self, page: int) -> None:
         """``page`` left the resident set."""
-        del self._orders[self._in.pop(page)][page]
+        self.forget_many((page,))
 
     def candidates(self, hot: bool = False) -> Iterator[int]:
         """The clean (``hot``: the hot) resident pages in eviction order: unprotected least recent
