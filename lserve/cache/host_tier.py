@@ -542,6 +542,12 @@ class HostTier:
                 pol.unprotect(done)
 
     # -- views --------------------------------------------------------------------------------
+    @property
+    def fetched_pages(self) -> int:
+        """Pages (per layer) installed by fetches so far: :attr:`HostKVStats.fetched` without the
+        gauges :meth:`stats` counts over every layer's table (~1-2 ms at 1M tokens)."""
+        return self._stats.fetched
+
     def stats(self) -> HostKVStats:
         """A snapshot of the counters."""
         st = self._stats
