@@ -87,13 +87,15 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
     int total, cnt = 0, nsel = 0;
     const int* sidx = nullptr;
     const int* smsk = nullptr;
+    i64 soff = 0;  // this (slot, head)'s row of the selection (and of the tier's staging map)
     if (!dense) {
         total = meta[META_NRING * nb + b];
     } else if (dyn) {
         const int slot = meta[META_SLOT * nb + b];
         nsel = meta[META_NSEL * nb + b];
-        sidx = sel_idx + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
-        smsk = sel_mask + (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
+        soff = (i64)slot * sel_slot_stride + (i64)h * sel_head_stride;
+        sidx = sel_idx + soff;
+        smsk = sel_mask + soff;
         if (!early_sel) pdl_wait();  // the selection comes from the top-k just before
         cnt = sel_cnt[(i64)slot * cnt_slot_stride + h];
         total = cnt + npg - nsel + 1;
@@ -124,6 +126,10 @@ ls_decode(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, D]
             page = pages[(i64)b * pages_stride + idx];
 #if LS_TIER
             page = tier->slot[page];
+            if (page < 0 && dyn && e < cnt && tier->stage != nullptr) {  // a pick on the host: staged?
+                const int staged = tier->stage[soff + e];
+                if (staged >= 0) page = staged;
+            }
 #endif
             pos = idx * page_size;
         }

@@ -133,8 +133,12 @@ ls_decode_tc(const act_t* __restrict__ q, i64 q_tok_stride,          // [T, Hq, 
             pos = e * page_size;
         }
 #if LS_TIER
-        if (dense) {  // a page on the host: -1 - its row in the host pool
-            const int slot = tier->slot[page];
+        if (dense) {  // a page on the host: -1 - its row in the host pool, unless a pick staged
+            int slot = tier->slot[page];
+            if (slot < 0 && dyn && e < cnt && tier->stage != nullptr) {
+                const int staged = tier->stage[soff + e];
+                if (staged >= 0) slot = staged;
+            }
             s_row[i] = slot >= 0 ? ((i64)slot * H + hh) * page_size : -1 - ((i64)(-1 - slot) * H + hh) * page_size;
         } else {
             s_row[i] = ((i64)page * H + hh) * page_size;

@@ -46,6 +46,7 @@ FAMILIES = {
     "prefill_estimate": ("prefill_estimate.cu", ("ls_antidiag_mass", "ls_antidiag_mass2")),  # block masses of a prefill chunk
     "prefill_cut": ("prefill_cut.cu", ("ls_mass_rank", "ls_mass_keep")),  # a prefill chunk's block list from its masses
     "page_copy": ("page_copy.cu", ("ls_page_copy",)),  # the host KV tier's page moves, one launch a batch
+    "stage": ("stage.cu", ("ls_stage_picks",)),  # the host KV tier: a selection's picks on the host, staged
     "fused": ("fused.cu", ("ls_add_rmsnorm", "ls_add_rmsnorm_v8", "ls_rope", "ls_rope_v8", "ls_silu_mul",
                            "ls_silu_mul_v8", "ls_argmax", "ls_gemv")),  # elementwise steps, argmax, GEMV
 }

@@ -5,6 +5,7 @@
 // through slot[page]: >= 0 a resident slot of the device pool, < 0 host slot -1 - slot of the
 // host pool (mapped pinned memory, read over PCIe). Without LS_TIER the pointer is ignored and
 // the code is unchanged. The Python mirror of this layout is host_tier.TIER_LAYER_FIELDS.
+// A selected page on the host is read from its staged copy where there is one (stage below).
 #pragma once
 
 struct TierLayer {
@@ -15,7 +16,11 @@ struct TierLayer {
     const float* vs;
     const float* kz;
     const float* vz;
-    const void* pad;                 // 8 pointers: one 64-byte row per layer
+    // Staging (null: none): laid out as the selection (sel_idx), the resident slot holding a
+    // copy of this head's part of a selected page that was on the host when it was selected
+    // (written by ls_stage_picks, kernels/page_copy.cu), or -1. Read only where slot[] says
+    // "host": a page installed since is read where it is now.
+    const int* stage;                // 8 pointers: one 64-byte row per layer
 };
 
 #ifndef LS_TIER

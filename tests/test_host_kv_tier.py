@@ -614,3 +614,43 @@ def test_hot_page_spilled_when_no_clean_victim_is_left():
     tier, rec, _ = _drive_tier(resident=6, host=40, seqs=1, prompt=300, budget=64, decode_steps=4, picks=4)
     assert any(ok and hot for _, ok, hot in rec.searches)  # the fallback ran
     assert tier.stats().spilled > 0
+
+
+def test_staging_area_is_set_aside_from_the_resident_set(tiny, monkeypatch):
+    """A mirrored tier with a staging area (the cupy backend's; on the CPU the torch backend reads
+    host pages where they are): its slots come off the top of every layer's resident pool and out of
+    the virtual page count, no page is ever given one, and outputs equal the tier-off twin's."""
+    from lserve.cache.host_tier import HostTier, stage_entries, stage_slots
+    from lserve.cache.kv_cache import KVCache
+    from lserve.engine import llm_engine
+
+    entries = stage_entries(SPARSE.token_budget, 16)
+    assert entries == 2 and stage_slots(PINNED + 16, PINNED, 2, entries) == 2
+    assert stage_slots(PINNED + 7, PINNED, 2, entries) == 0 and stage_slots(PINNED + 99, PINNED, 2, 0) == 0
+    monkeypatch.setattr(llm_engine, "KVCache", functools.partial(KVCache, host_mirror=True))
+    monkeypatch.setattr(llm_engine, "tier_stage_entries", lambda *_: entries)  # as on the cupy backend
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompts = [DOC[:700] + q for q in QUESTIONS]
+    gib = _gib(tiny, "tiny", 80)
+    on = _engine(tiny, "tiny", PINNED + 16, host_kv_gib=gib)
+    tier = on.cache.host_tier
+    assert (tier.stage_slots, tier.num_slots, tier.stage_base) == (2, PINNED + 12, PINNED + 12)
+    host_pages = tier.host[0].num_pages
+    assert on.cache.dense_alloc.num_pages == PINNED + 12 + host_pages - PINNED
+    assert on.stats().host_kv.resident_slots == (PINNED + 12) * tiny.config.num_layers
+    outs = []
+    for p in prompts:  # one at a time and then together: pages cross both ways
+        outs += on.generate([p], params)
+    outs += on.generate(prompts, params)
+    st = on.stats().host_kv
+    assert st.spilled > 0 and st.misses > 0, st
+    tier.check()
+    assert tier.slot_table.max().item() < tier.stage_base  # no resident entry points into the area
+    off = _twin(tiny, "tiny", on)
+    want = []
+    for p in prompts:
+        want += off.generate([p], params)
+    want += off.generate(prompts, params)
+    assert [o.token_ids for o in want] == [o.token_ids for o in outs]
+    with pytest.raises(ValueError, match="staging area"):
+        HostTier(tier.resident, tier.host, 10, 16, 1, 3, mirror=False, stage_slots=1, stage_entries=2)

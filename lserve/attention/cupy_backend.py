@@ -200,6 +200,10 @@ class CupyBackend(AttentionBackend):
         self._hd_max = max(self.cache.n_dense) if self.cache.n_dense else 0
         self._sel_idx = self._sel_mask = self._sel_cnt = None
         self._sel_page: torch.Tensor | None = None  # the physical pages of _sel_idx (decode_tc reads these)
+        #: Per layer, the tier's staging area as ls_stage_picks addresses it ([3, tensors] int64 on
+        #: the device: host base, resident base, page bytes); None: no staging (no tier, no area).
+        self._stage_bases = self._stage_tables()
+        self._sel_stage: torch.Tensor | None = None  # like _sel_idx: each pick's staged slot, or -1
         self._cap_slots = 0
         self._cap_u = 0
         self._static: torch.Tensor | None = None  # int32 tables of CUDA-graph steps
@@ -339,6 +343,20 @@ class CupyBackend(AttentionBackend):
         pool = self.cache.dense[layer]
         return pool.resident if self.tier is not None else pool
 
+    def _stage_tables(self) -> list[torch.Tensor] | None:
+        """The staging area's address tables (:attr:`_stage_bases`), or None where the tier has no
+        area or a head's part of a page is not whole 16-byte words (picks are then read in place)."""
+        t = self.tier
+        if t is None or not t.stage_slots:
+            return None
+        tables = []
+        for layer, nd in enumerate(self.cache.n_dense):
+            b = np.ascontiguousarray(t.page_bases(layer))
+            if nd and (b[2] % (16 * nd)).any():
+                return None
+            tables.append(torch.from_numpy(b).to(self.device))
+        return tables
+
     def _tier_arg(self, layer: int):
         """The ``tier`` kernel argument: the layer's ``TierLayer`` on the device, or None (0)."""
         return self.tier.layer_struct(layer) if self.tier is not None else None
@@ -357,16 +375,22 @@ class CupyBackend(AttentionBackend):
         L, H = self.model.num_layers, max(self._hd_max, 1)
         idx = torch.zeros((L, slots, H, cap_u), dtype=torch.int32, device=self.device)
         page = torch.zeros_like(idx)
+        stage = torch.full_like(idx, -1) if self._stage_bases is not None else None
         cnt = torch.zeros((L, slots, H), dtype=torch.int32, device=self.device)
         msk = torch.zeros((L, slots, H, cap_u) if self.qmode else (1,), dtype=torch.int32, device=self.device)
         if self._sel_idx is not None:
             s, u = self._cap_slots, self._cap_u
             idx[:, :s, :, :u] = self._sel_idx
             page[:, :s, :, :u] = self._sel_page
+            if stage is not None:
+                stage[:, :s, :, :u] = self._sel_stage
             cnt[:, :s] = self._sel_cnt
             if self.qmode:
                 msk[:, :s, :, :u] = self._sel_mask
         self._sel_idx, self._sel_cnt, self._sel_mask, self._sel_page = idx, cnt, msk, page
+        if stage is not None:  # the decode kernels find it through the tier's per-layer struct
+            self._sel_stage = stage
+            self.tier.set_stage_maps(stage)
         self._cap_slots, self._cap_u = slots, cap_u
         self.static_generation += 1  # captured graphs point at the old buffers
         self._static_units.clear()
@@ -655,11 +679,34 @@ class CupyBackend(AttentionBackend):
                 ptr(self._sel_cnt[layer]), i32(self._sel_idx.shape[2] * self._cap_u), i32(self._cap_u),
                 i32(self._sel_cnt.shape[2]), ptr(st.pages), i32(st.pages.shape[1]), ptr(self._sel_page[layer])),
                shared_mem=smem, pdl=self.pdl)
+        if self._stage_bases is not None and only is None:
+            self._stage_picks(layer, st, bv, nd)
         stats = getattr(self, "selector_stats", None)
         if stats is not None:  # launch time only: nothing here synchronizes
             stats.runs += R
             stats.pages += bv.sel_pages * nd * (self.group if self.qmode else 1)
             stats.seconds += time.perf_counter() - t0
+
+    def stage_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The selection's pages, counts and staged slots (``[layers, slots, heads, entries]``,
+        ``[layers, slots, heads]``, as ``pages``; -1: not staged), or None without staging or
+        before any selection (tests check the staged bytes against the host pool)."""
+        if self._sel_stage is None:
+            return None
+        return self._sel_page, self._sel_cnt, self._sel_stage
+
+    def _stage_picks(self, layer: int, st: CupyStep, bv, nd: int) -> None:
+        """After a layer's top-k: copy the head parts of the picks on the host into the tier's
+        staging area, once a selection (``kernels/stage.cu``); the decode kernels read them there."""
+        from lserve.kernels.loader import i32, launch, ptr
+
+        t, bases = self.tier, self._stage_bases[layer]
+        kern = self._kernel("stage", "ls_stage_picks", "none", self.gq)
+        launch(kern, (bv.n_sel_rows, nd, self._cap_u), (128,),
+               (ptr(bv.meta), i32(st.nb), ptr(bv.sel_rows), i32(nd), ptr(self._sel_page[layer]),
+                ptr(self._sel_cnt[layer]), ptr(self._sel_stage[layer]), i32(self._sel_idx.shape[2] * self._cap_u),
+                i32(self._cap_u), i32(self._sel_cnt.shape[2]), ptr(self._tier_arg(layer)), ptr(bases),
+                i32(bases.shape[1]), i32(t.stage_base), i32(t.stage_slots), i32(t.stage_entries)), pdl=self.pdl)
 
     def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: CupyStep, merge: bool = True) -> None:
         """Decode attention of every decode sequence and KV head of the layer (one launch + merge).

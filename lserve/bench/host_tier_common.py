@@ -122,7 +122,7 @@ def setup(s: Settings, keep_weights: bool = True) -> Setup:
     mc = loaded.config
     sp = replace(CONFIGS["lserve"], prefill_sparsity=s.prefill_sparsity)
     resolved, _, _ = resolve_prefill(sp, s.device, mc, dtype)
-    sizes = kv_sizes(s.model, mc, sp, s.kv_quant, dtype)
+    sizes = kv_sizes(s.model, mc, sp, s.kv_quant, dtype, s.backend)
     if not keep_weights:
         loaded = None
         free_memory()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lserve.cache.host_tier import pinned_bound
+from lserve.cache.host_tier import pinned_bound, stage_slots
 from lserve.config import CacheConfig, EngineConfig, SparsityConfig
 
 
@@ -31,6 +31,9 @@ class KVSizes:
     page_size : int
     sink_pages, local_pages : int
         The streaming window in pages (the pages each sequence pins with the tier).
+    stage_entries : int
+        Resident pages per sequence the cupy engine sets aside for staging a selection's picks
+        (:func:`~lserve.cache.host_tier.stage_entries`; 0: none).
     """
 
     device_per_token: float
@@ -39,6 +42,7 @@ class KVSizes:
     page_size: int
     sink_pages: int
     local_pages: int
+    stage_entries: int = 0
 
     @property
     def stats_per_token(self) -> float:
@@ -53,9 +57,10 @@ class KVSizes:
         return pinned_bound(max_batched_tokens, n_seqs, self.page_size, self.sink_pages, self.local_pages)
 
 
-def kv_sizes(model: str, model_cfg, sparsity: SparsityConfig, kv_quant: str, dtype) -> KVSizes:
-    """:class:`KVSizes` of a 4096-token cache of this configuration, built on the CPU (no weights)."""
-    from lserve.engine.llm_engine import build_cache, build_layout
+def kv_sizes(model: str, model_cfg, sparsity: SparsityConfig, kv_quant: str, dtype, backend: str = "torch") -> KVSizes:
+    """:class:`KVSizes` of a 4096-token cache of this configuration, built on the CPU (no weights),
+    for an engine on ``backend`` (the cupy one sets a staging area aside)."""
+    from lserve.engine.llm_engine import build_cache, build_layout, tier_stage_entries
 
     cfg = EngineConfig(model=model, sparsity=sparsity, cache=CacheConfig(dense_pool_tokens=4096, kv_quant=kv_quant),
                        max_num_seqs=2, prefix_cache=False)
@@ -63,7 +68,7 @@ def kv_sizes(model: str, model_cfg, sparsity: SparsityConfig, kv_quant: str, dty
     tokens = c.dense_alloc.num_pages * c.page_size
     host = sum(p.page_bytes() for p in c.dense) / c.page_size
     return KVSizes(c.nbytes()["dense"] / tokens, host, c.nbytes()["streaming"] / 2, c.page_size,
-                   c.ring.sink_pages, c.ring.local_pages)
+                   c.ring.sink_pages, c.ring.local_pages, tier_stage_entries(backend, sparsity, c.page_size))
 
 
 def seqs_all_gpu(s: KVSizes, gpu_bytes: float, tokens_per_seq: int) -> int:
@@ -74,8 +79,8 @@ def seqs_all_gpu(s: KVSizes, gpu_bytes: float, tokens_per_seq: int) -> int:
 def tier_split(s: KVSizes, gpu_bytes: float, host_bytes: float, n_seqs: int, max_batched_tokens: int) -> dict | None:
     """The tier's pools for ``n_seqs`` sequences: host pages (``host_bytes`` of them), the resident
     pages the rest of ``gpu_bytes`` holds beside every virtual page's key statistics and the rings,
-    and the virtual pages they give (as :class:`~lserve.cache.kv_cache.KVCache` counts them);
-    None where the device cannot hold the pages one step pins."""
+    and the virtual pages they give (as the cupy engine's :class:`~lserve.cache.kv_cache.KVCache`
+    counts them: less its staging area); None where the device cannot hold the pages one step pins."""
     page = s.page_size
     host_pages = int(host_bytes // (s.host_per_token * page))
     pinned = s.pinned(max_batched_tokens, n_seqs)
@@ -85,8 +90,9 @@ def tier_split(s: KVSizes, gpu_bytes: float, host_bytes: float, n_seqs: int, max
     resident = int(free // (page * s.device_per_token))
     if resident < pinned:
         return None
-    return {"resident_pages": resident, "host_pages": host_pages, "pinned_pages": pinned,
-            "virtual_pages": resident + host_pages - pinned}
+    staged = stage_slots(resident, pinned, n_seqs, s.stage_entries) * s.stage_entries
+    return {"resident_pages": resident, "host_pages": host_pages, "pinned_pages": pinned, "staged_pages": staged,
+            "virtual_pages": resident - staged + host_pages - pinned}
 
 
 def seqs_tier(s: KVSizes, gpu_bytes: float, host_bytes: float, tokens_per_seq: int, max_batched_tokens: int) -> int:

@@ -123,8 +123,26 @@ def pinned_bound(max_batched_tokens: int, max_num_seqs: int, page_size: int, sin
     return -(-max_batched_tokens // page_size) + max_num_seqs * (1 + sink_pages + local_pages)
 
 
-TIER_LAYER_FIELDS = ("slot", "k", "v", "ks", "vs", "kz", "vz", "pad")
+TIER_LAYER_FIELDS = ("slot", "k", "v", "ks", "vs", "kz", "vz", "stage")
 """Pointers of one layer's ``TierLayer`` (``kernels/tier.cuh``), in order."""
+
+STAGE_SHARE = 4
+"""The staging area takes at most 1/STAGE_SHARE of the resident slots a step does not pin."""
+
+
+def stage_entries(token_budget: int, page_size: int) -> int:
+    """Selection entries per dense head one sequence's staging area holds: the pages a selection
+    keeps by score (the budget's pages less the last, which the top-k always keeps and which is in
+    the pinned window); 0 without a budget."""
+    return max(token_budget // page_size - 1, 0)
+
+
+def stage_slots(num_pages: int, pinned: int, max_num_seqs: int, entries: int) -> int:
+    """Sequences (selection-state slots) the staging area serves: one per sequence decoded
+    together, as far as :data:`STAGE_SHARE` of the resident slots beyond the pinned ones go."""
+    if entries <= 0:
+        return 0
+    return max(0, min(max_num_seqs, (num_pages - pinned) // (STAGE_SHARE * entries)))
 
 
 class _Phase:
@@ -182,15 +200,28 @@ class HostTier:
         Per layer, the host pool's tensors (:meth:`PagedPool.tensors` order) as CPU tensors, the
         sources of :meth:`stage`'s bulk copies (mapped pools: their CPU twins); None: the host
         pools' own tensors.
+    stage_slots, stage_entries : int
+        The decode kernels' staging area (cupy backend; ``docs/host_kv_tier.md``): the last
+        ``stage_slots * stage_entries`` resident slots of every layer are set aside and never hold
+        a page; selection slot ``s``'s pick ``e``, when on the host, is copied once a selection to
+        slot :attr:`stage_base` ``+ s * stage_entries + e`` (:func:`stage_slots`,
+        :func:`stage_entries`). 0: none.
     """
 
     def __init__(self, resident: list[PagedPool], host: list[PagedPool], num_pages: int, page_size: int,
                  sink_pages: int, local_pages: int, policy: Callable[[], RecencyPolicy] = RecencyPolicy,
-                 mirror: bool = False, host_views: list[list[torch.Tensor]] | None = None) -> None:
+                 mirror: bool = False, host_views: list[list[torch.Tensor]] | None = None,
+                 stage_slots: int = 0, stage_entries: int = 0) -> None:
         self.resident, self.host = resident, host
         self.num_layers = len(resident)
         self.page_size, self.sink_pages, self.local_pages = page_size, sink_pages, local_pages
-        self.num_slots = resident[0].num_pages
+        staged = stage_slots * stage_entries
+        if staged and (not mirror or staged >= resident[0].num_pages):
+            raise ValueError(f"a staging area of {staged} slots needs mirror and a larger resident set "
+                             f"({resident[0].num_pages} slots)")
+        #: Resident slots the tier gives pages (per layer); the staging area follows them.
+        self.num_slots = resident[0].num_pages - staged
+        self.stage_base, self.stage_slots, self.stage_entries = self.num_slots, stage_slots, stage_entries
         self.num_host = host[0].num_pages
         self._res = np.full((self.num_layers, num_pages), -1, dtype=np.int64)  # page -> resident slot
         self._host = np.full(num_pages, -1, dtype=np.int64)  # page -> host slot
@@ -406,6 +437,21 @@ class HostTier:
     def layer_struct(self, layer: int) -> torch.Tensor:
         """``layer``'s ``TierLayer`` (:data:`TIER_LAYER_FIELDS`) on the device (mirror only)."""
         return self._structs[layer]
+
+    def set_stage_maps(self, maps: torch.Tensor | None) -> None:
+        """Point every layer's ``TierLayer.stage`` at ``maps[layer]`` (int32, laid out as the
+        backend's selection: the staged slot of each pick on the host, or -1), or at nothing."""
+        col = TIER_LAYER_FIELDS.index("stage")
+        ptrs = [0] * self.num_layers if maps is None else [maps[i].data_ptr() for i in range(self.num_layers)]
+        self._structs[:, col].copy_(torch.tensor(ptrs, dtype=torch.int64))
+
+    def page_bases(self, layer: int) -> np.ndarray:
+        """``layer``'s host and resident base addresses and page bytes of each storage tensor
+        (int64 [3, tensors]; :meth:`use_bulk_copy` must have run): what a kernel that copies
+        pages or head parts between the tiers addresses them by."""
+        if not self._bases:
+            raise RuntimeError("page_bases needs use_bulk_copy first")
+        return self._bases[layer]
 
     def flush(self) -> None:
         """Run the queued copies, then write the changed table entries (mirror; else nothing is queued)."""

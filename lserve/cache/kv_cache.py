@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from lserve.cache.allocator import PageAllocator
-from lserve.cache.host_tier import HostTier, pinned_bound
+from lserve.cache.host_tier import HostTier, pinned_bound, stage_slots
 from lserve.cache.key_stats import KeyStats
 from lserve.cache.paged_pool import PagedPool
 from lserve.cache.prefix_cache import PrefixCache
@@ -86,7 +86,7 @@ class KVCache:
     def __init__(self, model: ModelConfig, cfg: CacheConfig, n_dense: list[int], sink_tokens: int,
                  local_tokens: int, max_num_seqs: int, dtype: torch.dtype, device, prefix_cache: bool = False,
                  prefix_seed: bytes = b"", max_batched_tokens: int = 0, host_device="cpu",
-                 host_mirror: bool = False) -> None:
+                 host_mirror: bool = False, stage_entries: int = 0) -> None:
         self.cfg = cfg
         self.page_size = cfg.page_size
         self.n_dense = list(n_dense)
@@ -102,7 +102,8 @@ class KVCache:
         self.host_tier: HostTier | None = None
         num_pages = cfg.num_pages  # dense page ids (virtual ones with the host tier)
         if cfg.host_kv_gib:
-            num_pages = self._build_host_tier(cfg, max_num_seqs, max_batched_tokens, host_device, host_mirror)
+            num_pages = self._build_host_tier(cfg, max_num_seqs, max_batched_tokens, host_device, host_mirror,
+                                              stage_entries)
         self.dense_alloc = PageAllocator(num_pages)
         if self.host_tier is not None:
             self.dense_alloc.on_free = self.host_tier.on_free
@@ -115,9 +116,10 @@ class KVCache:
         self.stream = [PagedPool(n_stream_pages, s, N, D, cfg.kv_quant, dtype, device) for s in self.n_stream]
 
     def _build_host_tier(self, cfg: CacheConfig, max_num_seqs: int, max_batched_tokens: int, host_device,
-                         mirror: bool) -> int:
+                         mirror: bool, stage_entries: int) -> int:
         """Host pools of ``cfg.host_kv_gib`` and the tier over them; returns the virtual page count
-        (resident + host pages, less the pages one step may pin: see ``docs/host_kv_tier.md``)."""
+        (resident + host pages, less the pages one step may pin and, with mapped host pools and
+        ``stage_entries``, the decode kernels' staging area: see ``docs/host_kv_tier.md``)."""
         resident = self.dense
         page_bytes = sum(p.page_bytes() for p in resident)
         if not page_bytes:
@@ -144,10 +146,12 @@ class KVCache:
                                   alloc=alloc))
             if alloc is not None:
                 views.append(alloc.cpu)
-        self.host_tier = HostTier(resident, host, cfg.num_pages + host_pages - pinned, cfg.page_size,
-                                  self.ring.sink_pages, self.ring.local_pages, mirror=mirror, host_views=views)
+        n_stage = stage_slots(cfg.num_pages, pinned, max_num_seqs, stage_entries) if mirror else 0
+        virtual = cfg.num_pages - n_stage * stage_entries + host_pages - pinned
+        self.host_tier = HostTier(resident, host, virtual, cfg.page_size, self.ring.sink_pages, self.ring.local_pages,
+                                  mirror=mirror, host_views=views, stage_slots=n_stage, stage_entries=stage_entries)
         self.dense = [TieredPool(self.host_tier, i, r, h) for i, (r, h) in enumerate(zip(resident, host))]
-        return cfg.num_pages + host_pages - pinned
+        return virtual
 
     def pages_for(self, num_tokens: int) -> int:
         """Dense pages needed to hold ``num_tokens`` tokens."""

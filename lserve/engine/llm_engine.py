@@ -18,7 +18,7 @@ import torch
 
 from lserve.attention import make_backend
 from lserve.attention.base import SelectorStats
-from lserve.cache.host_tier import HostKVStats
+from lserve.cache.host_tier import HostKVStats, stage_entries
 from lserve.cache.kv_cache import KVCache
 from lserve.cache.page_hash import namespace_seed
 from lserve.config import PREFILL_MIN_LEN_UNPROFILED, ConfigError, EngineConfig, ModelConfig, SparsityConfig
@@ -146,7 +146,15 @@ def build_cache(cfg: EngineConfig, model_cfg, layout: HeadLayout, dtype) -> KVCa
     return KVCache(model_cfg, cfg.cache, layout.n_dense(), sparsity.sink_tokens, sparsity.local_tokens, cfg.max_num_seqs,
                    dtype, cfg.device, prefix_cache=cfg.prefix_cache, prefix_seed=namespace_seed(cfg.prefix_namespace()),
                    max_batched_tokens=cfg.max_batched_tokens,
-                   host_device="mapped" if cfg.backend == "cupy" else "cpu")  # the cupy kernels read host pages in place
+                   host_device="mapped" if cfg.backend == "cupy" else "cpu",  # the cupy kernels read host pages in place
+                   stage_entries=tier_stage_entries(cfg.backend, sparsity, cfg.cache.page_size))
+
+
+def tier_stage_entries(backend: str, sparsity: SparsityConfig, page_size: int) -> int:
+    """Pages per sequence a host tier sets aside to stage selections in
+    (:func:`~lserve.cache.host_tier.stage_entries`): the cupy kernels read staged picks; the torch
+    backend reads host pages where they are."""
+    return stage_entries(sparsity.token_budget, page_size) if backend == "cupy" else 0
 
 
 class LLMEngine:

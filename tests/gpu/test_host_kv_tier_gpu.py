@@ -158,3 +158,42 @@ def test_page_copy_kernel_moves_ranges_between_device_and_mapped_host_memory():
         torch.cuda.synchronize()
         for w, y in zip(want, dst):
             assert torch.equal(w, y)
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int4"])
+def test_cupy_tier_stages_host_picks_once_a_selection(kv_quant):
+    """With room beside the pinned pages (30 slots: 14 pinned, 16 more), the tier sets aside a
+    staging area (2 sequences x 2 picks a head); each selecting step copies the head parts of picks
+    on the host there (``ls_stage_picks``) and the decode kernels read them from it: the staged
+    bytes equal the host pool's while the sequences run, and outputs equal tier-off."""
+    tiny = load_model("tiny", seed=3, device="cuda", dtype=torch.bfloat16)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    prompts = [DOC[:400] + q for q in (" Q: box 5? A:", " Q: which box is black? A:")]
+    on = _cupy(tiny, 30, _cupy_gib(tiny, 60, kv_quant), kv_quant, True)
+    tier = on.cache.host_tier
+    assert (tier.stage_slots, tier.stage_entries, tier.num_slots, tier.stage_base) == (2, 2, 26, 26)
+    rids = [on.add_request(p, params) for p in prompts]
+    outs, checked = {}, 0
+    while on.has_unfinished():
+        for o in on.step():
+            if o.finished:
+                outs[o.request_id] = o
+        state = on.backend.stage_state()
+        if outs or state is None:  # a finished sequence's pages (and host slots) are given back
+            continue
+        torch.cuda.synchronize()
+        page, cnt, stage = (t.cpu() for t in state)
+        for layer, slot, head, e in (stage >= 0).nonzero().tolist():
+            assert e < cnt[layer, slot, head] and stage[layer, slot, head, e] == tier.stage_base + slot * 2 + e
+            _, host_slot, resident = tier.locate(layer, page[layer, slot, head, e].reshape(1))
+            if resident.item():  # installed since: the kernels read it where it is now
+                continue
+            pool, host = on.cache.dense[layer].resident, tier.host[layer]
+            for a, b in zip(pool.tensors(), host.tensors()):
+                assert torch.equal(a[stage[layer, slot, head, e]][head].cpu(), b[host_slot.item()][head].cpu())
+            checked += 1
+    assert checked > 0 and on.graphs.replays > 0
+    tier.check()
+    off = _chunked_as(_cupy(tiny, on.cache.dense_alloc.num_pages, 0.0, kv_quant, True), on)
+    want = off.generate(prompts, params)
+    assert [o.token_ids for o in want] == [outs[r].token_ids for r in rids]
