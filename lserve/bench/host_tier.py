@@ -31,6 +31,7 @@ from lserve.bench.host_tier_common import (
     ADMISSIONS,
     CONTEXTS,
     DECODE_STEPS,
+    WARMUP_STEPS,
     Settings,
     Setup,
     free_memory,
@@ -131,7 +132,7 @@ def _measure(eng, run: dict, t_start: float, deadline_s: float, decode_steps: in
     # capture the decode graphs (one per key: selecting and reusing steps; up to 3.9 s at 1M):
     # the steady mean leaves out the first 8 (with 32 timed, the other 24 are whole reuse
     # intervals of 4); every step is kept
-    steady = steps[8:] if len(steps) >= 16 else steps[2:] or steps
+    steady = steps[WARMUP_STEPS:] if len(steps) >= 2 * WARMUP_STEPS else steps[2:] or steps
     return {"ttft_s": ttft, "decode_ms_per_token": statistics.median(steps) * 1e3,
             "decode_ms_mean": statistics.fmean(steps) * 1e3, "decode_ms_max": max(steps) * 1e3,
             "decode_ms_steady_mean": statistics.fmean(steady) * 1e3,

@@ -17,6 +17,9 @@ from lserve.sparsity.prefill_blocks import estimate_share
 
 CONTEXTS = (131072, 524288, 1048576)
 DECODE_STEPS = 32
+WARMUP_STEPS = 8
+"""Decode steps a timed figure leaves out first: a new batch runs its first steps eagerly and captures
+its CUDA graphs (one per key: selecting and reusing steps; up to 3.9 s at 1M)."""
 ADMISSIONS = ("repeat", "all")  # the tier's admission of missed picks (lserve.cache.tier_policy.ADMIT_ON_REPEAT)
 HOST_SHARE = 0.8  # of the host's available memory the tier may take by default
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from lserve.bench.host_tier_common import (
+    WARMUP_STEPS,
     Setup,
     admits,
     free_memory,
@@ -40,11 +41,11 @@ from lserve.bench.report import header, write_json
 def decode_slack(st: Setup, context: int, n_seqs: int, mode: str) -> int:
     """Tokens the first sequence may decode before the timed steps end: one per step while the
     others prefill (chunks as the scheduler cuts them next to up to ``n_seqs`` decodes), plus the
-    timed (and profiled) steps and two."""
+    warm-up, timed (and profiled) steps and two."""
     alpha = 0.0 if mode == "tier" else st.time.alpha
     s = st.settings
     chunks = len(prefill_chunks(context, s.max_batched_tokens, alpha, n_decode=n_seqs))
-    return max(n_seqs - 1, 0) * (chunks + 1) + s.decode_steps + s.profile_steps + s.host_profile_steps + 2
+    return max(n_seqs - 1, 0) * (chunks + 1) + WARMUP_STEPS + s.decode_steps + s.profile_steps + s.host_profile_steps + 2
 
 
 def plan(st: Setup, context: int) -> list[dict]:
@@ -69,8 +70,9 @@ def plan(st: Setup, context: int) -> list[dict]:
 
 def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_steps: int,
              profile_steps: int = 0, host_profile_steps: int = 0) -> dict:
-    """Prefill ``n`` distinct random prompts (a progress line as each starts decoding), then time
-    ``decode_steps`` steps of all of them decoding together, then run ``profile_steps`` under a
+    """Prefill ``n`` distinct random prompts (a progress line as each starts decoding), then, after
+    :data:`~lserve.bench.host_tier_common.WARMUP_STEPS` untimed steps, time ``decode_steps`` steps
+    of all of them decoding together, then run ``profile_steps`` under a
     CUDA trace and ``host_profile_steps`` under cProfile (GPU busy against wall, host time by
     function: what bounds a step); aborts them all at the end."""
     from lserve.engine import SamplingParams
@@ -99,6 +101,8 @@ def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_s
     row = {"all_prefill_s": all_prefill_s, "running": stats.running, "preemptions": stats.num_preemptions}
     host0 = stats.host_kv.bytes_h2d if stats.host_kv else 0
     gen0 = stats.generation_tokens
+    for _ in range(WARMUP_STEPS):  # the batch's first steps: eager, and its CUDA graphs captured
+        eng.step()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t1 = time.perf_counter()
