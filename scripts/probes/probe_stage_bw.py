@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import numpy as np
 import torch
 
 from lserve.attention.cupy_tier import bulk_copy
+from lserve.bench.kernels import median_events
 from lserve.bench.report import header, write_json
 from lserve.cache.host_memory import mapped_pair
 
@@ -36,17 +36,8 @@ BIG = 1 << 20
 
 
 def _time(fn, runs: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+    """Median seconds of ``fn()`` (CUDA events, after a warm-up)."""
+    return median_events(fn, runs, warmup=1) / 1e3
 
 
 def _ranges(src_base: int, dst_base: int, n_src: int, n: int, size: int, rng) -> np.ndarray:
