@@ -10,8 +10,13 @@
 #include "decode_meta.cuh"
 #include "tier.cuh"
 
+// The launch's block size must equal ST_THREADS (Variant tuning may set both).
+#ifndef ST_THREADS
 #define ST_THREADS 128
+#endif
+#ifndef ST_UNROLL
 #define ST_UNROLL 8  // 16-byte loads in flight per thread: over PCIe a load takes microseconds
+#endif
 
 // One CTA a pick: grid (selecting rows, dense heads, selection entries).
 // bases: int64 [3, nt]: per storage tensor of the pool (K, V, scales, zero points) its host base
@@ -26,7 +31,9 @@ ls_stage_picks(const int* __restrict__ meta, int nb, const int* __restrict__ row
     const int r = blockIdx.x, h = blockIdx.y, e = blockIdx.z;
     const int slot = meta[META_SLOT * nb + rows[r]];  // host-copied tables: before the wait
     pdl_wait();  // the picks come from the top-k just before
-    pdl_trigger();
+    // No early pdl_trigger: the decode kernel that follows would launch while this grid's last
+    // wave copies, and its CTAs would sit on SM slots waiting for it to finish (a CTA's exit
+    // triggers; every CTA here exits right after its copies).
     const i64 off = (i64)slot * sel_slot_stride + (i64)h * sel_head_stride + e;
     if (e >= sel_cnt[(i64)slot * cnt_slot_stride + h]) return;
     const int where = tier->slot[sel_page[off]];
