@@ -27,7 +27,8 @@ ls_stage_picks(const int* __restrict__ meta, int nb, const int* __restrict__ row
                const int* __restrict__ sel_page, const int* __restrict__ sel_cnt, int* __restrict__ stage,
                int sel_slot_stride, int sel_head_stride, int cnt_slot_stride,
                const TierLayer* __restrict__ tier, const i64* __restrict__ bases, int nt,
-               int stage_base, int stage_slots, int stage_entries) {
+               int stage_base, int stage_slots, int stage_entries,
+               unsigned long long* __restrict__ staged_parts) {  // this layer's count of parts staged
     const int r = blockIdx.x, h = blockIdx.y, e = blockIdx.z;
     const int slot = meta[META_SLOT * nb + rows[r]];  // host-copied tables: before the wait
     pdl_wait();  // the picks come from the top-k just before
@@ -41,6 +42,7 @@ ls_stage_picks(const int* __restrict__ meta, int nb, const int* __restrict__ row
     const i64 dst_page = stage_base + (i64)slot * stage_entries + e;
     if (threadIdx.x == 0) stage[off] = staged ? (int)dst_page : -1;
     if (!staged) return;
+    if (threadIdx.x == 0) atomicAdd(staged_parts, 1ull);
     const i64 src_page = -1 - (i64)where;
     for (int t = 0; t < nt; ++t) {
         const i64 pb = bases[2 * nt + t], part = pb / hd;

@@ -654,3 +654,31 @@ def test_staging_area_is_set_aside_from_the_resident_set(tiny, monkeypatch):
     assert [o.token_ids for o in want] == [o.token_ids for o in outs]
     with pytest.raises(ValueError, match="staging area"):
         HostTier(tier.resident, tier.host, 10, 16, 1, 3, mirror=False, stage_slots=1, stage_entries=2)
+
+
+def test_staged_parts_count_into_the_h2d_bytes_once(tiny, mirrored):
+    """With the staging kernel's counter (the cupy backend's), a snapshot adds the parts it staged
+    and their bytes, and a fetch's missed picks count as streamed pages without bytes of their own
+    (the staged copy is their one crossing)."""
+    on = _engine(tiny, "tiny", PINNED, host_kv_gib=_gib(tiny, "tiny", 40))
+    on.generate([DOC[:400]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    tier = on.cache.host_tier
+    offloaded = [v for v in sorted(tier.held_pages()) if not tier.is_resident(0, v)]
+    assert len(offloaded) >= 2
+    head = [p.page_bytes() // max(p.num_heads, 1) for p in tier.resident]
+    dense = [i for i, p in enumerate(tier.resident) if p.num_heads]
+    assert dense[0] == 0 and len(dense) >= 2
+    before = tier.stats()
+    tier.fetch(0, np.array(offloaded[:1]), streamed=True, heads=np.array([0]))
+    plain = tier.stats()
+    assert plain.bytes_h2d - before.bytes_h2d >= head[0]  # in place: its part counted at fetch
+    counter = torch.zeros(tier.num_layers, dtype=torch.int64)
+    tier.count_staged_by(counter)
+    counter[0], counter[dense[-1]] = 5, 2  # parts the kernel staged
+    mid = tier.stats()
+    assert mid.staged_parts == 7 and mid.bytes_h2d - plain.bytes_h2d == 5 * head[0] + 2 * head[dense[-1]]
+    tier.fetch(0, np.array(offloaded[1:2]), streamed=True, heads=np.array([0]))
+    after = tier.stats()
+    assert after.streamed - mid.streamed == 1 and after.misses - mid.misses == 1
+    installed = after.fetched - mid.fetched  # an admitted miss is copied whole; a deferred one adds nothing
+    assert after.bytes_h2d - mid.bytes_h2d == installed * tier.resident[0].page_bytes()

@@ -203,6 +203,9 @@ class CupyBackend(AttentionBackend):
         #: Per layer, the tier's staging area as ls_stage_picks addresses it ([3, tensors] int64 on
         #: the device: host base, resident base, page bytes); None: no staging (no tier, no area).
         self._stage_bases = self._stage_tables()
+        if self._stage_bases is not None:  # the staging kernel's count of parts, per layer (host_kv stats)
+            self._staged_parts = torch.zeros(self.model.num_layers, dtype=torch.int64, device=self.device)
+            self.tier.count_staged_by(self._staged_parts)
         self._sel_stage: torch.Tensor | None = None  # like _sel_idx: each pick's staged slot, or -1
         self._cap_slots = 0
         self._cap_u = 0
@@ -706,7 +709,8 @@ class CupyBackend(AttentionBackend):
                (ptr(bv.meta), i32(st.nb), ptr(bv.sel_rows), i32(nd), ptr(self._sel_page[layer]),
                 ptr(self._sel_cnt[layer]), ptr(self._sel_stage[layer]), i32(self._sel_idx.shape[2] * self._cap_u),
                 i32(self._cap_u), i32(self._sel_cnt.shape[2]), ptr(self._tier_arg(layer)), ptr(bases),
-                i32(bases.shape[1]), i32(t.stage_base), i32(t.stage_slots), i32(t.stage_entries)), pdl=self.pdl)
+                i32(bases.shape[1]), i32(t.stage_base), i32(t.stage_slots), i32(t.stage_entries),
+                ptr(self._staged_parts[layer])), pdl=self.pdl)
 
     def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, st: CupyStep, merge: bool = True) -> None:
         """Decode attention of every decode sequence and KV head of the layer (one launch + merge).

@@ -87,6 +87,9 @@ class HostKVStats:
     ``bytes_h2d`` / ``bytes_d2h``: totals; ``step_bytes_*``: those of the latest step.
     ``fetch_layers_skipped``: layers of a selection whose picks were not fetched because the next
     selection arrived first (the cupy backend's per-step fetch budget, ``TierPicks``).
+    ``staged_parts``: head parts of picks on the host that the cupy backend's staging kernel copied
+    to the device (once a selection, every layer; their bytes are in ``bytes_h2d``, read from the
+    device when the snapshot is taken: :meth:`HostTier.count_staged_by`).
     """
 
     resident_slots_used: int = 0
@@ -108,6 +111,7 @@ class HostKVStats:
     step_bytes_h2d: int = 0
     step_bytes_d2h: int = 0
     fetch_layers_skipped: int = 0
+    staged_parts: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -248,6 +252,7 @@ class HostTier:
         self._dirty: set[int] = set()  # pages whose table entries changed since the last flush
         self.slot_table: torch.Tensor | None = None
         self._structs: torch.Tensor | None = None
+        self._staged: torch.Tensor | None = None  # count_staged_by: per layer, head parts staged (device)
         if mirror:
             dev = resident[0].k.device
             # -1 (host slot 0) for pages without data: never read, and the host pool is zeroed
@@ -445,6 +450,13 @@ class HostTier:
         ptrs = [0] * self.num_layers if maps is None else [maps[i].data_ptr() for i in range(self.num_layers)]
         self._structs[:, col].copy_(torch.tensor(ptrs, dtype=torch.int64))
 
+    def count_staged_by(self, counter: torch.Tensor) -> None:
+        """Count the staging kernel's copies: ``counter[layer]`` (int64, on the device) is the head
+        parts it has staged in ``layer``. :meth:`stats` adds them to ``staged_parts`` and their bytes
+        to ``bytes_h2d``; a fetch's missed picks then count as streamed pages but not bytes (a
+        missed pick crosses once, staged; picks the area does not hold, read in place, go uncounted)."""
+        self._staged = counter
+
     def page_bases(self, layer: int) -> np.ndarray:
         """``layer``'s host and resident base addresses and page bytes of each storage tensor
         (int64 [3, tensors]; :meth:`use_bulk_copy` must have run): what a kernel that copies
@@ -600,7 +612,12 @@ class HostTier:
         st.resident_slots_used = int((self._res >= 0).sum())
         st.pages_on_host = self.num_host - self._host_nfree
         st.hot_pages = int(((self._res >= 0).all(axis=0) & (self._host < 0)).sum())
-        return HostKVStats(**{k: getattr(st, k) for k in st.__dataclass_fields__})
+        snap = HostKVStats(**{k: getattr(st, k) for k in st.__dataclass_fields__})
+        if self._staged is not None:  # a device read: stats are taken between steps, not in them
+            parts = self._staged.cpu().numpy()
+            snap.staged_parts = int(parts.sum())
+            snap.bytes_h2d += int((parts * np.asarray(self._head_bytes, dtype=np.int64)).sum())
+        return snap
 
     def held_pages(self) -> set[int]:
         """Virtual pages that hold a slot of either tier."""
@@ -658,7 +675,7 @@ class HostTier:
         self._stats.streamed += n
         if head_parts is None:
             self._count_h2d(n * self._page_bytes[layer])
-        else:
+        elif self._staged is None:  # else the staging kernel's count has their bytes
             self._count_h2d(head_parts * self._head_bytes[layer])
 
     def _where(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -161,6 +161,9 @@ class EngineMetrics:
             "h2d_copies": counter("host_kv_h2d_copies",
                                   "Host KV tier: bulk host-to-device copies (runs of consecutive host pages, per "
                                   "layer) that scans read the host with."),
+            "staged_parts": counter("host_kv_staged_parts",
+                                    "Host KV tier: head parts of selected pages on the host staged on the device "
+                                    "(once a selection; the decode kernels read them there)."),
             "bytes_h2d": counter("host_kv_bytes_h2d", "Host KV tier: bytes copied host-to-device."),
             "bytes_d2h": counter("host_kv_bytes_d2h", "Host KV tier: bytes copied device-to-host."),
         }

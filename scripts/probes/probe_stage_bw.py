@@ -79,15 +79,17 @@ def stage_kernel(host: torch.Tensor, twin: torch.Tensor, miss: float, rng, dev) 
                         dtype=torch.int64, device=dev)
     bases = torch.tensor([[k_host.data_ptr(), v_host.data_ptr()], [res[0].data_ptr(), res[1].data_ptr()],
                           [page, page]], dtype=torch.int64, device=dev)
-    parts = int(on_host.sum()) * 2 * (page // H)
+    parts = int(on_host.sum()) * 2 * (page // H)  # bytes staged a launch
+    counted = torch.zeros(1, dtype=torch.int64, device=dev)  # the kernel's count of picks staged
     out = {}
     for threads, unroll in ((128, 8), (256, 4), (256, 8), (512, 2)):
         kern = get_kernel(Variant("stage", "bf16", D, tuning=(f"ST_THREADS={threads}", f"ST_UNROLL={unroll}")),
                           "ls_stage_picks")
         args = (ptr(meta), i32(S), ptr(rows), i32(H), ptr(sel_page), ptr(sel_cnt), ptr(stage), i32(H * U), i32(U),
-                i32(H), ptr(tier), ptr(bases), i32(2), i32(base), i32(S), i32(U))
+                i32(H), ptr(tier), ptr(bases), i32(2), i32(base), i32(S), i32(U), ptr(counted))
         run = lambda k=kern, t=threads, x=args: launch(k, (S, H, U), (t,), x)  # noqa: E731
         out[f"stage_{threads}_{unroll}"] = parts / _time(run) / 1e9
+    assert counted.item() % int(on_host.sum()) == 0 and counted.item() > 0, "staged count"
     st = stage.cpu()
     hs = host_slots.view(S, H, U)
     for s_, h, e in rng.integers(0, [S, H, U], size=(32, 3)).tolist():

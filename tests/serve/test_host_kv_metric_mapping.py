@@ -27,12 +27,12 @@ CODE = textwrap.dedent("""\
     out["on"] = samples()
     a = HostKVStats(resident_slots_used=5, resident_slots=40, pages_on_host=7, host_pages=50, hot_pages=2, hits=6,
                     misses=2, fetched=2, deferred=1, streamed=3, spilled=7, bytes_h2d=500, bytes_d2h=700,
-                    prefill_streamed=2, prefill_bytes_h2d=300, h2d_copies=1)
+                    prefill_streamed=2, prefill_bytes_h2d=300, h2d_copies=1, staged_parts=3)
     m.export_host_kv(a, HostKVStats(), steps=4)
     out["first"] = samples()
     b = HostKVStats(resident_slots_used=6, resident_slots=40, pages_on_host=9, host_pages=50, hot_pages=1, hits=7,
                     misses=5, fetched=5, deferred=4, streamed=3, spilled=9, bytes_h2d=800, bytes_d2h=900,
-                    prefill_streamed=2, prefill_bytes_h2d=300, h2d_copies=4)
+                    prefill_streamed=2, prefill_bytes_h2d=300, h2d_copies=4, staged_parts=8)
     m.export_host_kv(b, a, steps=2)
     out["second"] = samples()
     m.export_host_kv(b, b, steps=0)  # idle: ratios keep their last values
@@ -48,7 +48,7 @@ def test_export_host_kv_maps_snapshots_to_series():
     out = json.loads(r.stdout)
     assert out["off"] == {}
     counters = ("hits", "misses", "pages_fetched", "pages_deferred", "pages_streamed", "pages_spilled", "bytes_h2d", "bytes_d2h",
-                "prefill_pages_streamed", "prefill_bytes_h2d", "h2d_copies")
+                "prefill_pages_streamed", "prefill_bytes_h2d", "h2d_copies", "staged_parts")
     assert out["on"] == {f"lserve:host_kv_{c}_total": 0.0 for c in counters + ("fetch_layers_skipped",)}
 
     p = "lserve:host_kv_"
@@ -56,11 +56,11 @@ def test_export_host_kv_maps_snapshots_to_series():
     assert {k: first[p + k] for k in ("pages_on_host", "host_pages", "resident_slots_used", "resident_slots",
                                       "hot_pages")} == {"pages_on_host": 7, "host_pages": 50, "resident_slots_used": 5,
                                                         "resident_slots": 40, "hot_pages": 2}
-    assert [first[f"{p}{c}_total"] for c in counters] == [6, 2, 2, 1, 3, 7, 500, 700, 2, 300, 1]
+    assert [first[f"{p}{c}_total"] for c in counters] == [6, 2, 2, 1, 3, 7, 500, 700, 2, 300, 1, 3]
     assert first[p + "hit_rate"] == 6 / 8 and first[p + "bytes_h2d_per_step"] == 500 / 4
 
     second = out["second"]
-    assert [second[f"{p}{c}_total"] for c in counters] == [7, 5, 5, 4, 3, 9, 800, 900, 2, 300, 4]
+    assert [second[f"{p}{c}_total"] for c in counters] == [7, 5, 5, 4, 3, 9, 800, 900, 2, 300, 4, 8]
     assert second[p + "pages_on_host"] == 9 and second[p + "hot_pages"] == 1
     assert second[p + "hit_rate"] == 1 / 4 and second[p + "bytes_h2d_per_step"] == 300 / 2  # this interval's
     assert out["idle"] == second
