@@ -18,7 +18,7 @@ struct TierLayer {
     const float* vz;
     // Staging (null: none): laid out as the selection (sel_idx), the resident slot holding a
     // copy of this head's part of a selected page that was on the host when it was selected
-    // (written by ls_stage_picks, kernels/page_copy.cu), or -1. Read only where slot[] says
+    // (written by ls_stage_picks, kernels/stage.cu), or -1. Read only where slot[] says
     // "host": a page installed since is read where it is now.
     const int* stage;                // 8 pointers: one 64-byte row per layer
 };

@@ -203,7 +203,8 @@ class CupyBackend(AttentionBackend):
         #: Per layer, the tier's staging area as ls_stage_picks addresses it ([3, tensors] int64 on
         #: the device: host base, resident base, page bytes); None: no staging (no tier, no area).
         self._stage_bases = self._stage_tables()
-        if self._stage_bases is not None:  # the staging kernel's count of parts, per layer (host_kv stats)
+        self._staged_parts: torch.Tensor | None = None  # the staging kernel's count of parts, per layer
+        if self._stage_bases is not None:  # (host_kv stats read it through the tier)
             self._staged_parts = torch.zeros(self.model.num_layers, dtype=torch.int64, device=self.device)
             self.tier.count_staged_by(self._staged_parts)
         self._sel_stage: torch.Tensor | None = None  # like _sel_idx: each pick's staged slot, or -1
