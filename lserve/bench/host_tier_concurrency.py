@@ -99,12 +99,13 @@ def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_s
     all_prefill_s = time.perf_counter() - t0
     stats = eng.stats()
     row = {"all_prefill_s": all_prefill_s, "running": stats.running, "preemptions": stats.num_preemptions}
-    host0 = stats.host_kv.bytes_h2d if stats.host_kv else 0
-    gen0 = stats.generation_tokens
     for _ in range(WARMUP_STEPS):  # the batch's first steps: eager, and its CUDA graphs captured
         eng.step()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    stats = eng.stats()  # counted from here: the timed steps' tokens and bytes only
+    host0 = stats.host_kv if stats.host_kv else None
+    gen0 = stats.generation_tokens
     t1 = time.perf_counter()
     for _ in range(decode_steps):
         eng.step()
@@ -115,7 +116,8 @@ def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_s
     row.update(decode_ms_per_step=dt / decode_steps * 1e3, output_tok_s=(stats.generation_tokens - gen0) / dt,
                held_all=row["running"] == n and stats.running == n and stats.num_preemptions == 0)
     if stats.host_kv:
-        row["h2d_bytes_per_decode_step"] = (stats.host_kv.bytes_h2d - host0) / decode_steps
+        row["h2d_bytes_per_decode_step"] = (stats.host_kv.bytes_h2d - host0.bytes_h2d) / decode_steps
+        row["staged_parts_per_decode_step"] = (stats.host_kv.staged_parts - host0.staged_parts) / decode_steps
     if profile_steps:
         row.update(profile_decode(eng, profile_steps))
     if host_profile_steps:

@@ -238,7 +238,8 @@ class HostTier:
         self._host_views = host_views or [h.tensors() for h in host]
         self._policy = [policy() for _ in range(self.num_layers)]
         self._admission = [RepeatAdmission() for _ in range(self.num_layers)]
-        self._pinned: set[int] = set()
+        self._pinned: set[int] = set()  # the pages the current step pins (written, decoding windows)
+        self._pin_order: list[int] = []  # the same, in the order they were pinned
         self._keep_new: set[int] = set()  # pages a prefilling sequence writes this step
         self._spilled_to: dict[int, int] = {}  # seq_id -> pages below this index were considered
         self._protected: dict[int, list[int]] = {}  # seq_id (prefilling) -> its pages protected so far
@@ -286,9 +287,19 @@ class HostTier:
                 self._protect(s, s.start // N)
                 keep.update(w)
         pinned = dict.fromkeys(order)
-        self._pinned, self._keep_new = set(order), keep
+        before = self._pinned
+        left = [v for v in self._pin_order if v not in pinned]  # unpinned as most recent, in logical order
+        for pol in self._policy:
+            pol.unpin(left)
+        self._pinned, self._keep_new, self._pin_order = set(pinned), keep, list(pinned)
+        ids = np.fromiter(pinned, dtype=np.int64, count=len(pinned))
+        absent = set(ids[~(self._res[:, ids] >= 0).all(axis=0)].tolist())  # in some layer; a freed page in none
         for v in pinned:
-            self._make_resident(v)
+            if v in absent:
+                self._make_resident(v)
+        new = [v for v in pinned if v not in before or v in absent]
+        for pol in self._policy:  # the policy skips pages it has pinned already
+            pol.pin(new)
         for s in seqs:
             if not s.decode:  # the chunk's pages stay protected after the step
                 self._protect(s, (s.length - 1) // N + 1)
@@ -645,7 +656,7 @@ class HostTier:
         for layer in range(self.num_layers):
             owned(self._res[layer], self._res_free[layer], self.num_slots, f"layer {layer} resident")
             if len(self._policy[layer]) != int((self._res[layer] >= 0).sum()) or \
-                    set(self._policy[layer].candidates(hot=True)) != \
+                    self._policy[layer].pages(hot=True) != \
                     set(np.flatnonzero((self._res[layer] >= 0) & (self._host < 0)).tolist()):
                 raise RuntimeError(f"host KV tier: layer {layer} policy out of step with its resident set")
         free = np.flatnonzero(self._host_is_free)
