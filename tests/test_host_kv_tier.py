@@ -235,13 +235,13 @@ def test_bulk_copy_needs_mirror_and_whole_16_byte_pages():
     tier(16, True).use_bulk_copy(print)
 
 
-def _picks_over_offloaded(tiny, reads: int, budget_s: float):
+def _picks_over_offloaded(tiny, reads: int, budget_s: float, resident: int = PINNED, doc: int = 400):
     """A mirrored tier with offloaded pages, a ``TierPicks`` over it, and a selection maker: every
     layer's heads picking the given pages."""
     from lserve.attention.cupy_tier import TierPicks
 
-    on = _engine(tiny, "tiny", PINNED, host_kv_gib=_gib(tiny, "tiny", 40))
-    on.generate([DOC[:400]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    on = _engine(tiny, "tiny", resident, host_kv_gib=_gib(tiny, "tiny", 40))
+    on.generate([DOC[:doc]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     tier = on.cache.host_tier
     L = tier.num_layers
     nd = [p.num_heads for p in tier.resident]
@@ -293,6 +293,26 @@ def test_a_fetch_over_its_host_budget_is_superseded_and_rotates_layers(tiny, mir
         picks.advance()
     assert all(resident(off[1]))  # layers 1..L-1, then 0
     assert not any(tier.is_resident(i, off[0]) for i in range(1, L))
+    tier.check()
+
+
+def test_with_a_staging_area_only_repeated_misses_are_installed(tiny, monkeypatch):
+    """A staged pick crosses the link once a selection whatever the steps that read it, so a
+    selection's misses enter the resident set only when the selection before missed them too,
+    even when every head picked them (without staging those enter at once: the test above)."""
+    from lserve.cache.kv_cache import KVCache
+    from lserve.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "KVCache", functools.partial(KVCache, host_mirror=True))
+    monkeypatch.setattr(llm_engine, "tier_stage_entries", lambda *_: 2)  # as on the cupy backend
+    tier, picks, off, selection, resident, nd = _picks_over_offloaded(tiny, reads=4, budget_s=1.0,
+                                                                     resident=PINNED + 8, doc=1200)
+    assert tier.stage_slots > 0 and picks.admit_reads == 1 and picks.reads == 4
+    picks.apply(*selection(off[:2]))
+    assert not any(resident(off[0])) and not any(resident(off[1]))
+    assert tier.stats().deferred == 2 * sum(1 for n in nd if n)
+    picks.apply(*selection(off[1:3]))  # off[1] missed twice: it enters; off[2] waits
+    assert all(resident(off[1])) and not any(resident(off[2]))
     tier.check()
 
 

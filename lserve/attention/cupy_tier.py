@@ -36,7 +36,10 @@ class TierPicks:
     layer_kinds : sequence of (n_dense, selects, budget kind)
         Per layer, as :attr:`~lserve.attention.cupy_plan.PlanGeometry.layer_kinds`.
     reads : int
-        Decode steps that read one selection (the reuse interval): what a fetch's admission weighs.
+        Decode steps that read one selection (the reuse interval). A fetch's admission weighs
+        them only without a staging area: a staged pick crosses the link once a selection
+        however many steps read it, so installing it pays only through later selections
+        (:attr:`admit_reads` is then 1: the repeats enter).
     budget_s : float
         Host seconds a step's plan may spend fetching (:data:`FETCH_BUDGET_S`).
 
@@ -55,6 +58,8 @@ class TierPicks:
         self.tier = tier
         self.layer_kinds = tuple(layer_kinds)
         self.reads = reads
+        #: What a fetch's admission weighs (:class:`~lserve.cache.tier_policy.RepeatAdmission`).
+        self.admit_reads = 1 if tier.stage_slots else reads
         self.budget_s = FETCH_BUDGET_S if budget_s is None else budget_s
         self.layers_per_step = -(-len(self.layer_kinds) // max(reads, 1))
         self._last: list[list[int]] | None = None  # selection slots per budget kind of the last planned step
@@ -126,7 +131,8 @@ class TierPicks:
             pick = p[layer, cols, :nd]  # [n, nd, U]
             used = np.arange(pick.shape[-1]) < cnt[..., None]
             head = np.broadcast_to(np.arange(nd)[:, None], pick.shape)  # each pick's dense head
-            self.tier.fetch(layer, pick[used], streamed=True, heads=head[used], reads=self.reads, flush=False)
+            self.tier.fetch(layer, pick[used], streamed=True, heads=head[used], reads=self.admit_reads,
+                            flush=False)
         if flush:
             self.tier.flush()  # every layer's installs and table entries at once
 
