@@ -91,7 +91,10 @@ def test_concurrency_cli_holds_more_sequences_with_the_tier(tmp_path, capsys):
     assert (gpu["mode"], tier["mode"]) == ("gpu", "tier") and report["kv_quant"] == "none"
     for r in (gpu, tier):
         assert r["held_all"] and r["freed"] and r["n_seqs"] == r["n_seqs_planned"] and r["output_tok_s"] > 0
+        # one token a sequence a timed step: the warm-up steps' tokens are not counted
+        assert r["output_tok_s"] * r["decode_ms_per_step"] / 1e3 == pytest.approx(r["n_seqs"])
     assert tier["n_seqs"] > gpu["n_seqs"] and tier["h2d_bytes_per_decode_step"] > 0
+    assert tier["staged_parts_per_decode_step"] == 0  # the torch backend has no staging area
     assert report["ratios"]["768"]["seqs"] == tier["n_seqs"] / gpu["n_seqs"]
     assert f"{tier['n_seqs']}/{tier['n_seqs']} decoding" in capsys.readouterr().out
 
