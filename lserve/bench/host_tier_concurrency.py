@@ -104,7 +104,7 @@ def _measure(eng, n: int, run: dict, t_start: float, deadline_s: float, decode_s
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     stats = eng.stats()  # counted from here: the timed steps' tokens and bytes only
-    host0 = stats.host_kv if stats.host_kv else None
+    host0 = stats.host_kv
     gen0 = stats.generation_tokens
     t1 = time.perf_counter()
     for _ in range(decode_steps):

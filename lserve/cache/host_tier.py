@@ -238,8 +238,8 @@ class HostTier:
         self._host_views = host_views or [h.tensors() for h in host]
         self._policy = [policy() for _ in range(self.num_layers)]
         self._admission = [RepeatAdmission() for _ in range(self.num_layers)]
-        self._pinned: set[int] = set()  # the pages the current step pins (written, decoding windows)
-        self._pin_order: list[int] = []  # the same, in the order they were pinned
+        # the pages the current step pins (written, decoding windows), in the order they were pinned
+        self._pinned: dict[int, None] = {}
         self._keep_new: set[int] = set()  # pages a prefilling sequence writes this step
         self._spilled_to: dict[int, int] = {}  # seq_id -> pages below this index were considered
         self._protected: dict[int, list[int]] = {}  # seq_id (prefilling) -> its pages protected so far
@@ -288,10 +288,10 @@ class HostTier:
                 keep.update(w)
         pinned = dict.fromkeys(order)
         before = self._pinned
-        left = [v for v in self._pin_order if v not in pinned]  # unpinned as most recent, in logical order
+        left = [v for v in before if v not in pinned]  # unpinned as most recent, in logical order
         for pol in self._policy:
             pol.unpin(left)
-        self._pinned, self._keep_new, self._pin_order = set(pinned), keep, list(pinned)
+        self._pinned, self._keep_new = pinned, keep
         ids = np.fromiter(pinned, dtype=np.int64, count=len(pinned))
         absent = set(ids[~(self._res[:, ids] >= 0).all(axis=0)].tolist())  # in some layer; a freed page in none
         for v in pinned:
